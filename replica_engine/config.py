@@ -1,0 +1,98 @@
+"""Engine settings, validated up front; `resolve` fills device-dependent defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+from replica_engine.errors import InvalidRequestError
+from replica_engine.models.sources import DEFAULT_MODEL
+from replica_engine.scheduler import SCHEDULING_POLICIES
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION_BACKEND_NAMES = ("auto", "torch")
+GiB = 1 << 30
+
+# Defaults per device: CPU steps are slow, so a smaller budget keeps time between tokens low.
+_CPU_DEFAULTS = {"max_num_batched_tokens": 512, "max_num_seqs": 64, "kv_cache_bytes": GiB}
+_GPU_DEFAULTS = {"max_num_batched_tokens": 2048, "max_num_seqs": 256}
+
+
+def _positive_int(name: str, value: object) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise InvalidRequestError(name, f"must be a positive integer, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL  # embedded SmolLM2, a HF directory, a .gguf file, or dummy:<shape>
+    device: str = "auto"  # cuda when available, else cpu
+    dtype: str = "auto"  # float32 on cpu, bfloat16 on cuda
+    max_num_batched_tokens: int | None = None  # the per-step token budget
+    max_num_seqs: int | None = None  # most requests running at once
+    block_size: int = 16  # tokens per KV block
+    kv_cache_bytes: int | None = None  # KV pool size; on GPU, overrides gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use in all
+    max_model_len: int | None = None  # prompt + output cap; default: the model's context
+    attention_backend: str = "auto"
+    scheduling_policy: str = "stall_free"  # or prefill_first, static (benchmark baselines)
+    seed: int = 0  # for dummy weights and unseeded sampling
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "kv_cache_bytes", "max_model_len"):
+            _positive_int(name, getattr(self, name))
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise InvalidRequestError("dtype", f"must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKEND_NAMES:
+            raise InvalidRequestError(
+                "attention_backend", f"must be one of {ATTENTION_BACKEND_NAMES}, got {self.attention_backend!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidRequestError(
+                "scheduling_policy", f"must be one of {sorted(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidRequestError(
+                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError as error:
+                raise InvalidRequestError("device", str(error)) from None
+
+    def resolve(self, model_config: PretrainedConfig) -> EngineConfig:
+        """A copy with every default made concrete for this machine and model."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        on_gpu = torch.device(device).type == "cuda"
+        if on_gpu and not torch.cuda.is_available():
+            raise InvalidRequestError("device", f"{device!r} asked for, but CUDA is not available")
+        defaults = _GPU_DEFAULTS if on_gpu else _CPU_DEFAULTS
+        model_max_len = model_config.max_position_embeddings
+        if self.max_model_len is not None and self.max_model_len > model_max_len:
+            raise InvalidRequestError(
+                "max_model_len", f"{self.max_model_len} exceeds the model's context of {model_max_len} tokens"
+            )
+        return dataclasses.replace(
+            self,
+            device=device,
+            dtype=self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32"),
+            max_num_batched_tokens=self.max_num_batched_tokens or defaults["max_num_batched_tokens"],
+            max_num_seqs=self.max_num_seqs or defaults["max_num_seqs"],
+            kv_cache_bytes=self.kv_cache_bytes or defaults.get("kv_cache_bytes"),
+            max_model_len=self.max_model_len or model_max_len,
+            attention_backend="torch" if self.attention_backend == "auto" else self.attention_backend,
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)

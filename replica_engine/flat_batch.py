@@ -1,0 +1,88 @@
+"""Turns a step plan into one flat varlen batch: every scheduled token of every request in one
+row of [T], prefill chunks and decodes alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from replica_engine.attention.base import INVALID_BLOCK_ID, AttentionMetadata
+from replica_engine.scheduler.plan import StepPlan
+
+
+@dataclass
+class FlatBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attention: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling] int64: row of each sampling request's last token
+
+    def to(self, device: torch.device) -> FlatBatch:
+        if device.type == "cpu":
+            return self
+        meta = self.attention
+        return FlatBatch(
+            input_ids=self.input_ids.to(device, non_blocking=True),
+            positions=self.positions.to(device, non_blocking=True),
+            attention=AttentionMetadata(
+                cu_seqlens_q=meta.cu_seqlens_q.to(device, non_blocking=True),
+                seq_lens_kv=meta.seq_lens_kv.to(device, non_blocking=True),
+                block_tables=meta.block_tables.to(device, non_blocking=True),
+                slot_mapping=meta.slot_mapping.to(device, non_blocking=True),
+                max_query_len=meta.max_query_len,
+                max_seq_len_kv=meta.max_seq_len_kv,
+                query_lens_cpu=meta.query_lens_cpu,
+                seq_lens_kv_cpu=meta.seq_lens_kv_cpu,
+            ),
+            logits_indices=self.logits_indices.to(device, non_blocking=True),
+        )
+
+
+def build_flat_batch(plan: StepPlan, block_size: int, pin_memory: bool = False) -> FlatBatch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    request_rows: list[int] = []  # which request each token belongs to
+    query_lens: list[int] = []
+    seq_lens_kv: list[int] = []
+    logits_indices: list[int] = []
+    for row, (request, num_tokens) in enumerate(plan.num_scheduled_tokens.items()):
+        start = request.num_computed_tokens
+        end = start + num_tokens
+        input_ids.extend(request.token_ids(start, end))
+        positions.extend(range(start, end))
+        request_rows.extend([row] * num_tokens)
+        query_lens.append(num_tokens)
+        seq_lens_kv.append(end)
+        if plan.samples(request):
+            logits_indices.append(len(input_ids) - 1)
+
+    max_blocks = max(-(-n // block_size) for n in seq_lens_kv)
+    block_tables = torch.full((len(query_lens), max_blocks), INVALID_BLOCK_ID, dtype=torch.int32)
+    for row, request in enumerate(plan.num_scheduled_tokens):
+        block_tables[row, : len(request.block_ids)] = torch.tensor(request.block_ids, dtype=torch.int32)
+
+    positions_t = torch.tensor(positions, dtype=torch.int64)
+    rows_t = torch.tensor(request_rows, dtype=torch.int64)
+    slot_mapping = block_tables[rows_t, positions_t // block_size].long() * block_size + positions_t % block_size
+    cu_seqlens_q = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    cu_seqlens_q[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory() if pin_memory else t
+
+    return FlatBatch(
+        input_ids=host(torch.tensor(input_ids, dtype=torch.int64)),
+        positions=host(positions_t),
+        attention=AttentionMetadata(
+            cu_seqlens_q=host(cu_seqlens_q),
+            seq_lens_kv=host(torch.tensor(seq_lens_kv, dtype=torch.int32)),
+            block_tables=host(block_tables),
+            slot_mapping=host(slot_mapping),
+            max_query_len=max(query_lens),
+            max_seq_len_kv=max(seq_lens_kv),
+            query_lens_cpu=query_lens,
+            seq_lens_kv_cpu=seq_lens_kv,
+        ),
+        logits_indices=host(torch.tensor(logits_indices, dtype=torch.int64)),
+    )

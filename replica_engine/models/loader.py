@@ -1,0 +1,125 @@
+"""Build our model from a ModelSource: construct it in the target dtype on the target device,
+then fill it from safetensors (merging q/k/v and gate/up) or with dummy random weights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+from replica_engine.attention.base import AttentionBackend
+from replica_engine.models.llama import LlamaForCausalLM, MergedLinear
+from replica_engine.models.shapes import DUMMY_SHAPES
+from replica_engine.models.sources import ModelSource
+
+# Hugging Face projection name -> (our merged parameter, shard index)
+_MERGED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase | None  # None for dummy weights: token ids in and out
+    stop_token_ids: frozenset[int]  # eos and chat-end tokens
+
+
+def load_config(source: ModelSource) -> PretrainedConfig:
+    if source.dummy_shape is not None:
+        return DUMMY_SHAPES[source.dummy_shape]()
+    return AutoConfig.from_pretrained(source.hf_dir)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    source: ModelSource, config: PretrainedConfig, backend: AttentionBackend,
+    dtype: torch.dtype, device: torch.device, max_position: int, seed: int = 0,
+) -> LoadedModel:
+    with torch.device(device), _default_dtype(dtype):
+        model = LlamaForCausalLM(config, backend, max_position)
+    if source.dummy_shape is not None:
+        _fill_dummy(model, seed)
+        return LoadedModel(model.eval(), config, None, frozenset())
+    _load_safetensors(model, source.hf_dir)
+    tokenizer = AutoTokenizer.from_pretrained(source.hf_dir)
+    return LoadedModel(model.eval(), config, tokenizer, _stop_token_ids(source.hf_dir, tokenizer))
+
+
+def _stop_token_ids(hf_dir: Path, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The tokenizer's eos plus generation_config's eos list (where chat models put e.g. <|eot_id|>)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    if (hf_dir / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(hf_dir).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return frozenset(ids)
+
+
+@torch.no_grad()
+def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    """Small uniform weights as vLLM's dummy format uses; norms stay at 1 so activations stay sane."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" not in name:
+            param.uniform_(-1e-3, 1e-3, generator=generator)
+
+
+def _checkpoint_name_to_ours(hf_name: str) -> tuple[str, int | None]:
+    """`...self_attn.k_proj.weight` -> (`...self_attn.qkv_proj.weight`, 1); others map to themselves."""
+    parts = hf_name.split(".")
+    for index, part in enumerate(parts):
+        if part in _MERGED:
+            merged, shard_id = _MERGED[part]
+            return ".".join([*parts[:index], merged, *parts[index + 1 :]]), shard_id
+    return hf_name, None
+
+
+@torch.no_grad()
+def _load_safetensors(model: LlamaForCausalLM, hf_dir: Path) -> None:
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors files in {hf_dir}")
+    params = dict(model.named_parameters())
+    merged = {name: m for name, m in model.named_modules() if isinstance(m, MergedLinear)}
+    expected: set[str] = set()
+    for name in params:
+        owner = merged.get(name.rsplit(".", 1)[0])
+        expected.update([f"{name}#{i}" for i in range(len(owner.shard_sizes))] if owner else [name])
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as reader:
+            for hf_name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if "rotary_emb" in hf_name or (hf_name == "lm_head.weight" and model.tie_word_embeddings):
+                    continue
+                name, shard_id = _checkpoint_name_to_ours(hf_name)
+                if name not in params:
+                    raise ValueError(f"model: unexpected weight {hf_name!r} in {file.name}")
+                if shard_id is None:
+                    params[name].copy_(reader.get_tensor(hf_name))
+                    loaded.add(name)
+                else:
+                    start, end = merged[name.rsplit(".", 1)[0]].shard_range(shard_id)
+                    params[name][start:end].copy_(reader.get_tensor(hf_name))
+                    loaded.add(f"{name}#{shard_id}")
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"model: {hf_dir} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")

@@ -1,0 +1,35 @@
+"""What the engine returns: per-step deltas while a request runs, and a whole completion offline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress in one step: the new tokens and text since its last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    num_prompt_tokens: int
+    num_output_tokens: int  # so far, including new_token_ids
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error, once finished
+
+
+@dataclass
+class CompletionOutput:
+    """A whole completion, accumulated from a request's RequestOutputs."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        self.text += output.text_delta
+        self.token_ids.extend(output.new_token_ids)
+        if output.finished:
+            self.finish_reason = output.finish_reason

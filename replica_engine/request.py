@@ -1,0 +1,76 @@
+"""One request's state. The work it owes is `num_tokens - num_computed_tokens`: no phase flags."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from replica_engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # holds no KV blocks
+    RUNNING = "running"  # admitted: holds KV blocks for its computed tokens
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # the engine failed while serving it
+
+
+@dataclass(eq=False)  # identity semantics: a request is a dict key in step plans
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    stop_token_ids: frozenset[int] = frozenset()  # eos and chat-end ids, unless ignore_eos
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    generator: torch.Generator | None = None  # per-request RNG when a seed is given
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_owed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids in [start, end) of prompt + output, without concatenating the whole sequence."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def append_output_token(self, token_id: int) -> FinishReason | None:
+        """Record a sampled token; return why the request is done, if it is."""
+        self.output_token_ids.append(token_id)
+        if token_id in self.stop_token_ids:
+            return FinishReason.STOP
+        if len(self.output_token_ids) >= self.sampling_params.max_tokens:
+            return FinishReason.LENGTH
+        return None

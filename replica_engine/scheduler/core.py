@@ -1,0 +1,130 @@
+"""What every scheduling policy shares: the queues, allocation with preemption, and the update
+after a step. Policies only decide the order in which a step's token budget is spent."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from replica_engine.kv_cache_manager import KVCacheManager
+from replica_engine.request import FinishReason, Request, RequestStatus
+from replica_engine.scheduler.plan import StepPlan
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int  # token budget per step
+    max_num_seqs: int  # most requests holding KV at once
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is the first to preempt
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, request: Request, reason: FinishReason) -> None:
+        """End a request wherever it is (finish, stop string, abort); its blocks go back at once."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    # -- one step -----------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        raise NotImplementedError
+
+    def update(self, plan: StepPlan, sampled_token_ids: list[int]) -> list[Request]:
+        """Advance the requests a step computed; `sampled_token_ids` follows `plan.sampling_requests`.
+        Returns the requests that got a token (some may now be finished). Requests aborted while
+        the step ran are skipped."""
+        sampling = plan.sampling_requests
+        for request, num_tokens in plan.num_scheduled_tokens.items():
+            if not request.is_finished:
+                request.num_computed_tokens += num_tokens
+        advanced = []
+        now = time.monotonic()
+        for request, token_id in zip(sampling, sampled_token_ids, strict=True):
+            if request.is_finished:
+                continue
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = request.append_output_token(token_id)
+            if reason is not None:
+                self.finish_request(request, reason)
+            advanced.append(request)
+        return advanced
+
+    # -- building blocks for policies ---------------------------------------------------
+    def _schedule_running(self, plan: StepPlan, select: Callable[[Request], bool], chunked: bool) -> None:
+        """Schedule running requests that `select` picks, oldest first. When the pool is dry,
+        preempt the newest running request until this one fits (or is itself the newest)."""
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING or request in plan.num_scheduled_tokens:
+                continue
+            if not select(request):
+                continue
+            owed = request.num_owed_tokens
+            num_tokens = min(owed, plan.budget_left) if chunked else owed
+            if num_tokens <= 0 or num_tokens > plan.budget_left:
+                break
+            while not self.kv_cache.allocate(request, num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is request:
+                    break
+            else:
+                plan.num_scheduled_tokens[request] = num_tokens
+
+    def _admit_waiting(self, plan: StepPlan, chunked: bool) -> None:
+        """Admit waiting requests in FCFS order while budget, width and blocks last. Nothing new
+        is admitted in a step that had to preempt: the pool is already short."""
+        if plan.preempted:
+            return
+        while self.waiting and len(self.running) < self.config.max_num_seqs and plan.budget_left > 0:
+            request = self.waiting[0]
+            owed = request.num_owed_tokens
+            if chunked:
+                num_tokens = min(owed, plan.budget_left)
+            elif owed <= plan.budget_left or plan.is_empty:
+                # Whole prompts only; one longer than the budget runs as the step's sole work.
+                num_tokens = owed
+            else:
+                return
+            if not self.kv_cache.allocate(request, num_tokens):
+                return
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            plan.num_scheduled_tokens[request] = num_tokens
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Free the request's blocks and put it at the front of the queue to recompute later.
+        Its tokens (prompt and output so far) are kept: nothing is lost."""
+        plan.num_scheduled_tokens.pop(request, None)
+        plan.preempted.append(request)
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
