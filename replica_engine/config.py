@@ -26,6 +26,16 @@ def _positive_int(name: str, value: object) -> None:
         raise InvalidRequestError(name, f"must be a positive integer, got {value!r}")
 
 
+def model_context_length(model_config: PretrainedConfig) -> int:
+    """The model's context, capped at a sliding window: we attend over the full context, which
+    equals sliding-window attention only up to the window's length."""
+    window = getattr(model_config, "sliding_window", None)
+    uses_window = getattr(model_config, "use_sliding_window", model_config.model_type == "mistral")
+    if window and uses_window:
+        return min(model_config.max_position_embeddings, window)
+    return model_config.max_position_embeddings
+
+
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL  # embedded SmolLM2, a HF directory, a .gguf file, or dummy:<shape>
@@ -42,17 +52,27 @@ class EngineConfig:
     seed: int = 0  # for dummy weights and unseeded sampling
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "kv_cache_bytes", "max_model_len"):
+        for name in (
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "block_size",
+            "kv_cache_bytes",
+            "max_model_len",
+        ):
             _positive_int(name, getattr(self, name))
         if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise InvalidRequestError("dtype", f"must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise InvalidRequestError(
+                "dtype", f"must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKEND_NAMES:
             raise InvalidRequestError(
-                "attention_backend", f"must be one of {ATTENTION_BACKEND_NAMES}, got {self.attention_backend!r}"
+                "attention_backend",
+                f"must be one of {ATTENTION_BACKEND_NAMES}, got {self.attention_backend!r}",
             )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidRequestError(
-                "scheduling_policy", f"must be one of {sorted(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+                "scheduling_policy",
+                f"must be one of {sorted(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}",
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidRequestError(
@@ -73,7 +93,7 @@ class EngineConfig:
         if on_gpu and not torch.cuda.is_available():
             raise InvalidRequestError("device", f"{device!r} asked for, but CUDA is not available")
         defaults = _GPU_DEFAULTS if on_gpu else _CPU_DEFAULTS
-        model_max_len = model_config.max_position_embeddings
+        model_max_len = model_context_length(model_config)
         if self.max_model_len is not None and self.max_model_len > model_max_len:
             raise InvalidRequestError(
                 "max_model_len", f"{self.max_model_len} exceeds the model's context of {model_max_len} tokens"

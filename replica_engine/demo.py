@@ -5,7 +5,10 @@ from replica_engine import LLM, SamplingParams
 
 def main() -> None:
     llm = LLM()
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=32, temperature=0.0))
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=32, temperature=0.0),
+    )
     print(out[0].text)
 
 

@@ -13,7 +13,9 @@ _PROMPT_CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], stop: list[str]) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], stop: list[str]
+    ) -> None:
         self._tokenizer = tokenizer
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1

@@ -5,7 +5,6 @@ another thread while `step` runs; the model forward itself runs outside the lock
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 import uuid
@@ -57,8 +56,13 @@ class LLMEngine:
         self.model_name = source.name
         torch.manual_seed(self.config.seed)
         loaded = load_model(
-            source, model_config, get_backend(self.config.attention_backend), self.config.torch_dtype,
-            self.config.torch_device, self.config.max_model_len, self.config.seed,
+            source,
+            model_config,
+            get_backend(self.config.attention_backend),
+            self.config.torch_dtype,
+            self.config.torch_device,
+            self.config.max_model_len,
+            self.config.seed,
         )
         self.model_config = model_config
         self.tokenizer = loaded.tokenizer
@@ -82,7 +86,9 @@ class LLMEngine:
             if not prompt:
                 raise InvalidRequestError("prompt", "must not be empty")
             if self.tokenizer is None:
-                raise InvalidRequestError("prompt", "this model has no tokenizer (dummy weights): pass token ids")
+                raise InvalidRequestError(
+                    "prompt", "this model has no tokenizer (dummy weights): pass token ids"
+                )
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, list) or not prompt:
             raise InvalidRequestError("prompt", "must be a non-empty string or a non-empty list of token ids")
@@ -98,8 +104,10 @@ class LLMEngine:
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages", "must be a non-empty list of {role, content} messages")
         for message in messages:
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(
-                message.get("content"), str
+            if (
+                not isinstance(message, dict)
+                or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content"), str)
             ):
                 raise InvalidRequestError("messages", "each message needs a string 'role' and 'content'")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -180,12 +188,11 @@ class LLMEngine:
             plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        summary_before_update = plan.summary()
         sampled = self.runner.execute(plan)
         with self._lock:
             advanced = self.scheduler.update(plan, sampled)
             outputs = [self._advance(self._requests[r.request_id]) for r in advanced]
-        summary = dataclasses.replace(summary_before_update, duration_s=time.perf_counter() - started)
+        summary = plan.summary(duration_s=time.perf_counter() - started)
         for listener in self.step_listeners:
             listener(summary)
         return outputs

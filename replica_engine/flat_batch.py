@@ -46,6 +46,7 @@ def build_flat_batch(plan: StepPlan, block_size: int, pin_memory: bool = False) 
     query_lens: list[int] = []
     seq_lens_kv: list[int] = []
     logits_indices: list[int] = []
+    sampling = set(plan.sampling_requests)
     for row, (request, num_tokens) in enumerate(plan.num_scheduled_tokens.items()):
         start = request.num_computed_tokens
         end = start + num_tokens
@@ -54,7 +55,7 @@ def build_flat_batch(plan: StepPlan, block_size: int, pin_memory: bool = False) 
         request_rows.extend([row] * num_tokens)
         query_lens.append(num_tokens)
         seq_lens_kv.append(end)
-        if plan.samples(request):
+        if request in sampling:
             logits_indices.append(len(input_ids) - 1)
 
     max_blocks = max(-(-n // block_size) for n in seq_lens_kv)
@@ -64,7 +65,9 @@ def build_flat_batch(plan: StepPlan, block_size: int, pin_memory: bool = False) 
 
     positions_t = torch.tensor(positions, dtype=torch.int64)
     rows_t = torch.tensor(request_rows, dtype=torch.int64)
-    slot_mapping = block_tables[rows_t, positions_t // block_size].long() * block_size + positions_t % block_size
+    slot_mapping = (
+        block_tables[rows_t, positions_t // block_size].long() * block_size + positions_t % block_size
+    )
     cu_seqlens_q = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     cu_seqlens_q[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
 

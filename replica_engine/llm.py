@@ -21,16 +21,21 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(
-        self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
         """Run every prompt (text, or a list of token ids) to completion; outputs in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         token_ids = [self.engine.tokenize(p) for p in prompts]
         return self._run(token_ids, sampling_params)
 
     def chat(
-        self, messages: list[Message] | list[list[Message]],
+        self,
+        messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
         """One conversation, or a list of them; each is answered as the assistant's next turn."""

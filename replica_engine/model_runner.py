@@ -50,6 +50,7 @@ class ModelRunner:
         request = Request("profile", [0] * num_tokens, SamplingParams(max_tokens=1, temperature=0.0))
         pool.allocate(request, num_tokens)
         plan = StepPlan(num_tokens, {request: num_tokens})
+        plan.seal()
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)

@@ -43,7 +43,9 @@ class SamplingParams:
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise InvalidRequestError("top_k", f"must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}")
+            raise InvalidRequestError(
+                "top_k", f"must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}"
+            )
         if self.seed is not None and not _is_int(self.seed):
             raise InvalidRequestError("seed", f"must be an integer, got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):

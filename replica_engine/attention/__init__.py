@@ -11,7 +11,9 @@ ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention
 
 def get_backend(name: str) -> AttentionBackend:
     if name not in ATTENTION_BACKENDS:
-        raise InvalidRequestError("attention_backend", f"unknown backend {name!r}; have {sorted(ATTENTION_BACKENDS)}")
+        raise InvalidRequestError(
+            "attention_backend", f"unknown backend {name!r}; have {sorted(ATTENTION_BACKENDS)}"
+        )
     return ATTENTION_BACKENDS[name]()
 
 

@@ -32,7 +32,10 @@ class AttentionBackend(ABC):
 
     @staticmethod
     def write_kv(
-        key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
         """Store this step's keys/values ([T, kv_heads, head_dim]) into their cache slots."""
@@ -42,8 +45,14 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         """query [T, heads, head_dim], key/value [T, kv_heads, head_dim] for this step's tokens;
         caches [num_blocks, block_size, kv_heads, head_dim]. Writes the new K/V into the cache,

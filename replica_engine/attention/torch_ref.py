@@ -26,13 +26,21 @@ class TorchAttention(AttentionBackend):
     name = "torch"
 
     def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         self.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
         output = torch.empty_like(query)
         start = 0
-        for i, (query_len, kv_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_kv_cpu)):
+        for i, (query_len, kv_len) in enumerate(
+            zip(metadata.query_lens_cpu, metadata.seq_lens_kv_cpu, strict=True)
+        ):
             end = start + query_len
             keys = gather_kv(k_cache, metadata.block_tables[i], kv_len)
             values = gather_kv(v_cache, metadata.block_tables[i], kv_len)

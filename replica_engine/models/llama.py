@@ -59,8 +59,12 @@ class Attention(nn.Module):
         self.backend = backend
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
-        kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
@@ -94,8 +98,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
-        kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary, kv_cache, metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -115,7 +123,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, backend: AttentionBackend, max_position: int) -> None:
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model: architecture {config.model_type!r} is not supported; have {SUPPORTED_MODEL_TYPES}")
+            raise ValueError(
+                f"model: architecture {config.model_type!r} is not supported; have {SUPPORTED_MODEL_TYPES}"
+            )
         self.config = config
         self.model = LlamaModel(config, backend)
         self.rotary = RotaryEmbedding(config, max_position)
@@ -124,8 +134,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):

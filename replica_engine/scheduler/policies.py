@@ -26,36 +26,30 @@ class StallFreeScheduler(Scheduler):
     """Decodes first (never stalled by a prefill), then prompts part-way through, then new
     requests FCFS; prompts are chunked to whatever budget is left."""
 
-    def schedule(self) -> StepPlan:
-        plan = StepPlan(self.config.max_num_batched_tokens)
+    def _fill(self, plan: StepPlan) -> None:
         self._schedule_running(plan, _owes_one_token, chunked=True)
         self._schedule_running(plan, _owes_many_tokens, chunked=True)
         self._admit_waiting(plan, chunked=True)
-        return plan
 
 
 class PrefillFirstScheduler(Scheduler):
     """Orca/vLLM-v0: whole prompts are admitted eagerly; running decodes wait for a step without
     prefills (the generation stall that Sarathi removes)."""
 
-    def schedule(self) -> StepPlan:
-        plan = StepPlan(self.config.max_num_batched_tokens)
+    def _fill(self, plan: StepPlan) -> None:
         self._admit_waiting(plan, chunked=False)
         if plan.is_empty:
             self._schedule_running(plan, _any, chunked=False)
-        return plan
 
 
 class StaticScheduler(Scheduler):
     """Request-level batching: a batch is admitted only when the previous one has drained."""
 
-    def schedule(self) -> StepPlan:
-        plan = StepPlan(self.config.max_num_batched_tokens)
+    def _fill(self, plan: StepPlan) -> None:
         if self.running:
             self._schedule_running(plan, _any, chunked=False)
         else:
             self._admit_waiting(plan, chunked=False)
-        return plan
 
 
 SCHEDULING_POLICIES: dict[str, type[Scheduler]] = {

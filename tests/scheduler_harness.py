@@ -1,0 +1,72 @@
+"""Drives a scheduler without a model: every step 'samples' a token chosen by a callback."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from replica_engine.kv_cache_manager import KVCacheManager
+from replica_engine.request import Request
+from replica_engine.sampling_params import SamplingParams
+from replica_engine.scheduler import SCHEDULING_POLICIES, Scheduler, SchedulerConfig, StepPlan
+
+
+@dataclass
+class Arrival:
+    step: int
+    prompt_len: int
+    max_tokens: int
+
+
+@dataclass
+class Run:
+    scheduler: Scheduler
+    requests: list[Request]
+    plans: list[StepPlan] = field(default_factory=list)
+    first_admission_order: list[str] = field(default_factory=list)
+
+
+def arrival_order(arrivals: list[Arrival], requests: list[Request]) -> list[str]:
+    """Request ids by arrival step; requests arriving in the same step keep submission order."""
+    ordered = sorted(zip(arrivals, requests, strict=True), key=lambda pair: pair[0].step)
+    return [request.request_id for _, request in ordered]
+
+
+def make_scheduler(policy: str, budget: int, max_seqs: int, num_blocks: int, block_size: int) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size)
+    return SCHEDULING_POLICIES[policy](SchedulerConfig(budget, max_seqs), kv)
+
+
+def run_to_completion(
+    scheduler: Scheduler,
+    arrivals: list[Arrival],
+    next_token: Callable[[Request], int] = lambda request: 7,
+    stop_token_ids: frozenset[int] = frozenset(),
+    check_step: Callable[[Scheduler, StepPlan], None] = lambda scheduler, plan: None,
+    max_steps: int = 100_000,
+) -> Run:
+    """Add requests at their arrival steps (in list order) and step until every one has finished."""
+    pending = sorted(enumerate(arrivals), key=lambda item: (item[1].step, item[0]))
+    requests = [
+        Request(f"r{i}", [1] * a.prompt_len, SamplingParams(max_tokens=a.max_tokens), stop_token_ids)
+        for i, a in enumerate(arrivals)
+    ]
+    run = Run(scheduler, requests)
+    seen: set[str] = set()
+    step = 0
+    while pending or scheduler.has_unfinished_requests():
+        while pending and pending[0][1].step <= step:
+            scheduler.add_request(requests[pending.pop(0)[0]])
+        plan = scheduler.schedule()
+        if plan.is_empty and not pending:
+            raise AssertionError(f"step {step}: nothing scheduled but requests are unfinished (deadlock)")
+        check_step(scheduler, plan)
+        for request in plan.num_scheduled_tokens:
+            if request.request_id not in seen:
+                seen.add(request.request_id)
+                run.first_admission_order.append(request.request_id)
+        scheduler.update(plan, [next_token(r) for r in plan.sampling_requests])
+        run.plans.append(plan)
+        step += 1
+        assert step < max_steps, "no progress"
+    return run

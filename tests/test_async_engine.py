@@ -1,0 +1,107 @@
+"""AsyncEngine: streaming on a background thread, cancellation frees blocks at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from replica_engine import AsyncEngine, EngineConfig, InvalidRequestError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def async_engine():
+    engine = AsyncEngine(EngineConfig())
+    yield engine
+    engine.shutdown()
+
+
+def _all_free(engine: AsyncEngine) -> bool:
+    stats = engine.stats()
+    return stats.num_free_blocks == stats.num_total_blocks and stats.num_running == stats.num_waiting == 0
+
+
+def test_streams_equal_offline_and_run_concurrently(async_engine, llm):
+    prompts = ["The capital of France is", "1, 2, 3,", "def square(x):", "Hello there"]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    offline = [o.text for o in llm.generate(prompts, params)]
+
+    async def collect(prompt: str) -> tuple[str, int, str]:
+        stream = await async_engine.add_request(prompt, params)
+        text, chunks, reason = "", 0, None
+        async for out in stream:
+            text += out.text_delta
+            chunks += 1
+            reason = out.finish_reason
+        return text, chunks, reason
+
+    async def main():
+        return await asyncio.gather(*(collect(p) for p in prompts))
+
+    results = asyncio.run(main())
+    assert [text for text, _, _ in results] == offline
+    assert all(chunks > 1 and reason == "length" for _, chunks, reason in results)
+    assert _all_free(async_engine)
+
+
+def test_closing_a_stream_early_aborts_and_frees_its_blocks(async_engine):
+    async def main():
+        stream = await async_engine.add_request(
+            "Count: 1, 2, 3,", SamplingParams(max_tokens=500, temperature=0)
+        )
+        async for out in stream:
+            if out.num_output_tokens >= 3:
+                break
+        await stream.aclose()
+        return async_engine.stats()
+
+    stats = asyncio.run(main())
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_cancelling_the_reading_task_aborts(async_engine):
+    async def main():
+        stream = await async_engine.add_request(
+            "Tell me everything:", SamplingParams(max_tokens=500, temperature=0)
+        )
+        first = asyncio.Event()
+
+        async def read():
+            async for _ in stream:
+                first.set()
+
+        task = asyncio.create_task(read())
+        await first.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return async_engine.stats()
+
+    stats = asyncio.run(main())
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_abort_from_elsewhere_ends_the_stream_with_abort(async_engine):
+    async def main():
+        stream = await async_engine.add_request(
+            "Go on and on:", SamplingParams(max_tokens=500), request_id="victim"
+        )
+        reasons = []
+        async for out in stream:
+            if out.num_output_tokens == 2:
+                async_engine.abort("victim")
+            reasons.append(out.finish_reason)
+        return reasons
+
+    reasons = asyncio.run(main())
+    assert reasons[-1] == "abort"
+    assert _all_free(async_engine)
+
+
+def test_bad_request_raises_at_add_time(async_engine):
+    async def main():
+        await async_engine.add_request("hi", SamplingParams(max_tokens=9000))
+
+    with pytest.raises(InvalidRequestError):
+        asyncio.run(main())
+    assert async_engine.is_healthy

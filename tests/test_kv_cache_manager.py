@@ -1,0 +1,45 @@
+from replica_engine.kv_cache_manager import KVCacheManager
+from replica_engine.request import Request
+from replica_engine.sampling_params import SamplingParams
+
+
+def _request(prompt_len: int) -> Request:
+    return Request("r", [1] * prompt_len, SamplingParams())
+
+
+def test_allocates_exactly_the_blocks_for_the_scheduled_tokens():
+    kv = KVCacheManager(num_blocks=10, block_size=16)
+    request = _request(40)
+    assert kv.allocate(request, 17)  # tokens 0..16 -> 2 blocks
+    assert len(request.block_ids) == 2
+    request.num_computed_tokens = 17
+    assert kv.allocate(request, 15)  # up to 32 tokens: still 2 blocks
+    assert len(request.block_ids) == 2
+    request.num_computed_tokens = 32
+    assert kv.allocate(request, 1)  # token 33 opens block 3
+    assert len(request.block_ids) == 3
+    assert kv.num_free_blocks == 7
+    assert abs(kv.usage - 0.3) < 1e-9
+
+
+def test_refuses_when_short_and_takes_nothing():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    request = _request(20)
+    assert not kv.allocate(request, 9)  # needs 3
+    assert request.block_ids == []
+    assert kv.num_free_blocks == 2
+
+
+def test_free_returns_every_block_and_blocks_are_never_shared():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    a, b = _request(8), _request(8)
+    assert kv.allocate(a, 8) and kv.allocate(b, 8)
+    assert not set(a.block_ids) & set(b.block_ids)
+    kv.free(a)
+    assert a.block_ids == [] and kv.num_free_blocks == 4
+    c = _request(16)
+    assert kv.allocate(c, 16)
+    assert not set(c.block_ids) & set(b.block_ids)
+    kv.free(b)
+    kv.free(c)
+    assert kv.num_free_blocks == 6 and kv.usage == 0.0

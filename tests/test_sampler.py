@@ -1,0 +1,66 @@
+import torch
+
+from replica_engine.request import Request
+from replica_engine.sampler import sample
+from replica_engine.sampling_params import SamplingParams
+
+
+def _requests(*params: SamplingParams) -> list[Request]:
+    requests = []
+    for i, p in enumerate(params):
+        request = Request(f"r{i}", [1], p)
+        if p.seed is not None:
+            request.generator = torch.Generator().manual_seed(p.seed)
+        requests.append(request)
+    return requests
+
+
+def _logits(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_rows_take_the_argmax_even_beside_random_rows():
+    logits = _logits(3)
+    out = sample(
+        logits, _requests(SamplingParams(temperature=0), SamplingParams(), SamplingParams(temperature=0))
+    )
+    assert out[0] == logits[0].argmax().item() and out[2] == logits[2].argmax().item()
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    logits = _logits(4, seed=1)
+    params = [SamplingParams(top_k=1), SamplingParams(top_p=1e-6)] * 2
+    for _ in range(5):
+        assert sample(logits, _requests(*params)) == logits.argmax(-1).tolist()
+
+
+def test_top_k_keeps_samples_within_the_k_best():
+    logits = _logits(1, vocab=200, seed=2)
+    best5 = set(logits[0].topk(5).indices.tolist())
+    draws = {sample(logits, _requests(SamplingParams(temperature=5.0, top_k=5)))[0] for _ in range(200)}
+    assert draws <= best5 and len(draws) > 1
+
+
+def test_top_p_keeps_samples_within_the_nucleus():
+    logits = torch.tensor([[4.0, 3.5, 3.0, -5.0, -5.0, -5.0]])
+    probs = logits.softmax(-1)[0]
+    assert probs[:2].sum() < 0.9 < probs[:3].sum()
+    draws = {sample(logits, _requests(SamplingParams(top_p=0.9)))[0] for _ in range(300)}
+    assert draws == {0, 1, 2}
+
+
+def test_temperature_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    counts = torch.zeros(3)
+    for _ in range(2000):
+        counts[sample(logits, _requests(SamplingParams()))[0]] += 1
+    assert torch.allclose(counts / 2000, torch.tensor([0.5, 0.3, 0.2]), atol=0.05)
+
+
+def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch():
+    logits = _logits(3, seed=3)
+    alone = [sample(logits[1:2], _requests(SamplingParams(seed=42)))[0] for _ in range(1)]
+    seeded = _requests(SamplingParams(), SamplingParams(seed=42), SamplingParams(temperature=0.7))
+    assert sample(logits, seeded)[1] == alone[0]
+    other_seed = [sample(logits[1:2], _requests(SamplingParams(seed=s)))[0] for s in range(20)]
+    assert len(set(other_seed)) > 1  # the seed matters

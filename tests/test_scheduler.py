@@ -1,0 +1,174 @@
+"""Scheduler behaviour without a model: hand-made cases, then hypothesis over random workloads."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replica_engine.kv_cache_manager import blocks_for_tokens
+from replica_engine.request import Request, RequestStatus
+from replica_engine.sampling_params import SamplingParams
+from replica_engine.scheduler import Scheduler, StepPlan
+from tests.scheduler_harness import Arrival, arrival_order, make_scheduler, run_to_completion
+
+
+def _add(scheduler: Scheduler, name: str, prompt_len: int, max_tokens: int = 8) -> Request:
+    request = Request(name, [1] * prompt_len, SamplingParams(max_tokens=max_tokens))
+    scheduler.add_request(request)
+    return request
+
+
+def _step(scheduler: Scheduler) -> StepPlan:
+    plan = scheduler.schedule()
+    scheduler.update(plan, [7] * len(plan.sampling_requests))
+    return plan
+
+
+def test_stall_free_runs_decodes_first_then_chunks_prompts_to_the_budget_left():
+    scheduler = make_scheduler("stall_free", budget=16, max_seqs=8, num_blocks=64, block_size=4)
+    a = _add(scheduler, "a", 10)
+    assert _step(scheduler).num_scheduled_tokens == {a: 10}  # whole prompt fits: a samples
+    b = _add(scheduler, "b", 40)
+    plan = _step(scheduler)
+    assert plan.num_scheduled_tokens == {a: 1, b: 15}  # a's decode first, b chunked to the rest
+    c = _add(scheduler, "c", 5)
+    plan = _step(scheduler)
+    assert list(plan.num_scheduled_tokens.items()) == [(a, 1), (b, 15)]  # c waits: no budget left
+    plan = _step(scheduler)
+    assert list(plan.num_scheduled_tokens.items()) == [(a, 1), (b, 10), (c, 5)]
+    assert b.output_token_ids == [7] and c.output_token_ids == [7]
+
+
+def test_prefill_first_stalls_decodes_while_prompts_are_admitted():
+    scheduler = make_scheduler("prefill_first", budget=64, max_seqs=8, num_blocks=64, block_size=4)
+    a = _add(scheduler, "a", 10)
+    _step(scheduler)
+    b = _add(scheduler, "b", 20)
+    assert _step(scheduler).num_scheduled_tokens == {b: 20}  # a's decode waits
+    assert _step(scheduler).num_scheduled_tokens == {a: 1, b: 1}
+
+
+def test_static_admits_a_new_batch_only_when_the_last_has_drained():
+    scheduler = make_scheduler("static", budget=64, max_seqs=8, num_blocks=64, block_size=4)
+    a = _add(scheduler, "a", 4, max_tokens=3)
+    _step(scheduler)
+    b = _add(scheduler, "b", 4, max_tokens=1)
+    assert _step(scheduler).num_scheduled_tokens == {a: 1}
+    assert _step(scheduler).num_scheduled_tokens == {a: 1}
+    assert a.is_finished
+    assert _step(scheduler).num_scheduled_tokens == {b: 4}
+
+
+def test_out_of_blocks_preempts_the_newest_keeps_its_tokens_and_admits_nothing():
+    # 3 blocks of 4 tokens. a and b each hold one full block; the next decode needs a new block.
+    scheduler = make_scheduler("stall_free", budget=64, max_seqs=8, num_blocks=3, block_size=4)
+    a = _add(scheduler, "a", 4)
+    b = _add(scheduler, "b", 4)
+    _step(scheduler)  # prompts: a and b fill one block each and sample their first token
+    c = _add(scheduler, "c", 2)
+    plan = _step(scheduler)  # each decode needs a 2nd block: a takes the last; b (newest) is preempted
+    assert plan.preempted == [b]
+    assert plan.num_scheduled_tokens == {a: 1}  # c is not admitted in a step that preempted
+    assert b.status is RequestStatus.WAITING and b.block_ids == [] and b.num_computed_tokens == 0
+    assert b.output_token_ids == [7]  # nothing lost: recomputed later from prompt + output
+    assert list(scheduler.waiting) == [b, c]  # front of the queue
+    assert scheduler.num_preemptions == 1
+
+
+def test_abort_frees_blocks_at_once_wherever_the_request_is():
+    from replica_engine.request import FinishReason
+
+    scheduler = make_scheduler("stall_free", budget=8, max_seqs=8, num_blocks=16, block_size=4)
+    a = _add(scheduler, "a", 20)
+    _step(scheduler)
+    assert a.block_ids
+    scheduler.finish_request(a, FinishReason.ABORT)
+    w = _add(scheduler, "w", 4)
+    scheduler.finish_request(w, FinishReason.ABORT)
+    assert scheduler.kv_cache.num_free_blocks == 16
+    assert not scheduler.has_unfinished_requests()
+    assert a.finish_reason is FinishReason.ABORT
+
+
+# -- properties over random workloads ---------------------------------------------------------
+
+arrivals_strategy = st.lists(
+    st.builds(
+        Arrival,
+        step=st.integers(0, 30),
+        prompt_len=st.integers(1, 120),
+        max_tokens=st.integers(1, 40),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+def _check_stall_free_step(scheduler: Scheduler, plan: StepPlan, budget: int, max_seqs: int) -> None:
+    assert plan.total_tokens <= budget
+    assert len(plan.num_scheduled_tokens) <= max_seqs
+    assert len(scheduler.running) <= max_seqs
+    block_size = scheduler.kv_cache.block_size
+    for request, num_tokens in plan.num_scheduled_tokens.items():
+        assert num_tokens >= 1
+        # Blocks for exactly the tokens computed after this step, no more.
+        expected_blocks = blocks_for_tokens(request.num_computed_tokens + num_tokens, block_size)
+        assert len(request.block_ids) == expected_blocks
+    summary = plan.summary()
+    skipped_decodes = [
+        r for r in scheduler.running if r.num_owed_tokens == 1 and r not in plan.num_scheduled_tokens
+    ]
+    # Stall-free: a running request owing one token is never left out for a prefill.
+    assert not (skipped_decodes and summary.num_prefill_requests), (skipped_decodes, plan)
+    held = sum(len(r.block_ids) for r in scheduler.running)
+    assert held + scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks  # no leak
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    arrivals=arrivals_strategy,
+    budget=st.integers(1, 200),
+    max_seqs=st.integers(1, 12),
+    block_size=st.sampled_from([1, 4, 16]),
+    spare_blocks=st.integers(0, 40),
+    tokens=st.lists(st.integers(0, 9), min_size=1, max_size=50),
+)
+def test_stall_free_properties(arrivals, budget, max_seqs, block_size, spare_blocks, tokens):
+    # The pool always holds the largest request alone (the engine rejects others up front).
+    largest = max(blocks_for_tokens(a.prompt_len + a.max_tokens, block_size) for a in arrivals)
+    scheduler = make_scheduler("stall_free", budget, max_seqs, largest + spare_blocks, block_size)
+    draws = iter(tokens * 10_000)
+    run = run_to_completion(
+        scheduler,
+        arrivals,
+        next_token=lambda request: next(draws),
+        stop_token_ids=frozenset({0}),
+        check_step=lambda s, plan: _check_stall_free_step(s, plan, budget, max_seqs),
+    )
+    for request, arrival in zip(run.requests, arrivals, strict=True):
+        outputs = request.output_token_ids
+        assert request.is_finished
+        # Exactly max_tokens, or fewer ending in the stop token (and no token after a stop).
+        assert len(outputs) == arrival.max_tokens or (outputs[-1] == 0 and len(outputs) < arrival.max_tokens)
+        assert 0 not in outputs[:-1]
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+    assert run.first_admission_order == arrival_order(
+        arrivals, run.requests
+    )  # FCFS; ties keep submission order
+
+
+@pytest.mark.parametrize("policy", ["prefill_first", "static"])
+@settings(max_examples=60, deadline=None)
+@given(arrivals=arrivals_strategy, max_seqs=st.integers(1, 12), spare_blocks=st.integers(0, 40))
+def test_baseline_policies_finish_everything_in_fcfs_order(policy, arrivals, max_seqs, spare_blocks):
+    largest = max(blocks_for_tokens(a.prompt_len + a.max_tokens, 4) for a in arrivals)
+    scheduler = make_scheduler(policy, 128, max_seqs, largest + spare_blocks, 4)
+    run = run_to_completion(scheduler, arrivals)
+    assert all(len(r.output_token_ids) == a.max_tokens for r, a in zip(run.requests, arrivals, strict=True))
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+    assert run.first_admission_order == arrival_order(arrivals, run.requests)
+    if policy == "prefill_first":  # no step mixes a prefill with decodes
+        assert all(
+            not (p.summary().num_prefill_requests and p.summary().num_decode_requests) for p in run.plans
+        )
