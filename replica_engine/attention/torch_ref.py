@@ -1,5 +1,8 @@
-"""Reference attention: gather each request's blocks, then SDPA with a bottom-right causal mask.
-Slow (a Python loop over requests) but plainly right; the oracle for the GPU kernels."""
+"""Reference attention in plain torch: the oracle for the GPU kernels, and the CPU path.
+
+Decode rows (one query each) are batched: every one gathers its blocks into a padded
+[rows, max_len] layout and one SDPA call attends with a length mask. Prompt chunks loop per
+request: gather its blocks, SDPA with a bottom-right causal mask."""
 
 from __future__ import annotations
 
@@ -22,6 +25,34 @@ def bottom_right_causal_mask(query_len: int, kv_len: int, device: torch.device) 
     return torch.arange(kv_len, device=device)[None, :] <= query_pos
 
 
+def _batched_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """query [R, heads, d], one per request -> [R, heads, d]."""
+    block_size = k_cache.shape[1]
+    num_blocks = -(-max_len // block_size)
+    # Padding ids point at block 0: read, then masked out below.
+    tables = block_tables[:, :num_blocks].long().clamp(min=0)
+    keys = k_cache[tables].flatten(1, 2)  # [R, num_blocks * block_size, kv_heads, d]
+    values = v_cache[tables].flatten(1, 2)
+    visible = torch.arange(keys.shape[1], device=query.device)[None, :] < seq_lens[:, None].long()
+    out = F.scaled_dot_product_attention(
+        query[:, :, None, :],  # [R, heads, 1, d]
+        keys.transpose(1, 2),  # [R, kv_heads, L, d]
+        values.transpose(1, 2),
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[:, :, 0, :]
+
+
 class TorchAttention(AttentionBackend):
     name = "torch"
 
@@ -37,22 +68,34 @@ class TorchAttention(AttentionBackend):
     ) -> torch.Tensor:
         self.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
         output = torch.empty_like(query)
-        start = 0
-        for i, (query_len, kv_len) in enumerate(
-            zip(metadata.query_lens_cpu, metadata.seq_lens_kv_cpu, strict=True)
-        ):
-            end = start + query_len
-            keys = gather_kv(k_cache, metadata.block_tables[i], kv_len)
-            values = gather_kv(v_cache, metadata.block_tables[i], kv_len)
-            mask = None if query_len == 1 else bottom_right_causal_mask(query_len, kv_len, query.device)
-            out = F.scaled_dot_product_attention(
-                query[start:end].transpose(0, 1),  # [heads, q, d]
-                keys.transpose(0, 1),  # [kv_heads, kv, d]
-                values.transpose(0, 1),
-                attn_mask=mask,
-                scale=scale,
-                enable_gqa=True,
+        query_lens, kv_lens = metadata.query_lens_cpu, metadata.seq_lens_kv_cpu
+        starts = metadata.cu_seqlens_q[:-1].long()
+        decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+        if decode_rows:
+            rows = torch.tensor(decode_rows, device=query.device)
+            output[starts[rows]] = _batched_decode(
+                query[starts[rows]],
+                k_cache,
+                v_cache,
+                metadata.block_tables[rows],
+                metadata.seq_lens_kv[rows],
+                max(kv_lens[i] for i in decode_rows),
+                scale,
             )
-            output[start:end] = out.transpose(0, 1)
+        start = 0
+        for i, (query_len, kv_len) in enumerate(zip(query_lens, kv_lens, strict=True)):
+            end = start + query_len
+            if query_len > 1:
+                keys = gather_kv(k_cache, metadata.block_tables[i], kv_len)
+                values = gather_kv(v_cache, metadata.block_tables[i], kv_len)
+                out = F.scaled_dot_product_attention(
+                    query[start:end].transpose(0, 1),  # [heads, q, d]
+                    keys.transpose(0, 1),  # [kv_heads, kv, d]
+                    values.transpose(0, 1),
+                    attn_mask=bottom_right_causal_mask(query_len, kv_len, query.device),
+                    scale=scale,
+                    enable_gqa=True,
+                )
+                output[start:end] = out.transpose(0, 1)
             start = end
         return output
