@@ -20,7 +20,7 @@ from transformers import (
 
 from replica_engine.attention.base import AttentionBackend
 from replica_engine.models.llama import LlamaForCausalLM, MergedLinear
-from replica_engine.models.shapes import DUMMY_SHAPES
+from replica_engine.models.shapes import dummy_config
 from replica_engine.models.sources import ModelSource
 
 # Hugging Face projection name -> (our merged parameter, shard index)
@@ -43,7 +43,7 @@ class LoadedModel:
 
 def load_config(source: ModelSource) -> PretrainedConfig:
     if source.dummy_shape is not None:
-        return DUMMY_SHAPES[source.dummy_shape]()
+        return dummy_config(source.dummy_shape)
     return AutoConfig.from_pretrained(source.hf_dir)
 
 
