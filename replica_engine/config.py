@@ -16,9 +16,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ATTENTION_BACKEND_NAMES = ("auto", "torch")
 GiB = 1 << 30
 
-# Defaults per device: CPU steps are slow, so a smaller budget keeps time between tokens low.
-_CPU_DEFAULTS = {"max_num_batched_tokens": 512, "max_num_seqs": 64, "kv_cache_bytes": GiB}
-_GPU_DEFAULTS = {"max_num_batched_tokens": 2048, "max_num_seqs": 256}
+# Defaults per device. Serving keeps steps short so time between tokens stays low; offline
+# (the LLM class) wants throughput, and a bigger budget means fewer passes over the weights
+# (vLLM's usage-context defaults make the same split).
+_CPU_DEFAULTS = {
+    "max_num_batched_tokens": 512,
+    "offline_max_num_batched_tokens": 2048,
+    "max_num_seqs": 64,
+    "kv_cache_bytes": GiB,
+}
+_GPU_DEFAULTS = {"max_num_batched_tokens": 2048, "offline_max_num_batched_tokens": 8192, "max_num_seqs": 256}
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -50,6 +57,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     scheduling_policy: str = "stall_free"  # or prefill_first, static (benchmark baselines)
     seed: int = 0  # for dummy weights and unseeded sampling
+    offline: bool = False  # set by LLM: throughput over latency when choosing defaults
 
     def __post_init__(self) -> None:
         for name in (
@@ -102,7 +110,8 @@ class EngineConfig:
             self,
             device=device,
             dtype=self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32"),
-            max_num_batched_tokens=self.max_num_batched_tokens or defaults["max_num_batched_tokens"],
+            max_num_batched_tokens=self.max_num_batched_tokens
+            or defaults["offline_max_num_batched_tokens" if self.offline else "max_num_batched_tokens"],
             max_num_seqs=self.max_num_seqs or defaults["max_num_seqs"],
             kv_cache_bytes=self.kv_cache_bytes or defaults.get("kv_cache_bytes"),
             max_model_len=self.max_model_len or model_max_len,

@@ -14,7 +14,7 @@ Message = dict[str, str]
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_settings: object) -> None:
         """`engine_settings` are EngineConfig fields (max_num_batched_tokens, block_size, ...)."""
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_settings))
+        self.engine = LLMEngine(EngineConfig(model=model, offline=True, **engine_settings))
 
     @property
     def tokenizer(self):

@@ -160,4 +160,5 @@ def test_dummy_weights_run_on_token_ids_and_refuse_text():
 def test_engine_config_is_resolved_for_cpu(llm):
     config: EngineConfig = llm.engine.config
     assert (config.device, config.dtype, config.attention_backend) == ("cpu", "float32", "torch")
-    assert config.max_model_len == 8192 and config.max_num_batched_tokens == 512
+    assert config.max_model_len == 8192 and config.max_num_batched_tokens == 2048  # offline default
+    assert EngineConfig().resolve(llm.engine.model_config).max_num_batched_tokens == 512  # serving
