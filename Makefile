@@ -23,7 +23,7 @@ test: setup
 	$(PY) -m pytest -q
 
 serve: setup
-	$(PY) -m replica_engine.demo
+	$(VENV)/bin/serve run serve_config.yaml
 
 lint: setup
 	$(PY) -m ruff check .

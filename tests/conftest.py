@@ -33,3 +33,25 @@ def hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def serve_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """serve_config.yaml running on a real local Ray cluster; the test process is attached as a
+    driver (for replica handles). Started once per session: it takes ~30 s on 2 cores."""
+    import ray
+
+    from tests import serve_cluster as cluster_lib
+
+    log_dir = tmp_path_factory.mktemp("serve")
+    cluster = cluster_lib.start(cluster_lib.REPO / "serve_config.yaml", log_dir)
+    try:
+        cluster.wait_ready()
+        ray.init(address=cluster.ray_address, logging_level="ERROR", log_to_driver=False)
+        yield cluster
+    except BaseException:
+        print((log_dir / "serve_run.log").read_text()[-5000:])
+        raise
+    finally:
+        ray.shutdown()
+        cluster_lib.stop(cluster)

@@ -43,19 +43,28 @@ def embedded_gguf_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / _EMBEDDED_GGUF
 
 
+def served_model_name(model: str) -> str:
+    """The name users call a model by, known without loading or converting anything."""
+    if model == DEFAULT_MODEL or model.startswith(DUMMY_PREFIX):
+        return model
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
 def resolve_model(model: str) -> ModelSource:
+    name = served_model_name(model)
     if model == DEFAULT_MODEL:
-        return ModelSource(DEFAULT_MODEL, convert_gguf(embedded_gguf_path()))
+        return ModelSource(name, convert_gguf(embedded_gguf_path()))
     if model.startswith(DUMMY_PREFIX):
         shape = model[len(DUMMY_PREFIX) :]
         if shape not in DUMMY_SHAPES:
             raise InvalidRequestError("model", f"unknown dummy shape {shape!r}; have {sorted(DUMMY_SHAPES)}")
-        return ModelSource(model, None, dummy_shape=shape)
+        return ModelSource(name, None, dummy_shape=shape)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(path.stem, convert_gguf(path))
+        return ModelSource(name, convert_gguf(path))
     if path.is_dir() and (path / "config.json").is_file():
-        return ModelSource(path.name, path)
+        return ModelSource(name, path)
     raise InvalidRequestError(
         "model",
         f"{model!r} is neither {DEFAULT_MODEL!r}, a `dummy:<shape>`, a .gguf file, "

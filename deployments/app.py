@@ -1,0 +1,78 @@
+"""`build_app`: the Serve application (Ingress -> EngineReplica x N) from one typed set of args.
+
+serve_config.yaml names `deployments.app:build_app` and puts these args under `args:`; Serve
+validates them into AppArgs because the builder's parameter is a pydantic model."""
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from ray.serve import Application
+
+from deployments.engine_replica import EngineReplica
+from deployments.ingress import Ingress
+from replica_engine import DEFAULT_MODEL, EngineConfig, SamplingParams
+from replica_engine.models.sources import served_model_name
+
+# EngineConfig fields a deployment may set under `engine:` (model is its own arg; offline is for LLM).
+ENGINE_KNOBS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model", "offline"}
+# SamplingParams fields a server may default (stop and seed belong to a request).
+SAMPLING_DEFAULTS = frozenset({"max_tokens", "temperature", "top_p", "top_k"})
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = DEFAULT_MODEL  # embedded SmolLM2, a local HF directory, a .gguf file, or dummy:<shape>
+    served_model_name: str | None = None  # the `model` clients send; default: derived from `model`
+    engine: dict[str, Any] = Field(default_factory=dict)  # EngineConfig knobs (README: settings table)
+    # Resources per replica. The only place the GPU count is set: YAML ray_actor_options would
+    # replace the builder's options wholesale and silently drop it.
+    num_gpus: float = Field(default=0, ge=0)
+    num_cpus: float = Field(default=1, ge=0)
+    cpu_threads: int | None = Field(default=None, ge=1)  # torch threads on CPU; default: every core
+    num_replicas: int | Literal["auto"] = 1
+    autoscaling_config: dict[str, Any] | None = None  # Serve's, used with num_replicas: auto
+    max_ongoing_requests: int = Field(default=128, ge=1)  # per replica: the engine batches these
+    max_queued_requests: int = Field(default=512, ge=-1)  # beyond this, 503 + Retry-After (-1: no cap)
+    ingress_max_ongoing_requests: int = Field(default=4096, ge=1)
+    # Sampling for fields a request leaves out (vLLM's generation-config defaults), e.g. the
+    # model card's {temperature: 0.2, top_p: 0.9}; without it, OpenAI's (temperature 1).
+    sampling_defaults: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("engine")
+    @classmethod
+    def _known_knobs(cls, engine: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(engine) - ENGINE_KNOBS)
+        if unknown:
+            raise ValueError(f"unknown engine settings {unknown}; known: {sorted(ENGINE_KNOBS)}")
+        return engine
+
+    @field_validator("sampling_defaults")
+    @classmethod
+    def _valid_sampling(cls, defaults: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(defaults) - SAMPLING_DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown sampling defaults {unknown}; known: {sorted(SAMPLING_DEFAULTS)}")
+        SamplingParams(**defaults)  # raises InvalidRequestError (a ValueError) naming the field
+        return defaults
+
+    def engine_config(self) -> EngineConfig:
+        """Checked here, at build time, so a bad value fails `serve run` with the field's name."""
+        return EngineConfig(model=self.model, **self.engine)
+
+
+def build_app(args: AppArgs) -> Application:
+    engine_config = args.engine_config()
+    scaling: dict[str, Any] = {"num_replicas": args.num_replicas}
+    if args.autoscaling_config is not None:
+        scaling["autoscaling_config"] = args.autoscaling_config
+    replica = EngineReplica.options(
+        ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": args.num_gpus},
+        max_ongoing_requests=args.max_ongoing_requests,
+        max_queued_requests=args.max_queued_requests,
+        **scaling,
+    ).bind(engine_config, args.cpu_threads)
+    model_name = args.served_model_name or served_model_name(args.model)
+    ingress = Ingress.options(max_ongoing_requests=args.ingress_max_ongoing_requests)
+    return ingress.bind(replica, model_name, args.sampling_defaults)

@@ -1,0 +1,130 @@
+"""EngineReplica: one Serve replica owning one AsyncEngine (the model steps on its own thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+
+import torch
+from ray import serve
+
+from deployments.messages import ChoiceDelta, GenerateError, GenerateRequest
+from replica_engine import AsyncEngine, EngineConfig, EngineStats, InvalidRequestError, SamplingParams
+from replica_engine.outputs import RequestOutput
+
+Stream = AsyncIterator[RequestOutput]
+
+
+async def merge_streams(streams: list[Stream]) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+    """Interleave several request streams as they produce; each item is every (stream index,
+    output) ready at that moment, so a busy replica sends fewer, larger messages. Closing this
+    closes (and so aborts) every stream still running."""
+    ready: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: Stream) -> None:
+        try:
+            async for output in stream:
+                ready.put_nowait((index, output))
+            ready.put_nowait((index, None))
+        except Exception as error:
+            ready.put_nowait((index, error))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            batch: list[tuple[int, RequestOutput]] = []
+            item = await ready.get()
+            while True:
+                index, output = item
+                if isinstance(output, BaseException):
+                    raise output
+                if output is None:
+                    running -= 1
+                else:
+                    batch.append((index, output))
+                if ready.empty():
+                    break
+                item = ready.get_nowait()
+            if batch:
+                yield batch
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+
+def _coalesce(batch: list[tuple[int, RequestOutput]]) -> list[ChoiceDelta]:
+    """One delta per choice: a choice that advanced twice since the last message sends both at once."""
+    deltas: dict[int, ChoiceDelta] = {}
+    for index, out in batch:
+        delta = deltas.get(index)
+        if delta is None:
+            deltas[index] = ChoiceDelta(
+                index, out.text_delta, list(out.new_token_ids), out.num_prompt_tokens, out.finish_reason
+            )
+        else:
+            delta.text += out.text_delta
+            delta.token_ids += out.new_token_ids
+            delta.finish_reason = out.finish_reason
+    return list(deltas.values())
+
+
+@serve.deployment(name="EngineReplica")
+class EngineReplica:
+    def __init__(self, engine_config: EngineConfig, cpu_threads: int | None = None) -> None:
+        # Ray sets OMP_NUM_THREADS to the actor's CPU count (often 1); the CPU engine wants its cores.
+        if cpu_threads or not torch.cuda.is_available():
+            torch.set_num_threads(cpu_threads or len(os.sched_getaffinity(0)))
+        self.engine = AsyncEngine(engine_config)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[list[ChoiceDelta] | GenerateError]:
+        """Stream the choices' deltas; a refused request yields one GenerateError and nothing else.
+        Cancelling the call (the client went away) aborts every choice, freeing its KV blocks."""
+        try:
+            streams = await self._start(request)
+        except InvalidRequestError as error:
+            yield GenerateError(str(error), error.param, error.code)
+            return
+        async for batch in merge_streams(streams):
+            yield _coalesce(batch)
+
+    async def _start(self, request: GenerateRequest) -> list[Stream]:
+        """Check every input before starting any, so a refusal leaves nothing running."""
+        engine = self.engine.engine
+        prompts = [engine.tokenize(p) for p in request.prompts]
+        prompts += [engine.chat_prompt_ids(c) for c in request.conversations]
+        # Stream position == choice index: input i's choice j is stream i * n + j.
+        jobs = [(prompt, self._params(request, prompt, j)) for prompt in prompts for j in range(request.n)]
+        streams: list[Stream] = []
+        try:
+            for choice_index, (prompt, params) in enumerate(jobs):
+                request_id = f"{request.request_id}-{choice_index}"
+                streams.append(await self.engine.add_request(prompt, params, request_id))
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()  # type: ignore[attr-defined]
+            raise
+        return streams
+
+    def _params(self, request: GenerateRequest, prompt: list[int], choice: int) -> SamplingParams:
+        sampling = dict(request.sampling)
+        if sampling.get("max_tokens") is None:  # OpenAI's default: whatever context is left
+            sampling["max_tokens"] = max(1, self.engine.engine.config.max_model_len - len(prompt))
+        if sampling.get("seed") is not None:  # n seeded choices must still differ from each other
+            sampling["seed"] += choice
+        return SamplingParams(**sampling)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def check_health(self) -> None:
+        """Serve calls this periodically; raising marks the replica unhealthy and replaces it."""
+        if not self.engine.is_healthy:
+            raise RuntimeError(f"engine step loop died: {self.engine.error!r}")
+
+    def __del__(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,147 @@
+"""Ingress: the OpenAI-compatible HTTP API (FastAPI inside Serve), in front of the EngineReplicas.
+
+It parses and checks requests, asks a replica through a streaming DeploymentHandle, and writes
+OpenAI bodies or Server-Sent Events. It imports no torch: the model lives in the replicas."""
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments.messages import ChoiceDelta, GenerateError, GenerateRequest
+from deployments.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    parse_body,
+)
+from deployments.responses import CHAT, COMPLETIONS, Endpoint, ResponseWriter, Usage, sse_event
+
+logger = logging.getLogger("ray.serve")
+HEALTH_TIMEOUT_S = 5.0
+RETRY_AFTER_S = 1  # when a replica's queue is full and Serve gives no hint
+
+app = FastAPI(title="stallfree", description="OpenAI-compatible LLM serving")
+
+
+@app.exception_handler(ApiError)
+async def _api_error(_: Request, error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body, status_code=error.status, headers=error.headers)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    # Unknown routes and methods: OpenAI's shape, not FastAPI's {"detail": ...}.
+    return await _api_error(_, ApiError(error.status_code, str(error.detail)))
+
+
+@app.exception_handler(Exception)
+async def _server_error(_: Request, error: Exception) -> JSONResponse:
+    logger.exception("request failed")
+    return await _api_error(_, ApiError(500, f"internal error: {error}", error_type="server_error"))
+
+
+async def _batches(
+    first: list[ChoiceDelta], rest: DeploymentResponseGenerator
+) -> AsyncIterator[list[ChoiceDelta]]:
+    yield first
+    async for batch in rest:
+        yield batch
+
+
+@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, engine: DeploymentHandle, model_name: str, sampling_defaults: dict[str, Any]) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.sampling_defaults = sampling_defaults
+        self.created = int(time.time())
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            await asyncio.wait_for(self.engine.check_health.remote(), HEALTH_TIMEOUT_S)
+        except Exception as error:
+            raise ApiError(503, f"engine unavailable: {error}", error_type="server_error") from None
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models(self) -> dict[str, object]:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "stallfree"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        body = parse_body(CompletionRequest, await request.body())
+        generate = self._generate_request(body, prompts=body.prompts())
+        return await self._respond(generate, body, COMPLETIONS)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        body = parse_body(ChatCompletionRequest, await request.body())
+        generate = self._generate_request(body, conversations=[body.conversation()])
+        return await self._respond(generate, body, CHAT)
+
+    def _generate_request(self, body: SamplingRequest, **inputs: list) -> GenerateRequest:
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(
+                404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found"
+            )
+        return GenerateRequest(
+            request_id=uuid.uuid4().hex, n=body.n, sampling=body.sampling(self.sampling_defaults), **inputs
+        )
+
+    async def _respond(
+        self, generate: GenerateRequest, body: SamplingRequest, endpoint: Endpoint
+    ) -> Response:
+        stream: DeploymentResponseGenerator = self.engine.options(stream=True).generate.remote(generate)
+        try:
+            first = await stream.__anext__()  # the engine's verdict comes before any header is sent
+        except BackPressureError as error:
+            retry_after = error.retry_after_s if error.retry_after_s is not None else RETRY_AFTER_S
+            raise ApiError(
+                503,
+                f"server busy: {error.message} Retry later.",
+                code="overloaded",
+                error_type="server_error",
+                headers={"Retry-After": str(max(1, round(retry_after)))},
+            ) from None
+        except BaseException:
+            stream.cancel()
+            raise
+        if isinstance(first, GenerateError):
+            raise ApiError(400, first.message, param=first.param, code=first.code)
+        writer = ResponseWriter(
+            endpoint, generate.request_id, self.model_name, Usage(generate.n), body.include_usage
+        )
+        if body.stream:
+            return StreamingResponse(self._events(writer, first, stream), media_type="text/event-stream")
+        try:
+            return JSONResponse(await writer.whole(_batches(first, stream)))
+        finally:
+            stream.cancel()  # a no-op once finished; aborts the request if this handler was cancelled
+
+    @staticmethod
+    async def _events(
+        writer: ResponseWriter, first: list[ChoiceDelta], stream: DeploymentResponseGenerator
+    ) -> AsyncIterator[str]:
+        try:
+            async for event in writer.events(_batches(first, stream)):
+                yield event
+        except Exception as error:  # headers are sent: the failure goes in the stream
+            logger.exception("stream failed")
+            yield sse_event(ApiError(500, f"internal error: {error}", error_type="server_error").body)
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.cancel()  # the client went away (CancelledError) or we are done: free the KV blocks

@@ -1,0 +1,155 @@
+"""The OpenAI request bodies we accept, and the errors we answer with.
+
+Bodies are parsed from raw JSON in strict mode, so "5" is not an integer and malformed JSON,
+wrong types and missing fields all become one OpenAI-shaped 400 (never FastAPI's 422)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ApiError(Exception):
+    """An HTTP error with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+        self.headers = headers or {}
+
+
+# Fields we accept only at their no-op values (None is always fine): anything else would change
+# the answer in a way we do not implement, so the client hears about it.
+_NO_OP_VALUES: dict[str, tuple[object, ...]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": ({},),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "response_format": ({"type": "text"},),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """What completions and chat share: the model, sampling, stopping and streaming fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's extension, as are stop_token_ids and ignore_eos
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in _NO_OP_VALUES and value is not None and value not in _NO_OP_VALUES[name]:
+                raise ApiError(400, f"{name}: not supported by this server", param=name)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """SamplingParams fields: this request's, else the server's `defaults`. The engine checks
+        their ranges and names the bad one."""
+        fields = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+        }
+        # None means "the default": the server's, else SamplingParams' (max_tokens: the replica's).
+        sampling = {**defaults, **{k: v for k, v in fields.items() if v is not None}}
+        sampling.setdefault("max_tokens", None)
+        sampling["ignore_eos"] = self.ignore_eos
+        return sampling
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt (text or token ids) or a batch of them, always as a list."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]  # type: ignore[list-item]
+        if not prompt:
+            raise ApiError(400, "prompt: must not be empty", param="prompt")
+        return list(prompt)  # type: ignore[arg-type]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+
+    def as_template_input(self) -> dict[str, str]:
+        content = self.content
+        text = content if isinstance(content, str) else "".join(part.text for part in content)
+        return {"role": self.role, "content": text}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def sampling(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        sampling = super().sampling(defaults)
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins over max_tokens
+            sampling["max_tokens"] = self.max_completion_tokens
+        return sampling
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [message.as_template_input() for message in self.messages]
+
+
+RequestModel = TypeVar("RequestModel", bound=SamplingRequest)
+
+
+def parse_body(model: type[RequestModel], body: bytes) -> RequestModel:
+    """Raw JSON -> a checked request, or ApiError(400) naming the first bad field."""
+    try:
+        request = model.model_validate_json(body, strict=True)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        location = ".".join(str(part) for part in first["loc"])
+        if first["type"] == "json_invalid":
+            raise ApiError(400, f"request body is not valid JSON: {first['msg']}") from None
+        param = str(first["loc"][0]) if first["loc"] else None
+        raise ApiError(400, f"{location or 'body'}: {first['msg']}", param=param) from None
+    request.check_supported()
+    return request

@@ -1,0 +1,128 @@
+"""OpenAI response bodies, whole and streamed, built from the replicas' ChoiceDeltas."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+from deployments.messages import ChoiceDelta
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """How one OpenAI endpoint spells its objects and choices."""
+
+    id_prefix: str
+    object_name: str
+    chunk_object_name: str
+    is_chat: bool
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, object]:
+        body: dict[str, object] = {"index": index}
+        if self.is_chat:
+            body["message"] = {"role": "assistant", "content": text}
+        else:
+            body["text"] = text
+        return {**body, "finish_reason": finish_reason, "logprobs": None}
+
+    def chunk_choice(self, delta: ChoiceDelta, first: bool) -> dict[str, object]:
+        body: dict[str, object] = {"index": delta.index}
+        if self.is_chat:
+            body["delta"] = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+        else:
+            body["text"] = delta.text
+        return {**body, "finish_reason": delta.finish_reason, "logprobs": None}
+
+
+COMPLETIONS = Endpoint("cmpl", "text_completion", "text_completion", is_chat=False)
+CHAT = Endpoint("chatcmpl", "chat.completion", "chat.completion.chunk", is_chat=True)
+
+
+@dataclass
+class Usage:
+    """Token counts of one HTTP request: each prompt counts once, however many choices it has."""
+
+    n: int
+    prompt_tokens_by_input: dict[int, int] = field(default_factory=dict)
+    completion_tokens: int = 0
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.prompt_tokens_by_input[delta.index // self.n] = delta.num_prompt_tokens
+        self.completion_tokens += len(delta.token_ids)
+
+    def as_dict(self) -> dict[str, int]:
+        prompt_tokens = sum(self.prompt_tokens_by_input.values())
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt_tokens + self.completion_tokens,
+        }
+
+
+@dataclass
+class ResponseWriter:
+    """Turns one request's deltas into an OpenAI body (whole) or Server-Sent Events (streamed)."""
+
+    endpoint: Endpoint
+    request_id: str
+    model: str
+    usage: Usage
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _envelope(self, object_name: str) -> dict[str, object]:
+        return {
+            "id": f"{self.endpoint.id_prefix}-{self.request_id}",
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    async def whole(self, batches: AsyncIterator[list[ChoiceDelta]]) -> dict[str, object]:
+        texts: dict[int, str] = {}
+        finish_reasons: dict[int, str | None] = {}
+        async for batch in batches:
+            for delta in batch:
+                self.usage.add(delta)
+                texts[delta.index] = texts.get(delta.index, "") + delta.text
+                finish_reasons[delta.index] = delta.finish_reason
+        choices = [self.endpoint.choice(i, texts[i], finish_reasons[i]) for i in sorted(texts)]
+        return {
+            **self._envelope(self.endpoint.object_name),
+            "choices": choices,
+            "usage": self.usage.as_dict(),
+        }
+
+    async def events(self, batches: AsyncIterator[list[ChoiceDelta]]) -> AsyncIterator[str]:
+        started: set[int] = set()
+        async for batch in batches:
+            choices = []
+            for delta in batch:
+                self.usage.add(delta)
+                first = delta.index not in started
+                if delta.text or delta.finish_reason or (first and self.endpoint.is_chat):
+                    choices.append(self.endpoint.chunk_choice(delta, first))
+                    started.add(delta.index)
+            if choices:
+                yield self._event(choices)
+        if self.include_usage:
+            yield sse_event(
+                {
+                    **self._envelope(self.endpoint.chunk_object_name),
+                    "choices": [],
+                    "usage": self.usage.as_dict(),
+                }
+            )
+        yield "data: [DONE]\n\n"
+
+    def _event(self, choices: Iterable[dict[str, object]]) -> str:
+        chunk = {**self._envelope(self.endpoint.chunk_object_name), "choices": list(choices)}
+        if self.include_usage:  # OpenAI: with include_usage, every other chunk says usage: null
+            chunk["usage"] = None
+        return sse_event(chunk)
+
+
+def sse_event(body: dict[str, object]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

@@ -1,0 +1,96 @@
+"""A real local Ray cluster running `serve run serve_config.yaml`, for the end-to-end tests.
+
+The cluster is started with `ray start --head` (so the tests' own driver can attach to it for
+replica stats), then the documented `serve run` deploys the repository's serve_config.yaml onto
+it, with only the HTTP port moved to a free one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+START_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServeCluster:
+    ray_address: str
+    base_url: str  # http://127.0.0.1:<port>
+    app_name: str
+    serve_run: subprocess.Popen
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.serve_run.poll() is not None:
+                raise RuntimeError(f"`serve run` exited with {self.serve_run.returncode}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=10).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"the app did not become healthy in {START_TIMEOUT_S} s")
+
+
+def start(config_path: Path, log_dir: Path) -> ServeCluster:
+    gcs_port, http_port = free_port(), free_port()
+    # A throwaway cluster on loopback: no token auth (ray start and its clients would otherwise
+    # disagree on where the token lives), no usage stats.
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # for this process's own driver, too
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    subprocess.run(
+        [
+            BIN / "ray",
+            "start",
+            "--head",
+            f"--port={gcs_port}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    config = yaml.safe_load(config_path.read_text())
+    config["http_options"]["port"] = http_port
+    config["http_options"]["host"] = "127.0.0.1"
+    test_config = log_dir / config_path.name
+    test_config.write_text(yaml.safe_dump(config))
+    address = f"127.0.0.1:{gcs_port}"
+    serve_run = subprocess.Popen(
+        [BIN / "serve", "run", str(test_config)],
+        cwd=REPO,
+        env={**env, "RAY_ADDRESS": address},
+        stdout=(log_dir / "serve_run.log").open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    return ServeCluster(
+        address, f"http://127.0.0.1:{http_port}", config["applications"][0]["name"], serve_run
+    )
+
+
+def stop(cluster: ServeCluster) -> None:
+    cluster.serve_run.send_signal(signal.SIGINT)  # serve run tears its applications down
+    try:
+        cluster.serve_run.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        cluster.serve_run.kill()
+    subprocess.run([BIN / "ray", "stop", "--force"], capture_output=True)

@@ -1,0 +1,205 @@
+"""End to end: serve_config.yaml on a real local Ray cluster, the real SmolLM2, the official
+`openai` client and raw HTTP. One cluster per session (see conftest.serve_cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from ray import serve
+
+from replica_engine import LLM, EngineStats, SamplingParams
+from tests.serve_cluster import ServeCluster
+
+MODEL = "smollm2-135m-instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(serve_cluster: ServeCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{serve_cluster.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def replica_stats(cluster: ServeCluster) -> EngineStats:
+    handle = serve.get_deployment_handle("EngineReplica", app_name=cluster.app_name)
+    return handle.stats.remote().result(timeout_s=10)
+
+
+def test_models_and_health(serve_cluster: ServeCluster, client: openai.OpenAI):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(f"{serve_cluster.base_url}/health").status_code == 200
+
+
+def test_chat_and_completion_match_the_offline_engine(client: openai.OpenAI, llm: LLM):
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    offline_chat = llm.chat(QUESTION, params)[0]
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
+    assert chat.choices[0].message.content == offline_chat.text
+    assert "Paris" in chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == offline_chat.finish_reason
+    assert chat.usage.prompt_tokens == len(offline_chat.prompt_token_ids)
+    assert chat.usage.completion_tokens == len(offline_chat.token_ids)
+
+    prompt = "The capital of France is"
+    offline = llm.generate(prompt, params)[0]
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert completion.choices[0].text == offline.text
+    assert completion.usage.total_tokens == len(offline.prompt_token_ids) + len(offline.token_ids)
+
+
+def test_stream_concatenates_to_the_whole_answer(client: openai.OpenAI):
+    settings = {"model": MODEL, "messages": QUESTION, "max_tokens": 20, "temperature": 0}
+    whole = client.chat.completions.create(**settings)
+    chunks = list(
+        client.chat.completions.create(**settings, stream=True, stream_options={"include_usage": True})
+    )
+    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content) > 1
+    assert "".join(content) == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_stop_string_cuts_the_output(client: openai.OpenAI):
+    completion = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=16, temperature=0, stop=["."]
+    )
+    assert completion.choices[0].text == " Paris"
+    assert completion.choices[0].finish_reason == "stop"
+
+
+def test_n_choices_and_a_batch_of_prompts(client: openai.OpenAI):
+    completion = client.completions.create(
+        model=MODEL,
+        prompt=["Once upon a time", "The best way to cook rice is"],
+        n=2,
+        max_tokens=8,
+        temperature=1.0,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in completion.choices) == [0, 1, 2, 3]
+    assert completion.usage.completion_tokens == 4 * 8
+    assert completion.choices[0].text != completion.choices[1].text  # seeded choices still differ
+
+
+def test_sixteen_concurrent_streams_complete(serve_cluster: ServeCluster):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=f"Request {i}: count from one to ten.",
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        finish, tokens = None, 0
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return finish, tokens
+
+    async def run_all() -> list[tuple[str, int]]:
+        async with openai.AsyncOpenAI(base_url=f"{serve_cluster.base_url}/v1", api_key="unused") as client:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    assert asyncio.run(run_all()) == [("length", 16)] * 16
+
+
+def test_client_disconnect_frees_the_request_within_two_seconds(serve_cluster: ServeCluster):
+    body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", f"{serve_cluster.base_url}/v1/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        received = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data:")]
+        assert received
+        busy = replica_stats(serve_cluster)
+        assert busy.num_running == 1 and busy.num_free_blocks < busy.num_total_blocks
+    # The connection is closed here, mid-stream.
+    deadline = time.monotonic() + 2.0
+    while True:
+        stats = replica_stats(serve_cluster)
+        if stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks:
+            break
+        assert time.monotonic() < deadline, f"request still holds the engine 2 s after disconnect: {stats}"
+        time.sleep(0.1)
+
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+BAD_REQUESTS = [
+    # (path, raw body, status, param, code)
+    (CHAT, {"model": MODEL}, 400, "messages", None),
+    (CHAT, {"messages": []}, 400, "messages", None),
+    (CHAT, {"messages": [{"role": "user"}]}, 400, "messages", None),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", None),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens", None),
+    (COMPLETIONS, {"prompt": "hi", "temperature": -1}, 400, "temperature", None),
+    (COMPLETIONS, {"prompt": "hi", "top_p": 2}, 400, "top_p", None),
+    (COMPLETIONS, {"prompt": "hi", "n": 0}, 400, "n", None),
+    (COMPLETIONS, {"prompt": "hi", "stop": 3}, 400, "stop", None),
+    (COMPLETIONS, {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty", None),
+    (COMPLETIONS, {"prompt": ""}, 400, "prompt", None),
+    (COMPLETIONS, {"prompt": [10**9]}, 400, "prompt", None),
+    (COMPLETIONS, {"prompt": "hello " * 9000}, 400, "prompt", "context_length_exceeded"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 9000}, 400, "prompt", "context_length_exceeded"),
+    (COMPLETIONS, {"prompt": "hi", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    (COMPLETIONS, '{"prompt": "hi"', 400, None, None),  # malformed JSON
+    (COMPLETIONS, "[1, 2]", 400, None, None),  # not an object
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "code"), BAD_REQUESTS)
+def test_bad_request_gets_an_openai_error_and_the_server_carries_on(
+    serve_cluster: ServeCluster, path: str, body: object, status: int, param: str | None, code: str | None
+):
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(f"{serve_cluster.base_url}{path}", content=content, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert (error["param"], error["code"]) == (param, code)
+    ok = httpx.post(
+        f"{serve_cluster.base_url}{COMPLETIONS}", json={"prompt": "hi", "max_tokens": 1}, timeout=30
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_unknown_route_is_an_openai_404(serve_cluster: ServeCluster):
+    response = httpx.get(f"{serve_cluster.base_url}/v1/nothing")
+    assert response.status_code == 404 and response.json()["error"]["message"]
+
+
+def test_full_queue_gets_503_with_retry_after(serve_cluster: ServeCluster):
+    """A second app whose replica takes one request and queues one more: the rest are refused."""
+    from deployments.app import AppArgs, build_app
+
+    args = AppArgs(
+        max_ongoing_requests=1, max_queued_requests=1, num_cpus=0, engine={"kv_cache_bytes": 64 << 20}
+    )
+    serve.run(build_app(args), name="tiny-queue", route_prefix="/tiny")
+    body = {"prompt": "Count to one hundred.", "max_tokens": 48, "ignore_eos": True}
+
+    async def post_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=serve_cluster.base_url, timeout=120) as http:
+            return await asyncio.gather(*(http.post("/tiny/v1/completions", json=body) for _ in range(5)))
+
+    try:
+        responses = asyncio.run(post_all())
+    finally:
+        serve.delete("tiny-queue")
+    refused = [r for r in responses if r.status_code == 503]
+    assert refused and len(refused) < len(responses), [r.status_code for r in responses]
+    assert all(r.status_code in (200, 503) for r in responses)
+    for response in refused:
+        assert int(response.headers["retry-after"]) >= 1
+        assert response.json()["error"]["code"] == "overloaded"
