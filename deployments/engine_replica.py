@@ -112,8 +112,9 @@ class EngineReplica:
 
     def _params(self, request: GenerateRequest, prompt: list[int], choice: int) -> SamplingParams:
         sampling = dict(request.sampling)
-        if sampling.get("max_tokens") is None:  # OpenAI's default: whatever context is left
-            sampling["max_tokens"] = max(1, self.engine.engine.config.max_model_len - len(prompt))
+        if sampling.get("max_tokens") is None:  # whatever context is left, at most the server's default
+            context_left = max(1, self.engine.engine.config.max_model_len - len(prompt))
+            sampling["max_tokens"] = min(request.default_max_tokens or context_left, context_left)
         if sampling.get("seed") is not None:  # n seeded choices must still differ from each other
             sampling["seed"] += choice
         return SamplingParams(**sampling)

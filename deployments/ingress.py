@@ -99,7 +99,11 @@ class Ingress:
                 404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found"
             )
         return GenerateRequest(
-            request_id=uuid.uuid4().hex, n=body.n, sampling=body.sampling(self.sampling_defaults), **inputs
+            request_id=uuid.uuid4().hex,
+            n=body.n,
+            sampling=body.sampling(self.sampling_defaults),
+            default_max_tokens=self.sampling_defaults.get("max_tokens"),
+            **inputs,
         )
 
     async def _respond(

@@ -20,8 +20,10 @@ class GenerateRequest:
     prompts: list[Prompt] = field(default_factory=list)
     conversations: list[Conversation] = field(default_factory=list)
     n: int = 1
-    # SamplingParams fields; max_tokens None means "the rest of the context" (OpenAI's default).
+    # SamplingParams fields. max_tokens None: default_max_tokens, or the rest of the context
+    # (OpenAI's default), whichever is smaller.
     sampling: dict[str, Any] = field(default_factory=dict)
+    default_max_tokens: int | None = None
 
 
 @dataclass

@@ -88,8 +88,10 @@ class SamplingRequest(BaseModel):
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
         }
-        # None means "the default": the server's, else SamplingParams' (max_tokens: the replica's).
-        sampling = {**defaults, **{k: v for k, v in fields.items() if v is not None}}
+        # None means "the default": the server's, else SamplingParams'. max_tokens stays None: the
+        # replica fits it (and the server's default) to the context the prompt leaves.
+        server = {k: v for k, v in defaults.items() if k != "max_tokens"}
+        sampling = {**server, **{k: v for k, v in fields.items() if v is not None}}
         sampling.setdefault("max_tokens", None)
         sampling["ignore_eos"] = self.ignore_eos
         return sampling

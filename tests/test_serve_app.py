@@ -34,6 +34,14 @@ def test_models_and_health(serve_cluster: ServeCluster, client: openai.OpenAI):
     assert httpx.get(f"{serve_cluster.base_url}/health").status_code == 200
 
 
+def test_the_readme_request_answers_paris(serve_cluster: ServeCluster):
+    """No sampling fields: serve_config.yaml's sampling_defaults (greedy, 256 tokens) apply."""
+    body = {"model": MODEL, "messages": QUESTION}
+    response = httpx.post(f"{serve_cluster.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+
+
 def test_chat_and_completion_match_the_offline_engine(client: openai.OpenAI, llm: LLM):
     params = SamplingParams(max_tokens=24, temperature=0.0)
     offline_chat = llm.chat(QUESTION, params)[0]
@@ -179,24 +187,42 @@ def test_unknown_route_is_an_openai_404(serve_cluster: ServeCluster):
     assert response.status_code == 404 and response.json()["error"]["message"]
 
 
-def test_full_queue_gets_503_with_retry_after(serve_cluster: ServeCluster):
-    """A second app whose replica takes one request and queues one more: the rest are refused."""
+@pytest.fixture(scope="module")
+def small_app(serve_cluster: ServeCluster) -> str:
+    """A second app on the same cluster, at /small: a 64-token context, and a replica that takes
+    one request and queues one more. Yields its base URL."""
     from deployments.app import AppArgs, build_app
 
     args = AppArgs(
-        max_ongoing_requests=1, max_queued_requests=1, num_cpus=0, engine={"kv_cache_bytes": 64 << 20}
+        max_ongoing_requests=1,
+        max_queued_requests=1,
+        num_cpus=0,
+        engine={"kv_cache_bytes": 64 << 20, "max_model_len": 64},
+        sampling_defaults={"max_tokens": 256},
     )
-    serve.run(build_app(args), name="tiny-queue", route_prefix="/tiny")
-    body = {"prompt": "Count to one hundred.", "max_tokens": 48, "ignore_eos": True}
+    serve.run(build_app(args), name="small", route_prefix="/small")
+    yield f"{serve_cluster.base_url}/small"
+    serve.delete("small")
+
+
+def test_default_max_tokens_fits_the_context_the_prompt_leaves(small_app: str):
+    # 60 prompt tokens + the server's default of 256 would not fit in 64: the default shrinks.
+    body = {"prompt": [1] * 60, "ignore_eos": True}
+    response = httpx.post(f"{small_app}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 4
+
+
+def test_full_queue_gets_503_with_retry_after(small_app: str):
+    body = {"prompt": "Count to ten.", "max_tokens": 48, "ignore_eos": True}
 
     async def post_all() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=serve_cluster.base_url, timeout=120) as http:
-            return await asyncio.gather(*(http.post("/tiny/v1/completions", json=body) for _ in range(5)))
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(
+                *(http.post(f"{small_app}/v1/completions", json=body) for _ in range(5))
+            )
 
-    try:
-        responses = asyncio.run(post_all())
-    finally:
-        serve.delete("tiny-queue")
+    responses = asyncio.run(post_all())
     refused = [r for r in responses if r.status_code == 503]
     assert refused and len(refused) < len(responses), [r.status_code for r in responses]
     assert all(r.status_code in (200, 503) for r in responses)
