@@ -64,6 +64,7 @@ class AppArgs(BaseModel):
 
 def build_app(args: AppArgs) -> Application:
     engine_config = args.engine_config()
+    model_name = args.served_model_name or served_model_name(args.model)
     scaling: dict[str, Any] = {"num_replicas": args.num_replicas}
     if args.autoscaling_config is not None:
         scaling["autoscaling_config"] = args.autoscaling_config
@@ -72,7 +73,6 @@ def build_app(args: AppArgs) -> Application:
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
         **scaling,
-    ).bind(engine_config, args.cpu_threads)
-    model_name = args.served_model_name or served_model_name(args.model)
+    ).bind(engine_config, model_name, args.cpu_threads)
     ingress = Ingress.options(max_ongoing_requests=args.ingress_max_ongoing_requests)
     return ingress.bind(replica, model_name, args.sampling_defaults)

@@ -11,6 +11,7 @@ from ray import serve
 
 from deployments.messages import ChoiceDelta, GenerateError, GenerateRequest
 from replica_engine import AsyncEngine, EngineConfig, EngineStats, InvalidRequestError, SamplingParams
+from replica_engine.metrics import EngineMetrics, RayServeSink
 from replica_engine.outputs import RequestOutput
 
 Stream = AsyncIterator[RequestOutput]
@@ -75,11 +76,11 @@ def _coalesce(batch: list[tuple[int, RequestOutput]]) -> list[ChoiceDelta]:
 
 @serve.deployment(name="EngineReplica")
 class EngineReplica:
-    def __init__(self, engine_config: EngineConfig, cpu_threads: int | None = None) -> None:
+    def __init__(self, engine_config: EngineConfig, model_name: str, cpu_threads: int | None = None) -> None:
         # Ray sets OMP_NUM_THREADS to the actor's CPU count (often 1); the CPU engine wants its cores.
         if cpu_threads or not torch.cuda.is_available():
             torch.set_num_threads(cpu_threads or len(os.sched_getaffinity(0)))
-        self.engine = AsyncEngine(engine_config)
+        self.engine = AsyncEngine(engine_config, EngineMetrics(RayServeSink(), model_name))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[list[ChoiceDelta] | GenerateError]:
         """Stream the choices' deltas; a refused request yields one GenerateError and nothing else.

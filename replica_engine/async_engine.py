@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from replica_engine.config import EngineConfig
 from replica_engine.engine import EngineStats, LLMEngine, Prompt
+from replica_engine.metrics import EngineMetrics
 from replica_engine.outputs import RequestOutput
 from replica_engine.sampling_params import SamplingParams
 
@@ -25,8 +26,8 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
-        self.engine = LLMEngine(config)
+    def __init__(self, config: EngineConfig | None = None, metrics: EngineMetrics | None = None) -> None:
+        self.engine = LLMEngine(config, metrics)
         self.error: BaseException | None = None
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
@@ -96,6 +97,7 @@ class AsyncEngine:
                 self.error = error
                 for request_id in list(self._streams):
                     self._deliver(request_id, EngineDeadError(f"engine step failed: {error!r}"))
+                self.engine.fail_all_requests()
                 raise
             for output in outputs:
                 self._deliver(output.request_id, output)

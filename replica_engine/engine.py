@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from replica_engine.request import FinishReason, Request
 from replica_engine.sampling_params import SamplingParams
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from replica_engine.scheduler.plan import StepSummary
+
+if TYPE_CHECKING:
+    from replica_engine.metrics import EngineMetrics
 
 Prompt = str | list[int]
 
@@ -45,10 +49,11 @@ class EngineStats:
 class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer | None
+    last_token_time: float | None = None
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, metrics: EngineMetrics | None = None) -> None:
         config = config or EngineConfig()
         source = resolve_model(config.model)
         model_config = load_config(source)
@@ -78,6 +83,8 @@ class LLMEngine:
         self.step_listeners: list[Callable[[StepSummary], None]] = []
         self._requests: dict[str, _Tracked] = {}
         self._lock = threading.Lock()
+        self.metrics = metrics
+        self._record_stats()
 
     # -- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -134,6 +141,7 @@ class LLMEngine:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
             self._requests[request_id] = _Tracked(request, detokenizer)
             self.scheduler.add_request(request)
+        self._record_stats()
         return request_id
 
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -154,14 +162,25 @@ class LLMEngine:
                 code="context_length_exceeded",
             )
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT
+    ) -> RequestOutput | None:
         """Stop a request now; its KV blocks are free when this returns. None if it is not in flight."""
         with self._lock:
             tracked = self._requests.pop(request_id, None)
             if tracked is None:
                 return None
-            self.scheduler.finish_request(tracked.request, FinishReason.ABORT)
-            return self._output(tracked, [])
+            self.scheduler.finish_request(tracked.request, reason)
+            output = self._output(tracked, [])
+            if self.metrics is not None:
+                self.metrics.record_finished(tracked.request, time.monotonic())
+        self._record_stats()
+        return output
+
+    def fail_all_requests(self) -> None:
+        """The engine cannot go on: finish every request with reason error, freeing its blocks."""
+        for request_id in list(self._requests):
+            self.abort_request(request_id, FinishReason.ERROR)
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -191,20 +210,33 @@ class LLMEngine:
         sampled = self.runner.execute(plan)
         with self._lock:
             advanced = self.scheduler.update(plan, sampled)
-            outputs = [self._advance(self._requests[r.request_id]) for r in advanced]
+            now = time.monotonic()
+            outputs = [self._advance(self._requests[r.request_id], now) for r in advanced]
         summary = plan.summary(duration_s=time.perf_counter() - started)
         for listener in self.step_listeners:
             listener(summary)
+        if self.metrics is not None:
+            self.metrics.record_step(summary)
+        self._record_stats()
         return outputs
 
-    def _advance(self, tracked: _Tracked) -> RequestOutput:
+    def _advance(self, tracked: _Tracked, now: float) -> RequestOutput:
         request = tracked.request
         new_token = request.output_token_ids[-1]
         if tracked.detokenizer is not None and tracked.detokenizer.add_token(new_token):
             self.scheduler.finish_request(request, FinishReason.STOP)
+        if self.metrics is not None:
+            self.metrics.record_token(request, now, tracked.last_token_time)
+            if request.is_finished:
+                self.metrics.record_finished(request, now)
+        tracked.last_token_time = now
         if request.is_finished:
             del self._requests[request.request_id]
         return self._output(tracked, [new_token])
+
+    def _record_stats(self) -> None:
+        if self.metrics is not None:
+            self.metrics.record_stats(self.stats())
 
     @staticmethod
     def _output(tracked: _Tracked, new_token_ids: list[int]) -> RequestOutput:

@@ -14,7 +14,7 @@ from replica_engine import EngineConfig, EngineDeadError
 
 @pytest.fixture
 def replica():
-    replica = EngineReplica.func_or_class(EngineConfig(kv_cache_bytes=32 << 20), cpu_threads=None)
+    replica = EngineReplica.func_or_class(EngineConfig(kv_cache_bytes=32 << 20), "smollm2")
     yield replica
     replica.engine.shutdown()
 

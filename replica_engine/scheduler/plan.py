@@ -18,6 +18,10 @@ class StepSummary:
     num_preempted: int
     duration_s: float
 
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_requests
+
 
 @dataclass
 class StepPlan:

@@ -1,0 +1,109 @@
+"""The engine's metrics, recorded in one place whatever the sink. Names and meanings follow vLLM's
+(`vllm:time_to_first_token_seconds` is our `stallfree_time_to_first_token_seconds`, and so on)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from replica_engine.metrics.sinks import MetricsSink
+from replica_engine.request import Request
+from replica_engine.scheduler.plan import StepSummary
+
+if TYPE_CHECKING:
+    from replica_engine.engine import EngineStats
+
+PREFIX = "stallfree_"
+# Fine enough to read SLO lines off: 0.1 / 0.25 / 0.5 / 1 / 2 / 5 s for latencies ...
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640)
+# ... and 5 / 10 / 25 / 50 / 100 / 200 / 500 ms between tokens.
+TOKEN_INTERVAL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10)
+TOKEN_COUNT_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+MODEL_LABEL = "model_name"
+REASON_LABEL = "finished_reason"
+
+
+class EngineMetrics:
+    def __init__(self, sink: MetricsSink, model_name: str) -> None:
+        self.labels = {MODEL_LABEL: model_name}
+        labels = (MODEL_LABEL,)
+
+        def gauge(name: str, description: str):
+            return sink.gauge(PREFIX + name, description, labels)
+
+        def histogram(name: str, description: str, buckets: tuple[float, ...]):
+            return sink.histogram(PREFIX + name, description, buckets, labels)
+
+        def counter(name: str, description: str, extra_labels: tuple[str, ...] = ()):
+            return sink.counter(PREFIX + name, description, labels + extra_labels)
+
+        self.num_requests_waiting = gauge(
+            "num_requests_waiting", "Requests waiting to be scheduled (queue depth)"
+        )
+        self.num_requests_running = gauge("num_requests_running", "Requests holding KV cache")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV cache usage, 0 to 1")
+        self.num_free_kv_blocks = gauge("num_free_kv_blocks", "Free KV cache blocks")
+        self.num_waiting_prompt_tokens = gauge(
+            "num_waiting_prompt_tokens", "Prompt tokens owed by waiting requests"
+        )
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first output token", LATENCY_BUCKETS_S
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
+            "Time between consecutive output tokens (TBT)",
+            TOKEN_INTERVAL_BUCKETS_S,
+        )
+        self.e2e_latency = histogram("e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS_S)
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled", LATENCY_BUCKETS_S
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens", "Tokens scheduled in one step", TOKEN_COUNT_BUCKETS
+        )
+        self.step_duration = histogram(
+            "step_duration_seconds", "Wall time of one step", TOKEN_INTERVAL_BUCKETS_S
+        )
+        self.prompt_length = histogram(
+            "request_prompt_tokens", "Prompt length of a request", TOKEN_COUNT_BUCKETS
+        )
+        self.output_length = histogram(
+            "request_generation_tokens", "Output length of a finished request", TOKEN_COUNT_BUCKETS
+        )
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (recomputation not counted)")
+        self.generation_tokens = counter("generation_tokens", "Output tokens generated")
+        self.requests_finished = counter("requests_finished", "Requests finished, by reason", (REASON_LABEL,))
+        self.preemptions = counter("num_preemptions", "Requests preempted for want of KV blocks")
+
+    def record_stats(self, stats: EngineStats) -> None:
+        self.num_requests_waiting.set(stats.num_waiting, self.labels)
+        self.num_requests_running.set(stats.num_running, self.labels)
+        self.kv_cache_usage.set(stats.kv_cache_usage, self.labels)
+        self.num_free_kv_blocks.set(stats.num_free_blocks, self.labels)
+        self.num_waiting_prompt_tokens.set(stats.num_waiting_prompt_tokens, self.labels)
+
+    def record_step(self, summary: StepSummary) -> None:
+        self.iteration_tokens.observe(summary.num_tokens, self.labels)
+        self.step_duration.observe(summary.duration_s, self.labels)
+        if summary.num_preempted:
+            self.preemptions.inc(summary.num_preempted, self.labels)
+
+    def record_token(self, request: Request, now: float, previous_token_time: float | None) -> None:
+        """A request got an output token at `now`."""
+        self.generation_tokens.inc(1, self.labels)
+        if previous_token_time is None:
+            self.time_to_first_token.observe(now - request.arrival_time, self.labels)
+            self.prompt_tokens.inc(request.num_prompt_tokens, self.labels)
+        else:
+            self.inter_token_latency.observe(now - previous_token_time, self.labels)
+
+    def record_finished(self, request: Request, now: float) -> None:
+        reason = request.finish_reason.value if request.finish_reason else "error"
+        self.requests_finished.inc(1, {**self.labels, REASON_LABEL: reason})
+        self.e2e_latency.observe(now - request.arrival_time, self.labels)
+        if request.first_scheduled_time is not None:
+            self.queue_time.observe(request.first_scheduled_time - request.arrival_time, self.labels)
+        self.prompt_length.observe(request.num_prompt_tokens, self.labels)
+        self.output_length.observe(len(request.output_token_ids), self.labels)

@@ -1,0 +1,115 @@
+"""Where metrics go: `prometheus_client` (the engine on its own) or `ray.serve.metrics` (inside a
+Serve replica; Ray's metrics agent exports them on each node, tagged by deployment and replica).
+
+Both sinks make the same three kinds of instrument, each taking its label values as a dict."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+Labels = dict[str, str]
+
+
+class Counter(Protocol):
+    def inc(self, amount: float, labels: Labels) -> None: ...
+
+
+class Gauge(Protocol):
+    def set(self, value: float, labels: Labels) -> None: ...
+
+
+class Histogram(Protocol):
+    def observe(self, value: float, labels: Labels) -> None: ...
+
+
+class MetricsSink(Protocol):
+    """Counter names omit `_total`: both backends add it on export."""
+
+    def counter(self, name: str, description: str, label_names: Sequence[str]) -> Counter: ...
+
+    def gauge(self, name: str, description: str, label_names: Sequence[str]) -> Gauge: ...
+
+    def histogram(
+        self, name: str, description: str, buckets: Sequence[float], label_names: Sequence[str]
+    ) -> Histogram: ...
+
+
+class _PrometheusInstrument:
+    def __init__(self, metric) -> None:
+        self._metric = metric
+
+    def inc(self, amount: float, labels: Labels) -> None:
+        self._metric.labels(**labels).inc(amount)
+
+    def set(self, value: float, labels: Labels) -> None:
+        self._metric.labels(**labels).set(value)
+
+    def observe(self, value: float, labels: Labels) -> None:
+        self._metric.labels(**labels).observe(value)
+
+
+class PrometheusSink:
+    """prometheus_client instruments in `registry` (default: the global one, which
+    `prometheus_client.start_http_server(port)` serves)."""
+
+    def __init__(self, registry=None) -> None:
+        import prometheus_client
+
+        self._client = prometheus_client
+        self._registry = registry if registry is not None else prometheus_client.REGISTRY
+
+    def counter(self, name: str, description: str, label_names: Sequence[str]) -> Counter:
+        return _PrometheusInstrument(
+            self._client.Counter(name, description, label_names, registry=self._registry)
+        )
+
+    def gauge(self, name: str, description: str, label_names: Sequence[str]) -> Gauge:
+        return _PrometheusInstrument(
+            self._client.Gauge(name, description, label_names, registry=self._registry)
+        )
+
+    def histogram(
+        self, name: str, description: str, buckets: Sequence[float], label_names: Sequence[str]
+    ) -> Histogram:
+        metric = self._client.Histogram(
+            name, description, label_names, buckets=buckets, registry=self._registry
+        )
+        return _PrometheusInstrument(metric)
+
+
+class _RayInstrument:
+    def __init__(self, metric) -> None:
+        self._metric = metric
+
+    def inc(self, amount: float, labels: Labels) -> None:
+        self._metric.inc(amount, tags=labels)
+
+    def set(self, value: float, labels: Labels) -> None:
+        self._metric.set(value, tags=labels)
+
+    def observe(self, value: float, labels: Labels) -> None:
+        self._metric.observe(value, tags=labels)
+
+
+class RayServeSink:
+    """ray.serve.metrics instruments: exported as `ray_<name>` with the replica's tags added."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        self._metrics = metrics
+
+    def counter(self, name: str, description: str, label_names: Sequence[str]) -> Counter:
+        return _RayInstrument(self._metrics.Counter(name, description, tag_keys=tuple(label_names)))
+
+    def gauge(self, name: str, description: str, label_names: Sequence[str]) -> Gauge:
+        return _RayInstrument(self._metrics.Gauge(name, description, tag_keys=tuple(label_names)))
+
+    def histogram(
+        self, name: str, description: str, buckets: Sequence[float], label_names: Sequence[str]
+    ) -> Histogram:
+        metric = self._metrics.Histogram(
+            name, description, boundaries=list(buckets), tag_keys=tuple(label_names)
+        )
+        return _RayInstrument(metric)

@@ -1,0 +1,84 @@
+"""Engine metrics through the prometheus_client sink, with the real model: the counts must add up."""
+
+from __future__ import annotations
+
+import prometheus_client
+import pytest
+
+from replica_engine import EngineConfig, LLMEngine, SamplingParams
+from replica_engine.metrics import EngineMetrics, PrometheusSink
+
+LABELS = {"model_name": "smollm2"}
+
+
+def run_engine(engine_settings: dict, prompts: list[str], max_tokens: int) -> tuple[LLMEngine, object]:
+    registry = prometheus_client.CollectorRegistry()
+    engine = LLMEngine(EngineConfig(**engine_settings), EngineMetrics(PrometheusSink(registry), "smollm2"))
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine, registry
+
+
+def sample(registry, name: str, labels: dict[str, str] | None = None) -> float:
+    value = registry.get_sample_value(name, labels if labels is not None else LABELS)
+    assert value is not None, f"{name} {labels} was never recorded"
+    return value
+
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "A poem about the sea:"]
+
+
+def test_counts_add_up_after_a_run():
+    engine, registry = run_engine({}, PROMPTS, max_tokens=6)
+    num_requests, num_tokens = len(PROMPTS), len(PROMPTS) * 6
+    assert sample(registry, "stallfree_time_to_first_token_seconds_count") == num_requests
+    assert sample(registry, "stallfree_inter_token_latency_seconds_count") == num_tokens - num_requests
+    assert sample(registry, "stallfree_e2e_request_latency_seconds_count") == num_requests
+    assert sample(registry, "stallfree_request_queue_time_seconds_count") == num_requests
+    assert sample(registry, "stallfree_generation_tokens_total") == num_tokens
+    prompt_tokens = sum(len(engine.tokenize(p)) for p in PROMPTS)
+    assert sample(registry, "stallfree_prompt_tokens_total") == prompt_tokens
+    assert sample(registry, "stallfree_request_prompt_tokens_sum") == prompt_tokens
+    assert sample(registry, "stallfree_request_generation_tokens_sum") == num_tokens
+    assert sample(registry, "stallfree_requests_finished_total", {**LABELS, "finished_reason": "length"}) == 4
+    # Every scheduled token shows up in exactly one step.
+    assert sample(registry, "stallfree_iteration_tokens_sum") == prompt_tokens + num_tokens - num_requests
+    assert sample(registry, "stallfree_step_duration_seconds_count") == sample(
+        registry, "stallfree_iteration_tokens_count"
+    )
+    # All finished: the gauges say so.
+    assert sample(registry, "stallfree_kv_cache_usage_perc") == 0
+    assert sample(registry, "stallfree_num_requests_running") == 0
+    assert sample(registry, "stallfree_num_requests_waiting") == 0
+    assert sample(registry, "stallfree_num_free_kv_blocks") == engine.kv_cache.num_blocks
+
+
+def test_preemptions_and_aborts_are_counted():
+    # 12 blocks of 16 tokens cannot hold four requests of ~60 tokens each: some are preempted.
+    engine, registry = run_engine(
+        {"kv_cache_bytes": 12 * 16 * 30 * 2 * 3 * 64 * 4}, PROMPTS * 2, max_tokens=48
+    )
+    assert engine.scheduler.num_preemptions > 0
+    assert sample(registry, "stallfree_num_preemptions_total") == engine.scheduler.num_preemptions
+
+    request_id = engine.add_request("Tell me a story", SamplingParams(max_tokens=50))
+    assert sample(registry, "stallfree_num_requests_waiting") == 1  # queue depth moves on arrival
+    engine.step()
+    assert sample(registry, "stallfree_kv_cache_usage_perc") > 0
+    engine.abort_request(request_id)
+    assert sample(registry, "stallfree_requests_finished_total", {**LABELS, "finished_reason": "abort"}) == 1
+    assert sample(registry, "stallfree_kv_cache_usage_perc") == 0
+
+
+@pytest.mark.parametrize(
+    "name", ["stallfree_time_to_first_token_seconds", "stallfree_e2e_request_latency_seconds"]
+)
+def test_latency_buckets_mark_the_slo_lines(name: str):
+    _, registry = run_engine({"kv_cache_bytes": 16 << 20}, PROMPTS[:1], max_tokens=2)
+    for bound in ("0.1", "0.25", "0.5", "1.0", "2.0", "5.0"):
+        assert registry.get_sample_value(f"{name}_bucket", {**LABELS, "le": bound}) is not None
+    for bound in ("0.005", "0.01", "0.025", "0.05", "0.1", "0.2", "0.5"):
+        labels = {**LABELS, "le": bound}
+        assert registry.get_sample_value("stallfree_inter_token_latency_seconds_bucket", labels) is not None
