@@ -14,6 +14,8 @@ from replica_engine.metrics import EngineMetrics
 from replica_engine.outputs import RequestOutput
 from replica_engine.sampling_params import SamplingParams
 
+GAUGE_REFRESH_S = 0.5
+
 
 class EngineDeadError(RuntimeError):
     """The step loop died; no request can be served by this engine any more."""
@@ -88,8 +90,11 @@ class AsyncEngine:
     def _run_steps(self) -> None:
         while not self._stopping:
             if not self.engine.has_unfinished_requests():
-                self._wakeup.wait()
+                # Idle: still republish the gauges now and then, as Ray's metrics agent drops a
+                # gauge series that is not refreshed within two report intervals.
+                self._wakeup.wait(timeout=GAUGE_REFRESH_S)
                 self._wakeup.clear()
+                self.engine.record_stats()
                 continue
             try:
                 outputs = self.engine.step()

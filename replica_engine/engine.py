@@ -84,7 +84,7 @@ class LLMEngine:
         self._requests: dict[str, _Tracked] = {}
         self._lock = threading.Lock()
         self.metrics = metrics
-        self._record_stats()
+        self.record_stats()
 
     # -- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -141,7 +141,7 @@ class LLMEngine:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
             self._requests[request_id] = _Tracked(request, detokenizer)
             self.scheduler.add_request(request)
-        self._record_stats()
+        self.record_stats()
         return request_id
 
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -174,7 +174,7 @@ class LLMEngine:
             output = self._output(tracked, [])
             if self.metrics is not None:
                 self.metrics.record_finished(tracked.request, time.monotonic())
-        self._record_stats()
+        self.record_stats()
         return output
 
     def fail_all_requests(self) -> None:
@@ -217,7 +217,7 @@ class LLMEngine:
             listener(summary)
         if self.metrics is not None:
             self.metrics.record_step(summary)
-        self._record_stats()
+        self.record_stats()
         return outputs
 
     def _advance(self, tracked: _Tracked, now: float) -> RequestOutput:
@@ -234,7 +234,8 @@ class LLMEngine:
             del self._requests[request.request_id]
         return self._output(tracked, [new_token])
 
-    def _record_stats(self) -> None:
+    def record_stats(self) -> None:
+        """Publish the gauges (queue depth, running, KV usage) from the current state."""
         if self.metrics is not None:
             self.metrics.record_stats(self.stats())
 

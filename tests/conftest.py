@@ -55,3 +55,39 @@ def serve_cluster(tmp_path_factory: pytest.TempPathFactory):
     finally:
         ray.shutdown()
         cluster_lib.stop(cluster)
+
+
+@pytest.fixture(scope="session")
+def small_app(serve_cluster):
+    """A second app on the same cluster, at /small: a 64-token context, a KV pool of 8 blocks (four
+    requests of 64 tokens cannot all fit: preemption), and a replica that holds 4 requests and
+    queues 1 more (the rest get 503). Yields its base URL."""
+    from ray import serve
+
+    from deployments.app import AppArgs, build_app
+
+    block_bytes = 16 * 30 * 2 * 3 * 64 * 4  # SmolLM2: 16 tokens x 30 layers x K,V x 3 heads x 64 x fp32
+    args = AppArgs(
+        max_ongoing_requests=4,
+        max_queued_requests=1,
+        num_cpus=0,
+        engine={"kv_cache_bytes": 8 * block_bytes, "max_model_len": 64},
+        sampling_defaults={"max_tokens": 256},
+    )
+    serve.run(build_app(args), name="small", route_prefix="/small")
+    yield f"{serve_cluster.base_url}/small"
+    serve.delete("small")
+
+
+@pytest.fixture(scope="session")
+def prometheus(serve_cluster, tmp_path_factory: pytest.TempPathFactory):
+    """A real Prometheus scraping the cluster (installed from Debian's package when missing)."""
+    from tests import prometheus_server
+
+    binary, why_not = prometheus_server.find_or_install()
+    if binary is None:
+        pytest.skip(why_not)
+    process, url = prometheus_server.start(binary, tmp_path_factory.mktemp("prometheus"))
+    yield url
+    process.terminate()
+    process.wait(timeout=30)

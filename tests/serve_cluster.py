@@ -6,6 +6,7 @@ it, with only the HTTP port moved to a free one."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -32,6 +33,7 @@ def free_port() -> int:
 @dataclass
 class ServeCluster:
     ray_address: str
+    metrics_url: str  # Ray's metrics export endpoint on this node
     base_url: str  # http://127.0.0.1:<port>
     app_name: str
     serve_run: subprocess.Popen
@@ -51,18 +53,19 @@ class ServeCluster:
 
 
 def start(config_path: Path, log_dir: Path) -> ServeCluster:
-    gcs_port, http_port = free_port(), free_port()
+    gcs_port, http_port, metrics_port = free_port(), free_port(), free_port()
     # A throwaway cluster on loopback: no token auth (ray start and its clients would otherwise
     # disagree on where the token lives), no usage stats.
     os.environ["RAY_AUTH_MODE"] = "disabled"  # for this process's own driver, too
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    # Workers report metrics every second (default 10 s), so tests see them sooner.
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_metrics_report_interval_ms": "1000"}
     subprocess.run(
         [
             BIN / "ray",
             "start",
             "--head",
             f"--port={gcs_port}",
-            "--include-dashboard=false",
+            f"--metrics-export-port={metrics_port}",
             "--disable-usage-stats",
         ],
         check=True,
@@ -83,8 +86,20 @@ def start(config_path: Path, log_dir: Path) -> ServeCluster:
         stderr=subprocess.STDOUT,
     )
     return ServeCluster(
-        address, f"http://127.0.0.1:{http_port}", config["applications"][0]["name"], serve_run
+        address,
+        f"http://127.0.0.1:{metrics_port}/metrics",
+        f"http://127.0.0.1:{http_port}",
+        config["applications"][0]["name"],
+        serve_run,
     )
+
+
+def post_concurrently(url: str, body: dict, count: int) -> list[httpx.Response]:
+    async def post_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(*(http.post(url, json=body) for _ in range(count)))
+
+    return asyncio.run(post_all())
 
 
 def stop(cluster: ServeCluster) -> None:

@@ -13,7 +13,7 @@ import pytest
 from ray import serve
 
 from replica_engine import LLM, EngineStats, SamplingParams
-from tests.serve_cluster import ServeCluster
+from tests.serve_cluster import ServeCluster, post_concurrently
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -187,24 +187,6 @@ def test_unknown_route_is_an_openai_404(serve_cluster: ServeCluster):
     assert response.status_code == 404 and response.json()["error"]["message"]
 
 
-@pytest.fixture(scope="module")
-def small_app(serve_cluster: ServeCluster) -> str:
-    """A second app on the same cluster, at /small: a 64-token context, and a replica that takes
-    one request and queues one more. Yields its base URL."""
-    from deployments.app import AppArgs, build_app
-
-    args = AppArgs(
-        max_ongoing_requests=1,
-        max_queued_requests=1,
-        num_cpus=0,
-        engine={"kv_cache_bytes": 64 << 20, "max_model_len": 64},
-        sampling_defaults={"max_tokens": 256},
-    )
-    serve.run(build_app(args), name="small", route_prefix="/small")
-    yield f"{serve_cluster.base_url}/small"
-    serve.delete("small")
-
-
 def test_default_max_tokens_fits_the_context_the_prompt_leaves(small_app: str):
     # 60 prompt tokens + the server's default of 256 would not fit in 64: the default shrinks.
     body = {"prompt": [1] * 60, "ignore_eos": True}
@@ -214,15 +196,9 @@ def test_default_max_tokens_fits_the_context_the_prompt_leaves(small_app: str):
 
 
 def test_full_queue_gets_503_with_retry_after(small_app: str):
+    # The small app's replica holds 4 requests and queues 1 more: of 8 at once, some are refused.
     body = {"prompt": "Count to ten.", "max_tokens": 48, "ignore_eos": True}
-
-    async def post_all() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=120) as http:
-            return await asyncio.gather(
-                *(http.post(f"{small_app}/v1/completions", json=body) for _ in range(5))
-            )
-
-    responses = asyncio.run(post_all())
+    responses = post_concurrently(f"{small_app}/v1/completions", body, 8)
     refused = [r for r in responses if r.status_code == 503]
     assert refused and len(refused) < len(responses), [r.status_code for r in responses]
     assert all(r.status_code in (200, 503) for r in responses)

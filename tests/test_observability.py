@@ -1,0 +1,129 @@
+"""Metrics end to end: the replicas' metrics on Ray's export endpoint add up, and every query in
+the Grafana dashboard returns data from a real Prometheus scraping the cluster."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests import prometheus_server
+from tests.serve_cluster import REPO, ServeCluster, post_concurrently
+
+DASHBOARD = REPO / "dashboards" / "stallfree.json"
+MAIN_APP = {"application": "stallfree", "deployment": "EngineReplica"}
+SMALL_APP = {"application": "small", "deployment": "EngineReplica"}
+REPORT_WAIT_S = 20  # Ray's workers report every second in the test cluster; leave slack
+
+
+def scrape(cluster: ServeCluster, name: str, labels: dict[str, str]) -> float:
+    """Sum of the samples called `name` whose labels include `labels` (0 if none)."""
+    text = httpx.get(cluster.metrics_url, timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + REPORT_WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {REPORT_WAIT_S} s: {what}"
+        time.sleep(0.5)
+
+
+COUNTED = {
+    "ttft": "ray_stallfree_time_to_first_token_seconds_count",
+    "tbt": "ray_stallfree_inter_token_latency_seconds_count",
+    "e2e": "ray_stallfree_e2e_request_latency_seconds_count",
+    "generated": "ray_stallfree_generation_tokens_total",
+}
+
+
+def test_replica_metrics_add_up_on_the_ray_endpoint(serve_cluster: ServeCluster):
+    def counts() -> dict[str, float]:
+        return {key: scrape(serve_cluster, name, MAIN_APP) for key, name in COUNTED.items()}
+
+    # Let whatever earlier tests sent be reported before taking the baseline.
+    before = counts()
+    for _ in range(REPORT_WAIT_S):
+        time.sleep(1.5)
+        before, settled = counts(), before
+        if before == settled:
+            break
+    num_requests, max_tokens = 3, 5
+    body = {"prompt": "Name three colours.", "max_tokens": max_tokens, "ignore_eos": True}
+    assert all(
+        r.status_code == 200 for r in post_concurrently(f"{serve_cluster.base_url}/v1/completions", body, 3)
+    )
+
+    expected = {
+        "ttft": num_requests,
+        "tbt": num_requests * (max_tokens - 1),
+        "e2e": num_requests,
+        "generated": num_requests * max_tokens,
+    }
+    wait_for(lambda: counts()["e2e"] - before["e2e"] >= num_requests, "the requests are reported")
+    after = counts()
+    assert {key: after[key] - before[key] for key in COUNTED} == expected
+    assert scrape(serve_cluster, "ray_stallfree_kv_cache_usage_perc", MAIN_APP) == 0
+    assert scrape(serve_cluster, "ray_stallfree_num_requests_running", MAIN_APP) == 0
+    assert scrape(serve_cluster, "ray_stallfree_num_free_kv_blocks", MAIN_APP) > 0
+    finished = {**MAIN_APP, "finished_reason": "length"}
+    assert scrape(serve_cluster, "ray_stallfree_requests_finished_total", finished) >= num_requests
+
+
+PREEMPTING = {"prompt": "Count to ten.", "max_tokens": 50, "n": 4, "ignore_eos": True}
+
+
+def test_preemptions_are_counted(serve_cluster: ServeCluster, small_app: str):
+    before = scrape(serve_cluster, "ray_stallfree_num_preemptions_total", SMALL_APP)
+    # Four choices of ~54 tokens need 16 blocks; the small app's pool has 8. (One request with
+    # n=4 rather than four requests, which its one-deep queue might refuse.)
+    response = httpx.post(f"{small_app}/v1/completions", json=PREEMPTING, timeout=300)
+    assert response.status_code == 200, response.text
+    wait_for(
+        lambda: scrape(serve_cluster, "ray_stallfree_num_preemptions_total", SMALL_APP) > before,
+        "a preemption is counted",
+    )
+
+
+def dashboard_queries() -> dict[str, str]:
+    """Every PromQL expression in the dashboard (panel targets, and the selectors its variables
+    read labels from), with Grafana's variables replaced as Grafana would on 'All'."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = {
+        f"{panel['title']} [{target['refId']}]": target["expr"]
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+    }
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            selector = re.fullmatch(r"label_values\((.*), *\w+\)", variable["definition"]).group(1)
+            queries[f"variable {variable['name']}"] = selector
+    substitutions = {"$__rate_interval": "1m", "$model": ".*", "$replica": ".*"}
+    for key, expr in queries.items():
+        for variable, value in substitutions.items():
+            expr = expr.replace(variable, value)
+        queries[key] = expr
+    return queries
+
+
+def test_every_dashboard_query_returns_data(serve_cluster: ServeCluster, small_app: str, prometheus: str):
+    # Traffic of every kind the panels show: finished requests on both apps, and preemptions.
+    httpx.post(f"{small_app}/v1/completions", json=PREEMPTING, timeout=300)
+    body = {"prompt": "Count to ten.", "max_tokens": 8, "ignore_eos": True}
+    post_concurrently(f"{serve_cluster.base_url}/v1/completions", body, 2)
+    queries = dashboard_queries()
+    assert len(queries) >= 16
+    empty = dict(queries)
+    deadline = time.monotonic() + 60
+    while empty and time.monotonic() < deadline:
+        empty = {key: expr for key, expr in empty.items() if not prometheus_server.query(prometheus, expr)}
+        time.sleep(1)
+    assert not empty, f"dashboard queries that return nothing: {json.dumps(empty, indent=1)}"
