@@ -8,11 +8,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import Ingress
 from replica_engine import DEFAULT_MODEL, EngineConfig, SamplingParams
 from replica_engine.models.sources import served_model_name
+from router.autoscaling import KVPressurePolicy
+from router.kv_router import KVPressureRouter
 
 # EngineConfig fields a deployment may set under `engine:` (model is its own arg; offline is for LLM).
 ENGINE_KNOBS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model", "offline"}
@@ -32,7 +35,13 @@ class AppArgs(BaseModel):
     num_cpus: float = Field(default=1, ge=0)
     cpu_threads: int | None = Field(default=None, ge=1)  # torch threads on CPU; default: every core
     num_replicas: int | Literal["auto"] = 1
-    autoscaling_config: dict[str, Any] | None = None  # Serve's, used with num_replicas: auto
+    # Serve's (min/max_replicas, upscale/downscale_delay_s, ...), used with num_replicas: auto.
+    # The policy is ours: it scales on KV cache usage and queue depth against the targets below.
+    autoscaling_config: dict[str, Any] | None = None
+    target_kv_cache_usage: float = Field(default=0.6, gt=0, le=1)  # mean per replica
+    target_waiting_requests: float = Field(default=4, gt=0)  # mean queue depth per replica
+    # kv_pressure: ours (router/); power_of_two: Serve's default, kept as a baseline.
+    request_router: Literal["kv_pressure", "power_of_two"] = "kv_pressure"
     max_ongoing_requests: int = Field(default=128, ge=1)  # per replica: the engine batches these
     max_queued_requests: int = Field(default=512, ge=-1)  # beyond this, 503 + Retry-After (-1: no cap)
     ingress_max_ongoing_requests: int = Field(default=4096, ge=1)
@@ -62,17 +71,36 @@ class AppArgs(BaseModel):
         return EngineConfig(model=self.model, **self.engine)
 
 
+def _autoscaling(args: AppArgs) -> dict[str, Any]:
+    if args.num_replicas != "auto":
+        return {"num_replicas": args.num_replicas}
+    policy = AutoscalingPolicy(
+        policy_function=KVPressurePolicy,
+        policy_kwargs={
+            "target_kv_cache_usage": args.target_kv_cache_usage,
+            "target_waiting_requests": args.target_waiting_requests,
+        },
+    )
+    return {"autoscaling_config": AutoscalingConfig(**(args.autoscaling_config or {}), policy=policy)}
+
+
+def _routing(args: AppArgs) -> dict[str, Any]:
+    if args.request_router == "power_of_two":
+        return {}
+    # Attached as a class, not an import string: Serve's controller cannot import from a working_dir.
+    config = RequestRouterConfig(request_router_class=KVPressureRouter, request_routing_stats_period_s=0.5)
+    return {"request_router_config": config}
+
+
 def build_app(args: AppArgs) -> Application:
     engine_config = args.engine_config()
     model_name = args.served_model_name or served_model_name(args.model)
-    scaling: dict[str, Any] = {"num_replicas": args.num_replicas}
-    if args.autoscaling_config is not None:
-        scaling["autoscaling_config"] = args.autoscaling_config
     replica = EngineReplica.options(
         ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": args.num_gpus},
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
-        **scaling,
+        **_autoscaling(args),
+        **_routing(args),
     ).bind(engine_config, model_name, args.cpu_threads)
     ingress = Ingress.options(max_ongoing_requests=args.ingress_max_ongoing_requests)
     return ingress.bind(replica, model_name, args.sampling_defaults)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import AsyncIterator
 
 import torch
@@ -13,6 +14,7 @@ from deployments.messages import ChoiceDelta, GenerateError, GenerateRequest
 from replica_engine import AsyncEngine, EngineConfig, EngineStats, InvalidRequestError, SamplingParams
 from replica_engine.metrics import EngineMetrics, RayServeSink
 from replica_engine.outputs import RequestOutput
+from router.autoscaling import KV_USAGE, WAITING
 
 Stream = AsyncIterator[RequestOutput]
 
@@ -122,6 +124,24 @@ class EngineReplica:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def record_routing_stats(self) -> dict[str, float]:
+        """For the KV-pressure router (router.pressure.ReplicaLoad), every ~0.5 s."""
+        stats = self.engine.stats()
+        return {
+            "num_total_blocks": stats.num_total_blocks,
+            "num_free_blocks": stats.num_free_blocks,
+            "num_waiting_prompt_tokens": stats.num_waiting_prompt_tokens,
+            "num_waiting": stats.num_waiting,
+            "num_running": stats.num_running,
+            "block_size": self.engine.engine.config.block_size,
+            "reported_at": time.time(),
+        }
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """For the KV-pressure autoscaling policy (router.autoscaling)."""
+        stats = self.engine.stats()
+        return {KV_USAGE: stats.kv_cache_usage, WAITING: stats.num_waiting}
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy and replaces it."""

@@ -1,0 +1,1 @@
+"""The fleet: the KV-pressure request router and the KV-pressure autoscaling policy."""

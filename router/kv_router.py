@@ -1,0 +1,77 @@
+"""KVPressureRouter: Serve's RequestRouter for EngineReplicas, ranking by predicted KV pressure.
+
+Serve asks `choose_replicas` for ranks of replicas; it then tries them in order, and a replica
+at `max_ongoing_requests` refuses, so Serve's backpressure stays in force. We answer one replica
+per rank, best first (router/pressure.py says how)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+from deployments.messages import GenerateRequest
+from replica_engine.metrics.sinks import Counter, MetricsSink, RayServeSink
+from router.pressure import PressureTracker
+
+ROUTED_METRIC = "stallfree_router_requests_routed"
+
+
+def requested_tokens(request: PendingRequest) -> int:
+    """What a request will ask of a replica's KV cache, estimated before tokenization."""
+    generate = next((arg for arg in request.args if isinstance(arg, GenerateRequest)), None)
+    return generate.estimated_tokens() if generate is not None else 0
+
+
+class KVPressureRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, sink: MetricsSink | None = None, **kwargs: Any) -> None:
+        self.tracker = PressureTracker()
+        self._reasons: dict[str, dict[ReplicaID, str]] = {}  # per pending request: why each rank
+        self._routed: Counter = (sink or RayServeSink()).counter(
+            ROUTED_METRIC,
+            "Requests routed to an EngineReplica, by replica and reason",
+            ("target_replica", "reason"),
+        )
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        return self.rank(candidate_replicas, pending_request)
+
+    def rank(
+        self, candidates: Sequence[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        candidates = list(candidates)
+        random.shuffle(candidates)  # equal pressure and queue: spread, not always the first
+        by_id = {replica.replica_id: replica for replica in candidates}
+        queue_lens = {
+            replica_id: queue_len
+            for replica_id in by_id
+            if (queue_len := self.replica_queue_len_cache.get(replica_id)) is not None
+        }
+        stats = {replica_id: replica.routing_stats for replica_id, replica in by_id.items()}
+        ranking = self.tracker.rank(by_id, stats, queue_lens)
+        if pending_request is not None:
+            self._reasons[pending_request.metadata.internal_request_id] = dict(ranking)
+        return [[by_id[replica_id]] for replica_id, _ in ranking]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
+    ) -> None:
+        request_id = pending_request.metadata.internal_request_id
+        reason = self._reasons.pop(request_id, {}).get(replica_id, "unranked")
+        self.tracker.on_sent(request_id, replica_id, requested_tokens(pending_request))
+        self._routed.inc(1, {"target_replica": replica_id.unique_id, "reason": reason})
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.tracker.on_finished(internal_request_id)
+        self._reasons.pop(internal_request_id, None)

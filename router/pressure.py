@@ -1,0 +1,98 @@
+"""KV pressure, predicted per replica: the pure part of the router (no Ray), unit-tested alone.
+
+A replica reports its KV blocks every ~0.5 s. Between reports this router corrects the report
+with what it sent there since (prompt + expected output, in blocks) and forgets a request once
+it finishes or once a newer report already counts it."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+STALE_AFTER_S = 2.0  # four missed reports at the 0.5 s period
+
+# Why a replica was ranked where it was (the routing metric's `reason` label).
+BY_KV = "kv"  # fresh stats: ranked by predicted KV pressure
+BY_QUEUE = "queue-fallback"  # stale stats: ranked by queue length, after every fresh replica
+NO_STATS = "no-stats"  # never reported: as stale
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """What a replica reports (EngineReplica.record_routing_stats)."""
+
+    num_total_blocks: int
+    num_free_blocks: int
+    num_waiting_prompt_tokens: int
+    num_waiting: int
+    num_running: int
+    block_size: int
+    reported_at: float  # the replica's wall clock
+
+    @classmethod
+    def parse(cls, stats: Mapping[str, Any] | None) -> ReplicaLoad | None:
+        try:
+            return cls(**{name: stats[name] for name in cls.__dataclass_fields__})  # type: ignore[index]
+        except (KeyError, TypeError):
+            return None
+
+    def used_blocks(self) -> float:
+        """Blocks held, plus the blocks its queue will need for prompts alone."""
+        waiting_blocks = math.ceil(self.num_waiting_prompt_tokens / self.block_size)
+        return self.num_total_blocks - self.num_free_blocks + waiting_blocks
+
+
+@dataclass
+class _Sent:
+    replica: Hashable
+    num_tokens: int
+    sent_at: float
+
+
+@dataclass
+class PressureTracker:
+    """In-flight bookkeeping of one router (each Ingress replica has its own)."""
+
+    stale_after_s: float = STALE_AFTER_S
+    _sent: dict[Hashable, _Sent] = field(default_factory=dict)  # request id -> what it asks for
+
+    def on_sent(
+        self, request_id: Hashable, replica: Hashable, num_tokens: int, now: float | None = None
+    ) -> None:
+        self._sent[request_id] = _Sent(replica, num_tokens, time.time() if now is None else now)
+
+    def on_finished(self, request_id: Hashable) -> None:
+        self._sent.pop(request_id, None)
+
+    def in_flight_tokens(self, replica: Hashable, since: float) -> int:
+        """Tokens sent to `replica` after its report at `since` (the report cannot know them)."""
+        return sum(s.num_tokens for s in self._sent.values() if s.replica == replica and s.sent_at > since)
+
+    def pressure(self, replica: Hashable, load: ReplicaLoad) -> float:
+        in_flight_blocks = math.ceil(self.in_flight_tokens(replica, load.reported_at) / load.block_size)
+        return (load.used_blocks() + in_flight_blocks) / max(1, load.num_total_blocks)
+
+    def rank(
+        self,
+        replicas: Iterable[Hashable],
+        stats: Mapping[Hashable, Mapping[str, Any] | None],
+        queue_lens: Mapping[Hashable, int],
+        now: float | None = None,
+    ) -> list[tuple[Hashable, str]]:
+        """Replicas best first, each with the reason for its place: fresh stats by predicted KV
+        pressure (ties: shorter queue), then the rest by queue length (unknown: last)."""
+        now = time.time() if now is None else now
+        fresh, fallback = [], []
+        for replica in replicas:
+            load = ReplicaLoad.parse(stats.get(replica))
+            queue_len = queue_lens.get(replica, math.inf)
+            if load is not None and now - load.reported_at <= self.stale_after_s:
+                fresh.append(((self.pressure(replica, load), queue_len), replica, BY_KV))
+            else:
+                fallback.append(((queue_len,), replica, BY_QUEUE if load is not None else NO_STATS))
+        fresh.sort(key=lambda entry: entry[0])
+        fallback.sort(key=lambda entry: entry[0])
+        return [(replica, reason) for _, replica, reason in fresh + fallback]

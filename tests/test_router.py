@@ -1,0 +1,109 @@
+"""The router's ranking and the autoscaling policy's arithmetic, on made-up replica reports
+(pure functions: no Ray needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.messages import GenerateRequest
+from router.autoscaling import KVPressurePolicy
+from router.pressure import BY_KV, BY_QUEUE, NO_STATS, PressureTracker, ReplicaLoad
+
+NOW = 1000.0
+
+
+def report(
+    free: int, total: int = 100, waiting_tokens: int = 0, at: float = NOW, block_size: int = 16
+) -> dict:
+    return {
+        "num_total_blocks": total,
+        "num_free_blocks": free,
+        "num_waiting_prompt_tokens": waiting_tokens,
+        "num_waiting": 0,
+        "num_running": 1,
+        "block_size": block_size,
+        "reported_at": at,
+    }
+
+
+def test_fresh_replicas_rank_by_kv_pressure_including_their_queues_prompts():
+    stats = {"a": report(free=20), "b": report(free=70), "c": report(free=60, waiting_tokens=16 * 30)}
+    # a: 80 blocks used; b: 30; c: 40 used + 30 blocks of queued prompts = 70.
+    assert PressureTracker().rank(["a", "b", "c"], stats, {}, now=NOW) == [
+        ("b", BY_KV),
+        ("c", BY_KV),
+        ("a", BY_KV),
+    ]
+
+
+def test_stale_and_missing_stats_rank_after_fresh_ones_by_queue_length():
+    stats = {
+        "fresh": report(free=1),
+        "stale": report(free=99, at=NOW - 10),
+        "old": report(free=99, at=NOW - 10),
+    }
+    ranking = PressureTracker().rank(
+        ["none", "stale", "fresh", "old"], stats, {"stale": 5, "old": 2, "none": 0}, now=NOW
+    )
+    assert ranking == [("fresh", BY_KV), ("none", NO_STATS), ("old", BY_QUEUE), ("stale", BY_QUEUE)]
+
+
+def test_malformed_stats_count_as_missing():
+    assert ReplicaLoad.parse({"num_free_blocks": 3}) is None
+    assert ReplicaLoad.parse(None) is None
+    assert PressureTracker().rank(["x"], {"x": {"bogus": 1}}, {}, now=NOW) == [("x", NO_STATS)]
+
+
+def test_in_flight_requests_correct_the_last_report_until_a_newer_one_counts_them():
+    tracker = PressureTracker()
+    stats = {"a": report(free=50), "b": report(free=45)}
+    assert tracker.rank(["a", "b"], stats, {}, now=NOW)[0][0] == "a"
+    tracker.on_sent("r1", "a", num_tokens=16 * 10, now=NOW + 0.1)  # 10 blocks: a is at 60 used
+    assert tracker.rank(["a", "b"], stats, {}, now=NOW + 0.2)[0][0] == "b"
+    # a's next report already holds r1: it is not counted twice.
+    stats["a"] = report(free=40, at=NOW + 0.5)
+    assert tracker.pressure("a", ReplicaLoad.parse(stats["a"])) == pytest.approx(0.6)
+    # A request sent after that report counts until it finishes.
+    tracker.on_sent("r2", "a", num_tokens=16 * 20, now=NOW + 0.6)
+    assert tracker.pressure("a", ReplicaLoad.parse(stats["a"])) == pytest.approx(0.8)
+    tracker.on_finished("r2")
+    assert tracker.pressure("a", ReplicaLoad.parse(stats["a"])) == pytest.approx(0.6)
+
+
+def test_equal_pressure_ties_go_to_the_shorter_queue():
+    stats = {"a": report(free=50), "b": report(free=50)}
+    assert PressureTracker().rank(["a", "b"], stats, {"a": 3, "b": 1}, now=NOW)[0] == ("b", BY_KV)
+
+
+def test_requests_estimate_their_tokens_before_tokenization():
+    completion = GenerateRequest("r", prompts=["x" * 400, [1, 2, 3]], n=2, sampling={"max_tokens": 10})
+    assert completion.estimated_tokens() == 2 * ((101 + 10) + (3 + 10))
+    chat = GenerateRequest(
+        "r", conversations=[[{"role": "user", "content": "y" * 40}]], default_max_tokens=50
+    )
+    assert chat.estimated_tokens() == 10 + 4 + 50
+
+
+@pytest.mark.parametrize(
+    ("replicas", "kv_usage", "waiting", "desired"),
+    [
+        (1, [0.9], [0], 2),  # 0.9 / 0.6 = 1.5 -> 2
+        (2, [0.3, 0.3], [0, 0], 1),  # half the target: half the replicas
+        (2, [0.6, 0.6], [0, 0], 2),  # on target: stay
+        (1, [0.1], [12], 3),  # the queue says more than KV: 12 / 4 = 3
+        (3, [0.0, 0.0, 0.0], [0, 0, 0], 0),  # idle: Serve's min_replicas bounds this
+        (2, [], [], 2),  # no reports yet: no change
+    ],
+)
+def test_policy_scales_replicas_by_the_worse_of_kv_usage_and_queue_depth(
+    replicas, kv_usage, waiting, desired
+):
+    policy = KVPressurePolicy(target_kv_cache_usage=0.6, target_waiting_requests=4)
+    assert policy.desired_replicas(replicas, kv_usage, waiting) == desired
+
+
+def test_policy_targets_are_checked():
+    with pytest.raises(ValueError, match="target_kv_cache_usage"):
+        KVPressurePolicy(target_kv_cache_usage=1.5)
+    with pytest.raises(ValueError, match="target_waiting_requests"):
+        KVPressurePolicy(target_waiting_requests=0)
