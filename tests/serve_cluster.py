@@ -18,10 +18,12 @@ from pathlib import Path
 
 import httpx
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 300
+REPORT_WAIT_S = 20  # Ray's workers report metrics every second in the test cluster; leave slack
 
 
 def free_port() -> int:
@@ -100,6 +102,24 @@ def post_concurrently(url: str, body: dict, count: int) -> list[httpx.Response]:
             return await asyncio.gather(*(http.post(url, json=body) for _ in range(count)))
 
     return asyncio.run(post_all())
+
+
+def scrape(cluster: ServeCluster, name: str, labels: dict[str, str]) -> float:
+    """Sum of the samples called `name` whose labels include `labels` (0 if none)."""
+    text = httpx.get(cluster.metrics_url, timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + REPORT_WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {REPORT_WAIT_S} s: {what}"
+        time.sleep(0.5)
 
 
 def stop(cluster: ServeCluster) -> None:

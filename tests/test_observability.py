@@ -8,33 +8,13 @@ import re
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests import prometheus_server
-from tests.serve_cluster import REPO, ServeCluster, post_concurrently
+from tests.serve_cluster import REPO, REPORT_WAIT_S, ServeCluster, post_concurrently, scrape, wait_for
 
 DASHBOARD = REPO / "dashboards" / "stallfree.json"
 MAIN_APP = {"application": "stallfree", "deployment": "EngineReplica"}
 SMALL_APP = {"application": "small", "deployment": "EngineReplica"}
-REPORT_WAIT_S = 20  # Ray's workers report every second in the test cluster; leave slack
-
-
-def scrape(cluster: ServeCluster, name: str, labels: dict[str, str]) -> float:
-    """Sum of the samples called `name` whose labels include `labels` (0 if none)."""
-    text = httpx.get(cluster.metrics_url, timeout=30).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and labels.items() <= sample.labels.items()
-    )
-
-
-def wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + REPORT_WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {REPORT_WAIT_S} s: {what}"
-        time.sleep(0.5)
 
 
 COUNTED = {
