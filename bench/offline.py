@@ -5,17 +5,12 @@ greedy with ignore_eos, so both produce exactly the requested tokens."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import time
 from pathlib import Path
 
-import torch
-
 from bench import hf_static
-from bench.workload import RequestTiming, Workload, records, summarize, uniform_workload
+from bench.workload import RequestTiming, Workload, records, result_header, summarize, uniform_workload
 from replica_engine import LLM, SamplingParams
 from replica_engine.models.sources import DEFAULT_MODEL, resolve_model
 
@@ -128,16 +123,7 @@ def main() -> None:
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
     result = {
-        "benchmark": "offline",
-        "command": "python -m bench.offline",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-        },
+        **result_header("offline"),
         "workload": {
             "num_requests": args.num_requests,
             "seed": args.seed,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
+import os
+import platform
 import random
 import statistics
 from dataclasses import asdict, dataclass
@@ -37,9 +40,27 @@ def uniform_workload(
     )
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def result_header(benchmark: str) -> dict[str, object]:
+    """What every result file starts with: which benchmark, how to rerun it, when, and where."""
+    import torch
+
+    return {
+        "benchmark": benchmark,
+        "command": f"python -m bench.{benchmark}",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
+    }
 
 
 def summarize(wall_s: float, timings: list[RequestTiming]) -> dict[str, float]:
@@ -50,11 +71,11 @@ def summarize(wall_s: float, timings: list[RequestTiming]) -> dict[str, float]:
         "output_tokens": sum(t.output_len for t in timings),
         "output_tok_per_s": sum(t.output_len for t in timings) / wall_s,
         "ttft_mean_s": statistics.fmean(ttft),
-        "ttft_p50_s": _percentile(ttft, 0.5),
-        "ttft_p99_s": _percentile(ttft, 0.99),
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p99_s": percentile(ttft, 0.99),
         "e2e_mean_s": statistics.fmean(e2e),
-        "e2e_p50_s": _percentile(e2e, 0.5),
-        "e2e_p99_s": _percentile(e2e, 0.99),
+        "e2e_p50_s": percentile(e2e, 0.5),
+        "e2e_p99_s": percentile(e2e, 0.99),
     }
 
 

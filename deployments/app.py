@@ -16,11 +16,18 @@ from replica_engine import DEFAULT_MODEL, EngineConfig, SamplingParams
 from replica_engine.models.sources import served_model_name
 from router.autoscaling import KVPressurePolicy
 from router.kv_router import KVPressureRouter
+from router.round_robin import RoundRobinRouter
 
 # EngineConfig fields a deployment may set under `engine:` (model is its own arg; offline is for LLM).
 ENGINE_KNOBS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model", "offline"}
 # SamplingParams fields a server may default (stop and seed belong to a request).
 SAMPLING_DEFAULTS = frozenset({"max_tokens", "temperature", "top_p", "top_k"})
+
+
+def _check_known(given: dict[str, Any], known: frozenset[str], what: str) -> None:
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}; known: {sorted(known)}")
 
 
 class AppArgs(BaseModel):
@@ -40,8 +47,8 @@ class AppArgs(BaseModel):
     autoscaling_config: dict[str, Any] | None = None
     target_kv_cache_usage: float = Field(default=0.6, gt=0, le=1)  # mean per replica
     target_waiting_requests: float = Field(default=4, gt=0)  # mean queue depth per replica
-    # kv_pressure: ours (router/); power_of_two: Serve's default, kept as a baseline.
-    request_router: Literal["kv_pressure", "power_of_two"] = "kv_pressure"
+    # kv_pressure: ours (router/); power_of_two (Serve's default) and round_robin: baselines.
+    request_router: Literal["kv_pressure", "power_of_two", "round_robin"] = "kv_pressure"
     max_ongoing_requests: int = Field(default=128, ge=1)  # per replica: the engine batches these
     max_queued_requests: int = Field(default=512, ge=-1)  # beyond this, 503 + Retry-After (-1: no cap)
     ingress_max_ongoing_requests: int = Field(default=4096, ge=1)
@@ -52,17 +59,13 @@ class AppArgs(BaseModel):
     @field_validator("engine")
     @classmethod
     def _known_knobs(cls, engine: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(engine) - ENGINE_KNOBS)
-        if unknown:
-            raise ValueError(f"unknown engine settings {unknown}; known: {sorted(ENGINE_KNOBS)}")
+        _check_known(engine, ENGINE_KNOBS, "engine settings")
         return engine
 
     @field_validator("sampling_defaults")
     @classmethod
     def _valid_sampling(cls, defaults: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(defaults) - SAMPLING_DEFAULTS)
-        if unknown:
-            raise ValueError(f"unknown sampling defaults {unknown}; known: {sorted(SAMPLING_DEFAULTS)}")
+        _check_known(defaults, SAMPLING_DEFAULTS, "sampling defaults")
         SamplingParams(**defaults)  # raises InvalidRequestError (a ValueError) naming the field
         return defaults
 
@@ -88,7 +91,8 @@ def _routing(args: AppArgs) -> dict[str, Any]:
     if args.request_router == "power_of_two":
         return {}
     # Attached as a class, not an import string: Serve's controller cannot import from a working_dir.
-    config = RequestRouterConfig(request_router_class=KVPressureRouter, request_routing_stats_period_s=0.5)
+    router_class = KVPressureRouter if args.request_router == "kv_pressure" else RoundRobinRouter
+    config = RequestRouterConfig(request_router_class=router_class, request_routing_stats_period_s=0.5)
     return {"request_router_config": config}
 
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from ray import serve
 
+from bench.serve_cluster import ServeCluster, scrape, wait_for
 from deployments.app import AppArgs, build_app
-from tests.serve_cluster import ServeCluster, scrape, wait_for
 
 BLOCK_BYTES = 16 * 30 * 2 * 3 * 64 * 4  # one 16-token KV block of SmolLM2 in float32
 LONG_PROMPT = "Summarise the history of the Roman Empire in detail. " * 12  # ~130 tokens

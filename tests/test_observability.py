@@ -9,8 +9,8 @@ import time
 
 import httpx
 
+from bench.serve_cluster import REPO, REPORT_WAIT_S, ServeCluster, post_concurrently, scrape, wait_for
 from tests import prometheus_server
-from tests.serve_cluster import REPO, REPORT_WAIT_S, ServeCluster, post_concurrently, scrape, wait_for
 
 DASHBOARD = REPO / "dashboards" / "stallfree.json"
 MAIN_APP = {"application": "stallfree", "deployment": "EngineReplica"}

@@ -12,8 +12,8 @@ import openai
 import pytest
 from ray import serve
 
+from bench.serve_cluster import ServeCluster, post_concurrently
 from replica_engine import LLM, EngineStats, SamplingParams
-from tests.serve_cluster import ServeCluster, post_concurrently
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -1,4 +1,4 @@
-"""A real local Ray cluster running `serve run serve_config.yaml`, for the end-to-end tests.
+"""A real local Ray cluster running `serve run <config>`, for the end-to-end tests and benchmarks.
 
 The cluster is started with `ray start --head` (so the tests' own driver can attach to it for
 replica stats), then the documented `serve run` deploys the repository's serve_config.yaml onto
@@ -40,13 +40,14 @@ class ServeCluster:
     app_name: str
     serve_run: subprocess.Popen
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, route_prefix: str = "") -> None:
+        """Until the app at `route_prefix` answers /health."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.serve_run.poll() is not None:
                 raise RuntimeError(f"`serve run` exited with {self.serve_run.returncode}")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=10).status_code == 200:
+                if httpx.get(f"{self.base_url}{route_prefix}/health", timeout=10).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
