@@ -11,7 +11,7 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from deployments.engine_replica import EngineReplica
-from deployments.ingress import Ingress
+from deployments.ingress import Ingress, IngressSettings
 from replica_engine import DEFAULT_MODEL, EngineConfig, SamplingParams
 from replica_engine.models.sources import served_model_name
 from router.autoscaling import KVPressurePolicy
@@ -55,6 +55,11 @@ class AppArgs(BaseModel):
     # Sampling for fields a request leaves out (vLLM's generation-config defaults), e.g. the
     # model card's {temperature: 0.2, top_p: 0.9}; without it, OpenAI's (temperature 1).
     sampling_defaults: dict[str, Any] = Field(default_factory=dict)
+    # API keys (`Authorization: Bearer`), read on the Ingress's node: an environment variable
+    # with comma-separated keys and/or a file with one per line. Neither set: no auth.
+    api_key_env: str | None = None
+    api_key_file: str | None = None
+    max_request_body_bytes: int = Field(default=4 << 20, ge=1024)  # larger bodies get 413
 
     @field_validator("engine")
     @classmethod
@@ -106,5 +111,11 @@ def build_app(args: AppArgs) -> Application:
         **_autoscaling(args),
         **_routing(args),
     ).bind(engine_config, model_name, args.cpu_threads)
-    ingress = Ingress.options(max_ongoing_requests=args.ingress_max_ongoing_requests)
-    return ingress.bind(replica, model_name, args.sampling_defaults)
+    settings = IngressSettings(
+        model_name,
+        args.sampling_defaults,
+        args.api_key_env,
+        args.api_key_file,
+        args.max_request_body_bytes,
+    )
+    return Ingress.options(max_ongoing_requests=args.ingress_max_ongoing_requests).bind(replica, settings)

@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,6 +18,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.auth import check_api_key, load_api_keys
 from deployments.messages import ChoiceDelta, GenerateError, GenerateRequest
 from deployments.protocol import (
     ApiError,
@@ -59,13 +61,24 @@ async def _batches(
         yield batch
 
 
+@dataclass(frozen=True)
+class IngressSettings:
+    model_name: str  # the `model` clients send
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    api_key_env: str | None = None  # environment variable with comma-separated keys
+    api_key_file: str | None = None  # file with one key per line
+    max_request_body_bytes: int = 4 << 20
+
+
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, model_name: str, sampling_defaults: dict[str, Any]) -> None:
+    def __init__(self, engine: DeploymentHandle, settings: IngressSettings) -> None:
         self.engine = engine
-        self.model_name = model_name
-        self.sampling_defaults = sampling_defaults
+        self.model_name = settings.model_name
+        self.sampling_defaults = settings.sampling_defaults
+        self.max_body_bytes = settings.max_request_body_bytes
+        self.api_keys = load_api_keys(settings.api_key_env, settings.api_key_file)
         self.created = int(time.time())
 
     @app.get("/health")
@@ -77,21 +90,40 @@ class Ingress:
         return Response(status_code=200)
 
     @app.get("/v1/models")
-    async def models(self) -> dict[str, object]:
+    async def models(self, request: Request) -> dict[str, object]:
+        check_api_key(request.headers.get("authorization"), self.api_keys)
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "stallfree"}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        body = parse_body(CompletionRequest, await request.body())
+        body = parse_body(CompletionRequest, await self._read_body(request))
         generate = self._generate_request(body, prompts=body.prompts())
         return await self._respond(generate, body, COMPLETIONS)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        body = parse_body(ChatCompletionRequest, await request.body())
+        body = parse_body(ChatCompletionRequest, await self._read_body(request))
         generate = self._generate_request(body, conversations=[body.conversation()])
         return await self._respond(generate, body, CHAT)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The authorized caller's body, refused with 413 past the size limit (before reading it
+        all when the client declares its length)."""
+        check_api_key(request.headers.get("authorization"), self.api_keys)
+        too_large = ApiError(
+            413, f"request body exceeds {self.max_body_bytes} bytes", code="request_too_large"
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _generate_request(self, body: SamplingRequest, **inputs: list) -> GenerateRequest:
         if body.model is not None and body.model != self.model_name:

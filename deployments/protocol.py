@@ -5,7 +5,7 @@ wrong types and missing fields all become one OpenAI-shaped 400 (never FastAPI's
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -44,6 +44,9 @@ _NO_OP_VALUES: dict[str, tuple[object, ...]] = {
 }
 
 
+MAX_STOP_STRINGS = 16
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -59,7 +62,7 @@ class SamplingRequest(BaseModel):
     top_p: float | None = None
     top_k: int | None = None  # vLLM's extension, as are stop_token_ids and ignore_eos
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = Field(default=1, ge=1, le=128)
@@ -147,7 +150,10 @@ def parse_body(model: type[RequestModel], body: bytes) -> RequestModel:
     try:
         request = model.model_validate_json(body, strict=True)
     except ValidationError as error:
-        first = error.errors(include_url=False)[0]
+        errors = error.errors(include_url=False)
+        # A union field fails once per member; the member whose type matched says what is wrong.
+        same_field = [e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]]
+        first = next((e for e in same_field if not e["type"].endswith("_type")), errors[0])
         location = ".".join(str(part) for part in first["loc"])
         if first["type"] == "json_invalid":
             raise ApiError(400, f"request body is not valid JSON: {first['msg']}") from None
