@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
 
+from replica_engine.attention import ATTENTION_BACKENDS
 from replica_engine.errors import InvalidRequestError
 from replica_engine.models.sources import DEFAULT_MODEL
 from replica_engine.scheduler import SCHEDULING_POLICIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ATTENTION_BACKEND_NAMES = ("auto", "torch")
+ATTENTION_BACKEND_NAMES = ("auto", *ATTENTION_BACKENDS)
 GiB = 1 << 30
 
 # Defaults per device. Serving keeps steps short so time between tokens stays low; offline
@@ -115,8 +117,14 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs or defaults["max_num_seqs"],
             kv_cache_bytes=self.kv_cache_bytes or defaults.get("kv_cache_bytes"),
             max_model_len=self.max_model_len or model_max_len,
-            attention_backend="torch" if self.attention_backend == "auto" else self.attention_backend,
+            attention_backend=self._attention_backend(on_gpu),
         )
+
+    def _attention_backend(self, on_gpu: bool) -> str:
+        """auto: our Triton kernels on a GPU (when triton imports), the torch reference otherwise."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if on_gpu and importlib.util.find_spec("triton") is not None else "torch"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -3,10 +3,16 @@ Hugging Face reference are loaded once per session."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton reads TRITON_INTERPRET when it is first imported (transformers may import it early):
+# without a GPU, its kernels run in the interpreter, on the CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from replica_engine import LLM
 from replica_engine.models.sources import DEFAULT_MODEL, resolve_model

@@ -6,15 +6,19 @@ from replica_engine.attention.base import INVALID_BLOCK_ID, AttentionBackend, At
 from replica_engine.attention.torch_ref import TorchAttention
 from replica_engine.errors import InvalidRequestError
 
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+ATTENTION_BACKENDS = ("torch", "triton")
 
 
 def get_backend(name: str) -> AttentionBackend:
-    if name not in ATTENTION_BACKENDS:
-        raise InvalidRequestError(
-            "attention_backend", f"unknown backend {name!r}; have {sorted(ATTENTION_BACKENDS)}"
-        )
-    return ATTENTION_BACKENDS[name]()
+    if name == "torch":
+        return TorchAttention()
+    if name == "triton":
+        try:  # imported only when asked for: triton is optional off the GPU
+            from replica_engine.attention.triton_paged import TritonAttention
+        except ImportError as error:
+            raise InvalidRequestError("attention_backend", f"triton is not available: {error}") from None
+        return TritonAttention()
+    raise InvalidRequestError("attention_backend", f"unknown {name!r}; have {list(ATTENTION_BACKENDS)}")
 
 
 __all__ = ["ATTENTION_BACKENDS", "INVALID_BLOCK_ID", "AttentionBackend", "AttentionMetadata", "get_backend"]
