@@ -43,7 +43,6 @@ class AttentionBackend(ABC):
         k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = key
         v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value
 
-    @abstractmethod
     def forward(
         self,
         query: torch.Tensor,
@@ -58,3 +57,16 @@ class AttentionBackend(ABC):
         caches [num_blocks, block_size, kv_heads, head_dim]. Writes the new K/V into the cache,
         then attends each query to its request's cached context with a bottom-right causal mask.
         Returns [T, heads, head_dim]."""
+        self.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+        return self.attend(query, k_cache, v_cache, metadata, scale)
+
+    @abstractmethod
+    def attend(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of this step's queries over the cache, which already holds their own K/V."""

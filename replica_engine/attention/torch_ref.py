@@ -56,17 +56,14 @@ def _batched_decode(
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def forward(
+    def attend(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        self.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
         output = torch.empty_like(query)
         query_lens, kv_lens = metadata.query_lens_cpu, metadata.seq_lens_kv_cpu
         starts = metadata.cu_seqlens_q[:-1].long()

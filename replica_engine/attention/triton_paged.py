@@ -103,58 +103,45 @@ def _paged_attention_kernel(
     )
 
 
-def paged_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    _, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    if block_size % 16:
-        raise ValueError(f"block_size must be a multiple of 16 for the triton backend, got {block_size}")
-    output = torch.empty_like(query)
-    num_requests = metadata.seq_lens_kv.shape[0]
-    grid = (num_requests, num_heads, triton.cdiv(metadata.max_query_len, BLOCK_M))
-    _paged_attention_kernel[grid](
-        query,
-        k_cache,
-        v_cache,
-        output,
-        metadata.cu_seqlens_q,
-        metadata.seq_lens_kv,
-        metadata.block_tables,
-        scale,
-        query.stride(0),
-        query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        output.stride(0),
-        output.stride(1),
-        metadata.block_tables.stride(0),
-        num_queries_per_kv=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size,
-        BLOCK_M=BLOCK_M,
-    )
-    return output
-
-
 class TritonAttention(AttentionBackend):
     name = "triton"
 
-    def forward(
+    def attend(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        self.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
-        return paged_attention(query, k_cache, v_cache, metadata, scale)
+        _, num_heads, head_dim = query.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        if block_size % 16:
+            raise ValueError(f"block_size must be a multiple of 16 for the triton backend, got {block_size}")
+        output = torch.empty_like(query)
+        num_requests = metadata.seq_lens_kv.shape[0]
+        grid = (num_requests, num_heads, triton.cdiv(metadata.max_query_len, BLOCK_M))
+        _paged_attention_kernel[grid](
+            query,
+            k_cache,
+            v_cache,
+            output,
+            metadata.cu_seqlens_q,
+            metadata.seq_lens_kv,
+            metadata.block_tables,
+            scale,
+            query.stride(0),
+            query.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            output.stride(0),
+            output.stride(1),
+            metadata.block_tables.stride(0),
+            num_queries_per_kv=num_heads // num_kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_SIZE=block_size,
+            BLOCK_M=BLOCK_M,
+        )
+        return output
