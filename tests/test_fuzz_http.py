@@ -1,0 +1,121 @@
+"""Property-based fuzzing of the HTTP API: wrong types, huge numbers, unicode, empty and long
+strings, nested junk and raw bytes. No response may be a 5xx and none may hang. Runs against an
+app with a 32-token context, so even a valid fuzzed request (n up to 128) generates little."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ray import serve
+
+from bench.serve_cluster import ServeCluster
+from deployments.app import AppArgs, build_app
+
+FIELDS = [
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "stream", "stream_options",
+    "logprobs", "presence_penalty", "response_format", "echo", "user",
+]  # fmt: skip
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False),  # JSON has no NaN
+    st.text(max_size=300),
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+    max_leaves=20,
+)
+text_parts = st.lists(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)}), max_size=2
+)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "robot"]),
+            "content": st.text(max_size=40) | text_parts | json_values,
+        }
+    ),
+    max_size=3,
+)
+# Well-typed fields at and past their edges: these get through parsing to the engine.
+edgy_fields = {
+    "max_tokens": st.integers(-3, 40),
+    "temperature": st.floats(-1, 3),
+    "top_p": st.floats(-0.5, 1.5),
+    "top_k": st.integers(-3, 70000),
+    "seed": st.integers(-(2**64), 2**64),
+    "n": st.integers(-1, 4),
+    "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=20),
+    "stop_token_ids": st.lists(st.integers(-3, 70000), max_size=4),
+    "ignore_eos": st.booleans(),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+}
+edgy_prompts = (
+    st.text(max_size=60)
+    | st.lists(st.integers(-3, 70000), max_size=20)
+    | st.lists(st.text(max_size=20), max_size=3)
+)
+bodies = st.one_of(
+    st.fixed_dictionaries({"prompt": edgy_prompts}, optional=edgy_fields),
+    st.fixed_dictionaries({"messages": messages}, optional=edgy_fields),
+    json_values,
+    st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=8),
+    st.fixed_dictionaries(
+        {"prompt": st.text(max_size=200) | st.lists(st.integers(-5, 60000), max_size=40)},
+        optional={name: json_values for name in FIELDS if name != "prompt"},
+    ),
+    st.fixed_dictionaries(
+        {"messages": messages}, optional={name: json_values for name in FIELDS if name != "messages"}
+    ),
+)
+FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+
+@pytest.fixture(scope="module")
+def fuzz_app(serve_cluster: ServeCluster) -> str:
+    args = AppArgs(num_cpus=0, engine={"max_model_len": 32, "kv_cache_bytes": 64 << 20, "max_num_seqs": 256})
+    serve.run(build_app(args), name="fuzz", route_prefix="/fuzz")
+    yield f"{serve_cluster.base_url}/fuzz"
+    serve.delete("fuzz")
+
+
+def post(url: str, content: bytes) -> httpx.Response:
+    # The timeout is the "never hang" check: a 64-token context finishes well within it.
+    return httpx.post(url, content=content, headers={"Content-Type": "application/json"}, timeout=120)
+
+
+def check(response: httpx.Response) -> None:
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@FUZZ
+@given(body=bodies)
+def test_fuzzed_completions_never_get_a_5xx(fuzz_app: str, body: object):
+    check(post(f"{fuzz_app}/v1/completions", json.dumps(body).encode()))
+
+
+@FUZZ
+@given(body=bodies)
+def test_fuzzed_chat_never_gets_a_5xx(fuzz_app: str, body: object):
+    check(post(f"{fuzz_app}/v1/chat/completions", json.dumps(body).encode()))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(raw=st.binary(max_size=300))
+def test_raw_bytes_never_get_a_5xx(fuzz_app: str, raw: bytes):
+    check(post(f"{fuzz_app}/v1/completions", raw))
+
+
+def test_the_app_serves_normally_after_the_fuzzing(fuzz_app: str):
+    response = httpx.post(f"{fuzz_app}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
