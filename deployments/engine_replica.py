@@ -14,6 +14,7 @@ from deployments.messages import ChoiceDelta, GenerateError, GenerateRequest
 from replica_engine import AsyncEngine, EngineConfig, EngineStats, InvalidRequestError, SamplingParams
 from replica_engine.metrics import EngineMetrics, RayServeSink
 from replica_engine.outputs import RequestOutput
+from replica_engine.sampling_params import INT64_MIN
 from router.autoscaling import KV_USAGE, WAITING
 
 Stream = AsyncIterator[RequestOutput]
@@ -58,6 +59,11 @@ async def merge_streams(streams: list[Stream]) -> AsyncIterator[list[tuple[int, 
         await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()  # type: ignore[attr-defined]
+
+
+def wrap_int64(value: int) -> int:
+    """Back into int64 range, as a seed near its top plus a choice index may leave it."""
+    return (value - INT64_MIN) % 2**64 + INT64_MIN
 
 
 def _coalesce(batch: list[tuple[int, RequestOutput]]) -> list[ChoiceDelta]:
@@ -118,8 +124,8 @@ class EngineReplica:
         if sampling.get("max_tokens") is None:  # whatever context is left, at most the server's default
             context_left = max(1, self.engine.engine.config.max_model_len - len(prompt))
             sampling["max_tokens"] = min(request.default_max_tokens or context_left, context_left)
-        if sampling.get("seed") is not None:  # n seeded choices must still differ from each other
-            sampling["seed"] += choice
+        if sampling.get("seed") is not None and choice:  # n seeded choices must still differ
+            sampling["seed"] = wrap_int64(sampling["seed"] + choice)  # (choice 0 checks the seed itself)
         return SamplingParams(**sampling)
 
     def stats(self) -> EngineStats:

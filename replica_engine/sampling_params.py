@@ -16,6 +16,9 @@ def _is_number(value: object) -> bool:
     return (isinstance(value, (int, float))) and not isinstance(value, bool) and math.isfinite(value)
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what a torch generator's seed can hold
+
+
 @dataclass
 class SamplingParams:
     """What to generate for one request (vLLM's defaults: 16 tokens at temperature 1)."""
@@ -46,8 +49,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 "top_k", f"must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}"
             )
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidRequestError("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX):
+            raise InvalidRequestError("seed", f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop", "must be a non-empty string or a list of non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):

@@ -105,6 +105,8 @@ def test_abort_mid_generation_frees_every_block(llm):
         ("hi", {"top_p": 1.5}, "top_p"),
         ("hi", {"top_k": -2}, "top_k"),
         ("hi", {"stop": [""]}, "stop"),
+        ("hi", {"seed": 2**63}, "seed"),  # past int64: torch's generator would overflow
+        ("hi", {"seed": -(2**63) - 1}, "seed"),
         ("hi", {"max_tokens": 9000}, "prompt"),  # prompt + max_tokens > max_model_len (8192)
     ],
 )

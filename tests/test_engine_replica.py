@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from deployments.engine_replica import EngineReplica
+from deployments.engine_replica import EngineReplica, wrap_int64
 from deployments.messages import ChoiceDelta, GenerateError, GenerateRequest
 from replica_engine import EngineConfig, EngineDeadError
 
@@ -55,3 +55,8 @@ def test_health_check_fails_once_the_step_loop_dies(replica: EngineReplica):
         asyncio.run(asyncio.wait_for(collect(replica, request), timeout=30))
     with pytest.raises(RuntimeError, match="device lost"):
         replica.check_health()
+
+
+def test_seeds_of_choices_stay_in_int64():
+    assert wrap_int64(2**63 - 1 + 1) == -(2**63)
+    assert wrap_int64(5) == 5 and wrap_int64(-(2**63)) == -(2**63)

@@ -155,6 +155,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "hi", "top_p": 2}, 400, "top_p", None),
     (COMPLETIONS, {"prompt": "hi", "n": 0}, 400, "n", None),
     (COMPLETIONS, {"prompt": "hi", "stop": 3}, 400, "stop", None),
+    (COMPLETIONS, {"prompt": "hi", "seed": 2**64}, 400, "seed", None),
     (COMPLETIONS, {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty", None),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt", None),
     (COMPLETIONS, {"prompt": [10**9]}, 400, "prompt", None),
