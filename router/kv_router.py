@@ -7,7 +7,6 @@ per rank, best first (router/pressure.py says how)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from typing import Any
 
 from ray.serve.request_router import (
@@ -21,7 +20,7 @@ from ray.serve.request_router import (
 
 from deployments.messages import GenerateRequest
 from replica_engine.metrics.sinks import Counter, MetricsSink, RayServeSink
-from router.pressure import PressureTracker
+from router.pressure import PressureTracker, ReplicaLoad
 
 ROUTED_METRIC = "stallfree_router_requests_routed"
 
@@ -35,7 +34,6 @@ def requested_tokens(request: PendingRequest) -> int:
 class KVPressureRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, sink: MetricsSink | None = None, **kwargs: Any) -> None:
         self.tracker = PressureTracker()
-        self._reasons: dict[str, dict[ReplicaID, str]] = {}  # per pending request: why each rank
         self._routed: Counter = (sink or RayServeSink()).counter(
             ROUTED_METRIC,
             "Requests routed to an EngineReplica, by replica and reason",
@@ -45,12 +43,7 @@ class KVPressureRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        return self.rank(candidate_replicas, pending_request)
-
-    def rank(
-        self, candidates: Sequence[RunningReplica], pending_request: PendingRequest | None
-    ) -> list[list[RunningReplica]]:
-        candidates = list(candidates)
+        candidates = list(candidate_replicas)
         random.shuffle(candidates)  # equal pressure and queue: spread, not always the first
         by_id = {replica.replica_id: replica for replica in candidates}
         queue_lens = {
@@ -60,18 +53,18 @@ class KVPressureRouter(FIFOMixin, RequestRouter):
         }
         stats = {replica_id: replica.routing_stats for replica_id, replica in by_id.items()}
         ranking = self.tracker.rank(by_id, stats, queue_lens)
-        if pending_request is not None:
-            self._reasons[pending_request.metadata.internal_request_id] = dict(ranking)
         return [[by_id[replica_id]] for replica_id, _ in ranking]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
         request_id = pending_request.metadata.internal_request_id
-        reason = self._reasons.pop(request_id, {}).get(replica_id, "unranked")
+        # The reason follows from the chosen replica's report, so no per-request state is kept
+        # (state per pending request would leak for requests cancelled before routing).
+        replica = self.curr_replicas.get(replica_id)
+        reason = self.tracker.reason(ReplicaLoad.parse(replica.routing_stats if replica else None))
         self.tracker.on_sent(request_id, replica_id, requested_tokens(pending_request))
         self._routed.inc(1, {"target_replica": replica_id.unique_id, "reason": reason})
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.tracker.on_finished(internal_request_id)
-        self._reasons.pop(internal_request_id, None)

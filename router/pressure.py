@@ -75,6 +75,13 @@ class PressureTracker:
         in_flight_blocks = math.ceil(self.in_flight_tokens(replica, load.reported_at) / load.block_size)
         return (load.used_blocks() + in_flight_blocks) / max(1, load.num_total_blocks)
 
+    def reason(self, load: ReplicaLoad | None, now: float | None = None) -> str:
+        """How a replica with this report ranks: by KV pressure if it is fresh, else by queue."""
+        if load is None:
+            return NO_STATS
+        now = time.time() if now is None else now
+        return BY_KV if now - load.reported_at <= self.stale_after_s else BY_QUEUE
+
     def rank(
         self,
         replicas: Iterable[Hashable],
@@ -89,10 +96,11 @@ class PressureTracker:
         for replica in replicas:
             load = ReplicaLoad.parse(stats.get(replica))
             queue_len = queue_lens.get(replica, math.inf)
-            if load is not None and now - load.reported_at <= self.stale_after_s:
-                fresh.append(((self.pressure(replica, load), queue_len), replica, BY_KV))
+            reason = self.reason(load, now)
+            if reason == BY_KV:
+                fresh.append(((self.pressure(replica, load), queue_len), replica, reason))
             else:
-                fallback.append(((queue_len,), replica, BY_QUEUE if load is not None else NO_STATS))
+                fallback.append(((queue_len,), replica, reason))
         fresh.sort(key=lambda entry: entry[0])
         fallback.sort(key=lambda entry: entry[0])
         return [(replica, reason) for _, replica, reason in fresh + fallback]
