@@ -60,6 +60,10 @@ class AppArgs(BaseModel):
     api_key_env: str | None = None
     api_key_file: str | None = None
     max_request_body_bytes: int = Field(default=4 << 20, ge=1024)  # larger bodies get 413
+    # A request still unanswered after this long (streamed or not) gets 408 and is aborted,
+    # freeing its KV blocks. None: no limit of ours (Serve's http_options.request_timeout_s
+    # still applies if set, with Serve's plain-text 408).
+    request_timeout_s: float | None = Field(default=None, gt=0)
 
     @field_validator("engine")
     @classmethod
@@ -117,5 +121,6 @@ def build_app(args: AppArgs) -> Application:
         args.api_key_env,
         args.api_key_file,
         args.max_request_body_bytes,
+        args.request_timeout_s,
     )
     return Ingress.options(max_ongoing_requests=args.ingress_max_ongoing_requests).bind(replica, settings)

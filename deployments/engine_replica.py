@@ -6,14 +6,23 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import torch
 from ray import serve
 
 from deployments.messages import ChoiceDelta, GenerateError, GenerateRequest
-from replica_engine import AsyncEngine, EngineConfig, EngineStats, InvalidRequestError, SamplingParams
+from replica_engine import (
+    AsyncEngine,
+    EngineConfig,
+    EngineDeadError,
+    EngineStats,
+    InvalidRequestError,
+    SamplingParams,
+)
 from replica_engine.metrics import EngineMetrics, RayServeSink
 from replica_engine.outputs import RequestOutput
+from replica_engine.request import FinishReason
 from replica_engine.sampling_params import INT64_MIN
 from router.autoscaling import KV_USAGE, WAITING
 
@@ -91,15 +100,29 @@ class EngineReplica:
         self.engine = AsyncEngine(engine_config, EngineMetrics(RayServeSink(), model_name))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[list[ChoiceDelta] | GenerateError]:
-        """Stream the choices' deltas; a refused request yields one GenerateError and nothing else.
-        Cancelling the call (the client went away) aborts every choice, freeing its KV blocks."""
+        """Stream the choices' deltas; a refused request yields one GenerateError and nothing else,
+        and one the engine fails ends with a GenerateError. Cancelling the call (the client went
+        away) aborts every choice, freeing its KV blocks."""
         try:
             streams = await self._start(request)
         except InvalidRequestError as error:
             yield GenerateError(str(error), error.param, error.code)
             return
-        async for batch in merge_streams(streams):
-            yield _coalesce(batch)
+        except EngineDeadError as error:  # Serve's health check will replace this replica
+            yield GenerateError(str(error), None, "engine_unavailable", status=503)
+            return
+        try:
+            async with aclosing(merge_streams(streams)) as batches:  # closing aborts what still runs
+                async for batch in batches:
+                    deltas = _coalesce(batch)
+                    failed = [d.index for d in deltas if d.finish_reason == FinishReason.ERROR]
+                    if failed:
+                        message = f"the engine failed while computing choice {failed[0]}; it goes on serving"
+                        yield GenerateError(message, None, "engine_error", status=500)
+                        return
+                    yield deltas
+        except EngineDeadError as error:
+            yield GenerateError(str(error), None, "engine_error", status=500)
 
     async def _start(self, request: GenerateRequest) -> list[Stream]:
         """Check every input before starting any, so a refusal leaves nothing running."""
@@ -121,8 +144,8 @@ class EngineReplica:
 
     def _params(self, request: GenerateRequest, prompt: list[int], choice: int) -> SamplingParams:
         sampling = dict(request.sampling)
-        if sampling.get("max_tokens") is None:  # whatever context is left, at most the server's default
-            context_left = max(1, self.engine.engine.config.max_model_len - len(prompt))
+        if sampling.get("max_tokens") is None:  # whatever room is left, at most the server's default
+            context_left = max(1, self.engine.engine.max_request_tokens - len(prompt))
             sampling["max_tokens"] = min(request.default_max_tokens or context_left, context_left)
         if sampling.get("seed") is not None and choice:  # n seeded choices must still differ
             sampling["seed"] = wrap_int64(sampling["seed"] + choice)  # (choice 0 checks the seed itself)

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -53,8 +54,49 @@ async def _server_error(_: Request, error: Exception) -> JSONResponse:
     return await _api_error(_, ApiError(500, f"internal error: {error}", error_type="server_error"))
 
 
-async def _batches(
-    first: list[ChoiceDelta], rest: DeploymentResponseGenerator
+async def _replies(
+    stream: DeploymentResponseGenerator, deadline: float | None
+) -> AsyncIterator[list[ChoiceDelta]]:
+    """The replica's deltas for one request. Every way that can end badly becomes an ApiError: a
+    refusal or engine fault (the replica's GenerateError), a full queue, a dead replica, or the
+    request's deadline (loop time). The caller cancels `stream` when it is done with it."""
+    try:
+        while True:
+            async with asyncio.timeout_at(deadline):
+                item = await anext(stream, None)
+            if item is None:
+                return
+            if isinstance(item, GenerateError):
+                error_type = "invalid_request_error" if item.status < 500 else "server_error"
+                headers = {"Retry-After": str(RETRY_AFTER_S)} if item.status == 503 else None
+                raise ApiError(item.status, item.message, item.param, item.code, error_type, headers)
+            yield item
+    except TimeoutError:
+        raise ApiError(
+            408, "request timed out (request_timeout_s)", code="request_timeout", error_type="timeout"
+        ) from None
+    except BackPressureError as error:
+        retry_after = error.retry_after_s if error.retry_after_s is not None else RETRY_AFTER_S
+        raise ApiError(
+            503,
+            f"server busy: {error.message} Retry later.",
+            code="overloaded",
+            error_type="server_error",
+            headers={"Retry-After": str(max(1, round(retry_after)))},
+        ) from None
+    except RayActorError as error:  # the replica died (Serve starts a new one): the request is lost
+        logger.warning("replica failed mid-request: %s", error)
+        raise ApiError(
+            503,
+            "the replica serving this request stopped; retry the request",
+            code="replica_failed",
+            error_type="server_error",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        ) from None
+
+
+async def _prepend(
+    first: list[ChoiceDelta], rest: AsyncIterator[list[ChoiceDelta]]
 ) -> AsyncIterator[list[ChoiceDelta]]:
     yield first
     async for batch in rest:
@@ -68,6 +110,7 @@ class IngressSettings:
     api_key_env: str | None = None  # environment variable with comma-separated keys
     api_key_file: str | None = None  # file with one key per line
     max_request_body_bytes: int = 4 << 20
+    request_timeout_s: float | None = None  # whole request, streamed or not; then 408 and abort
 
 
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
@@ -78,6 +121,7 @@ class Ingress:
         self.model_name = settings.model_name
         self.sampling_defaults = settings.sampling_defaults
         self.max_body_bytes = settings.max_request_body_bytes
+        self.request_timeout_s = settings.request_timeout_s
         self.api_keys = load_api_keys(settings.api_key_env, settings.api_key_file)
         self.created = int(time.time())
 
@@ -141,43 +185,42 @@ class Ingress:
     async def _respond(
         self, generate: GenerateRequest, body: SamplingRequest, endpoint: Endpoint
     ) -> Response:
+        deadline = None
+        if self.request_timeout_s is not None:
+            deadline = asyncio.get_running_loop().time() + self.request_timeout_s
         stream: DeploymentResponseGenerator = self.engine.options(stream=True).generate.remote(generate)
+        replies = _replies(stream, deadline)
         try:
-            first = await stream.__anext__()  # the engine's verdict comes before any header is sent
-        except BackPressureError as error:
-            retry_after = error.retry_after_s if error.retry_after_s is not None else RETRY_AFTER_S
-            raise ApiError(
-                503,
-                f"server busy: {error.message} Retry later.",
-                code="overloaded",
-                error_type="server_error",
-                headers={"Retry-After": str(max(1, round(retry_after)))},
-            ) from None
+            first = await anext(replies)  # the engine's verdict comes before any header is sent
         except BaseException:
             stream.cancel()
             raise
-        if isinstance(first, GenerateError):
-            raise ApiError(400, first.message, param=first.param, code=first.code)
         writer = ResponseWriter(
             endpoint, generate.request_id, self.model_name, Usage(generate.n), body.include_usage
         )
         if body.stream:
-            return StreamingResponse(self._events(writer, first, stream), media_type="text/event-stream")
+            events = self._events(writer, first, replies, stream)
+            return StreamingResponse(events, media_type="text/event-stream")
         try:
-            return JSONResponse(await writer.whole(_batches(first, stream)))
+            return JSONResponse(await writer.whole(_prepend(first, replies)))
         finally:
-            stream.cancel()  # a no-op once finished; aborts the request if this handler was cancelled
+            stream.cancel()  # a no-op once finished; aborts the request if it failed or was cancelled
 
     @staticmethod
     async def _events(
-        writer: ResponseWriter, first: list[ChoiceDelta], stream: DeploymentResponseGenerator
+        writer: ResponseWriter,
+        first: list[ChoiceDelta],
+        replies: AsyncIterator[list[ChoiceDelta]],
+        stream: DeploymentResponseGenerator,
     ) -> AsyncIterator[str]:
         try:
-            async for event in writer.events(_batches(first, stream)):
+            async for event in writer.events(_prepend(first, replies)):
                 yield event
         except Exception as error:  # headers are sent: the failure goes in the stream
-            logger.exception("stream failed")
-            yield sse_event(ApiError(500, f"internal error: {error}", error_type="server_error").body)
+            if not isinstance(error, ApiError):
+                logger.exception("stream failed")
+                error = ApiError(500, f"internal error: {error}", error_type="server_error")
+            yield sse_event(error.body)
             yield "data: [DONE]\n\n"
         finally:
             stream.cancel()  # the client went away (CancelledError) or we are done: free the KV blocks

@@ -56,8 +56,10 @@ class ChoiceDelta:
 
 @dataclass
 class GenerateError:
-    """A request the engine refused (the Ingress answers 400); sent instead of any delta."""
+    """Why a request ends without its answer: sent instead of any delta when the engine refuses
+    it (400), or in place of the rest when the engine fails while serving it (500, 503)."""
 
     message: str
     param: str | None
     code: str | None
+    status: int = 400

@@ -4,21 +4,29 @@ so the event loop never blocks on it; each request is an async stream of Request
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from replica_engine.config import EngineConfig
 from replica_engine.engine import EngineStats, LLMEngine, Prompt
+from replica_engine.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    StepFailedError,
+)
 from replica_engine.metrics import EngineMetrics
 from replica_engine.outputs import RequestOutput
 from replica_engine.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 GAUGE_REFRESH_S = 0.5
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop died; no request can be served by this engine any more."""
+# A failing request is finished with reason error and the rest go on (LLMEngine.step); this
+# many steps in a row where every request failed mean the engine itself is broken (a lost
+# device, a corrupted cache), so it stops and reports unhealthy.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 @dataclass
@@ -46,13 +54,26 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Validate and queue a request (raising InvalidRequestError at once if it is bad); return
         its stream. Closing the stream early (or cancelling the task reading it) aborts it."""
-        if not self.is_healthy:
-            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        # The stream exists before the engine can step the request, so no output is missed.
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        request_id = self.engine.add_request(prompt, params, request_id)
         self._streams[request_id] = stream
+        try:
+            self._check_alive()
+            self.engine.add_request(prompt, params, request_id)
+            self._check_alive()  # the loop may have died meanwhile, failing only older streams
+        except BaseException:
+            self._streams.pop(request_id, None)
+            self.engine.abort_request(request_id)
+            raise
         self._wakeup.set()
         return self._read(request_id, stream)
+
+    def _check_alive(self) -> None:
+        if not self.is_healthy:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
 
     async def _read(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -88,6 +109,7 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
     def _run_steps(self) -> None:
+        consecutive_failures = 0
         while not self._stopping:
             if not self.engine.has_unfinished_requests():
                 # Idle: still republish the gauges now and then, as Ray's metrics agent drops a
@@ -98,11 +120,25 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except BaseException as error:  # the loop cannot go on: fail every stream, loudly
-                self.error = error
-                for request_id in list(self._streams):
-                    self._deliver(request_id, EngineDeadError(f"engine step failed: {error!r}"))
-                self.engine.fail_all_requests()
-                raise
+            except StepFailedError as failure:  # its requests are finished (reason error)
+                consecutive_failures += 1
+                for output in failure.outputs:
+                    self._deliver(output.request_id, output)
+                if consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                    self._die(failure)
+                    return
+                continue
+            except BaseException as error:  # outside any request's work: the loop cannot go on
+                self._die(error)
+                return
+            consecutive_failures = 0
             for output in outputs:
                 self._deliver(output.request_id, output)
+
+    def _die(self, error: BaseException) -> None:
+        """Fail every request, loudly, and refuse new ones: health checks now fail."""
+        logger.error("the engine stopped", exc_info=error)
+        self.error = error
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineDeadError(f"engine stopped: {error!r}"))
+        self.engine.fail_all_requests()

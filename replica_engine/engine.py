@@ -5,6 +5,7 @@ another thread while `step` runs; the model forward itself runs outside the lock
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -17,7 +18,7 @@ import torch
 from replica_engine.attention import get_backend
 from replica_engine.config import EngineConfig
 from replica_engine.detokenizer import IncrementalDetokenizer
-from replica_engine.errors import InvalidRequestError
+from replica_engine.errors import InvalidRequestError, StepFailedError
 from replica_engine.kv_cache_manager import KVCacheManager, blocks_for_tokens
 from replica_engine.model_runner import ModelRunner
 from replica_engine.models.loader import load_config, load_model
@@ -26,11 +27,12 @@ from replica_engine.outputs import RequestOutput
 from replica_engine.request import FinishReason, Request
 from replica_engine.sampling_params import SamplingParams
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
-from replica_engine.scheduler.plan import StepSummary
+from replica_engine.scheduler.plan import StepPlan, StepSummary
 
 if TYPE_CHECKING:
     from replica_engine.metrics import EngineMetrics
 
+logger = logging.getLogger(__name__)
 Prompt = str | list[int]
 
 
@@ -144,6 +146,11 @@ class LLMEngine:
         self.record_stats()
         return request_id
 
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt + output tokens one request may have: the context, or the whole KV pool if smaller."""
+        return min(self.config.max_model_len, self.kv_cache.num_blocks * self.config.block_size)
+
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         total = num_prompt_tokens + max_tokens
         if total > self.config.max_model_len:
@@ -201,17 +208,23 @@ class LLMEngine:
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return an output for every request that got a token or finished."""
+        """Run one iteration; return an output for every request that got a token or finished.
+        A request whose computation fails is finished with reason `error`; the others go on.
+        Raises StepFailedError (after finishing them) if every request of the step failed."""
         started = time.perf_counter()
         with self._lock:
             plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        sampled = self.runner.execute(plan)
+        plan, sampled, failed = self._execute(plan)
         with self._lock:
             advanced = self.scheduler.update(plan, sampled)
             now = time.monotonic()
             outputs = [self._advance(self._requests[r.request_id], now) for r in advanced]
+        failed_outputs = [self.abort_request(r.request_id, FinishReason.ERROR) for r in failed]
+        outputs += [output for output in failed_outputs if output is not None]
+        if plan.is_empty:
+            raise StepFailedError(outputs, failed)
         summary = plan.summary(duration_s=time.perf_counter() - started)
         for listener in self.step_listeners:
             listener(summary)
@@ -219,6 +232,32 @@ class LLMEngine:
             self.metrics.record_step(summary)
         self.record_stats()
         return outputs
+
+    def _execute(self, plan: StepPlan) -> tuple[StepPlan, list[int], list[Request]]:
+        """Run the plan. If the batch raises, run each request's share alone to find the ones that
+        fail (the rest of the work is redone: K/V slots are simply written again). Returns the
+        plan of the requests that ran, their sampled tokens, and the failed requests."""
+        try:
+            return plan, self.runner.execute(plan), []
+        except Exception:
+            logger.exception("a step of %d requests failed", len(plan.num_scheduled_tokens))
+        if len(plan.num_scheduled_tokens) == 1:
+            return StepPlan(plan.token_budget, preempted=plan.preempted), [], list(plan.num_scheduled_tokens)
+        tokens: dict[Request, list[int]] = {}
+        failed: list[Request] = []
+        for request, num_tokens in plan.num_scheduled_tokens.items():
+            alone = StepPlan(plan.token_budget, {request: num_tokens})
+            alone.seal()
+            try:
+                tokens[request] = self.runner.execute(alone)
+            except Exception:
+                logger.exception("request %s fails on its own", request.request_id)
+                failed.append(request)
+        survivors = StepPlan(
+            plan.token_budget, {r: plan.num_scheduled_tokens[r] for r in tokens}, plan.preempted
+        )
+        survivors.seal()
+        return survivors, [tokens[r][0] for r in survivors.sampling_requests], failed
 
     def _advance(self, tracked: _Tracked, now: float) -> RequestOutput:
         request = tracked.request

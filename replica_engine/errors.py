@@ -1,5 +1,13 @@
 """Errors a caller can act on."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from replica_engine.outputs import RequestOutput
+    from replica_engine.request import Request
+
 
 class InvalidRequestError(ValueError):
     """A request or setting is invalid; `param` names the offending field (OpenAI's `param`)."""
@@ -8,3 +16,16 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{param}: {message}")
         self.param = param
         self.code = code
+
+
+class StepFailedError(RuntimeError):
+    """Every request of an engine step failed, even each on its own (the engine may be broken).
+    They are finished with reason `error`: `outputs` are their final RequestOutputs."""
+
+    def __init__(self, outputs: list[RequestOutput], failed: list[Request]) -> None:
+        super().__init__(f"every request of a step failed: {[r.request_id for r in failed]}")
+        self.outputs = outputs
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop died; no request can be served by this engine any more."""

@@ -9,7 +9,8 @@ import pytest
 
 from deployments.engine_replica import EngineReplica, wrap_int64
 from deployments.messages import ChoiceDelta, GenerateError, GenerateRequest
-from replica_engine import EngineConfig, EngineDeadError
+from replica_engine import EngineConfig
+from replica_engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 
 
 @pytest.fixture
@@ -42,18 +43,46 @@ def test_choices_stream_to_their_end(replica: EngineReplica):
     assert replica.stats().num_free_blocks == replica.stats().num_total_blocks
 
 
-def test_health_check_fails_once_the_step_loop_dies(replica: EngineReplica):
-    replica.check_health()
+def test_a_failing_choice_ends_its_request_with_a_500_and_the_replica_goes_on(replica: EngineReplica):
+    # A device fault cannot be caused on purpose on a CPU: the runner raises for one request.
+    runner = replica.engine.engine.runner
+    execute = runner.execute
 
-    # A device fault cannot be caused on purpose on a CPU: stand one in for the model forward.
-    def broken_forward(plan):
+    def faulty_execute(plan):
+        if any(r.request_id.startswith("poison") for r in plan.num_scheduled_tokens):
+            raise RuntimeError("injected fault")
+        return execute(plan)
+
+    runner.execute = faulty_execute
+    good = GenerateRequest("good", prompts=["Hello"], sampling={"max_tokens": 6, "temperature": 0})
+    poison = GenerateRequest("poison", prompts=["Hello"], n=2, sampling={"max_tokens": 6})
+
+    async def both():
+        return await asyncio.wait_for(asyncio.gather(collect(replica, good), collect(replica, poison)), 60)
+
+    good_items, poison_items = asyncio.run(both())
+    assert [type(item) for item in poison_items] == [GenerateError]
+    assert (poison_items[0].status, poison_items[0].code) == (500, "engine_error")
+    assert sum(len(d.token_ids) for batch in good_items for d in batch) == 6
+    replica.check_health()  # one failed request does not make the replica unhealthy
+    stats = replica.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_health_check_fails_once_every_step_keeps_failing(replica: EngineReplica):
+    def broken_execute(plan):
         raise RuntimeError("device lost")
 
-    replica.engine.engine.runner.execute = broken_forward
-    request = GenerateRequest("r3", prompts=["Hello"], sampling={"max_tokens": 4})
-    with pytest.raises(EngineDeadError):  # the stream fails loudly instead of hanging
-        asyncio.run(asyncio.wait_for(collect(replica, request), timeout=30))
-    with pytest.raises(RuntimeError, match="device lost"):
+    replica.engine.engine.runner.execute = broken_execute
+    statuses = []
+    for i in range(MAX_CONSECUTIVE_STEP_FAILURES + 1):
+        request = GenerateRequest(f"r{i}", prompts=["Hello"], sampling={"max_tokens": 4})
+        items = asyncio.run(asyncio.wait_for(collect(replica, request), timeout=30))  # never hangs
+        assert len(items) == 1 and isinstance(items[0], GenerateError)
+        statuses.append(items[0].status)
+    # Each request fails (500); after MAX failing steps in a row the engine stops: 503 from then on.
+    assert statuses == [500] * MAX_CONSECUTIVE_STEP_FAILURES + [503]
+    with pytest.raises(RuntimeError, match="engine step loop died"):
         replica.check_health()
 
 
