@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import random
 import tempfile
@@ -24,6 +23,7 @@ import httpx
 import yaml
 
 from bench import serve_cluster
+from bench.sse_client import stream_completion
 from bench.workload import percentile, result_header
 
 ROUTERS = ("kv_pressure", "power_of_two", "round_robin")
@@ -73,28 +73,16 @@ def workload(kind: str, num_requests: int, seed: int, mean_gap_s: float) -> list
 
 async def _one(http: httpx.AsyncClient, url: str, arrival: Arrival, start: float) -> StreamTiming:
     await asyncio.sleep(max(0.0, start + arrival.at_s - time.monotonic()))
-    sent = time.monotonic()
-    body = {
-        "prompt": arrival.prompt,
-        "max_tokens": arrival.max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    chunk_times, output_len = [], 0
-    async with http.stream("POST", url, json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if chunk.get("usage"):
-                output_len = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and chunk["choices"][0]["text"]:
-                chunk_times.append(time.monotonic())
-    intervals = [b - a for a, b in itertools.pairwise(chunk_times)]
+    body = {"prompt": arrival.prompt, "max_tokens": arrival.max_tokens, "ignore_eos": True}
+    result = await stream_completion(http, url, body)
+    if result.status != 200 or result.error_code is not None:
+        raise RuntimeError(f"request failed: HTTP {result.status}, {result.error_code}")
     return StreamTiming(
-        len(arrival.prompt), output_len, chunk_times[0] - sent, time.monotonic() - sent, intervals
+        len(arrival.prompt),
+        result.completion_tokens,
+        result.ttft_s,
+        result.done_at - result.sent_at,
+        result.chunk_gaps_s,
     )
 
 

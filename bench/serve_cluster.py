@@ -107,13 +107,19 @@ def post_concurrently(url: str, body: dict, count: int) -> list[httpx.Response]:
 
 def scrape(cluster: ServeCluster, name: str, labels: dict[str, str]) -> float:
     """Sum of the samples called `name` whose labels include `labels` (0 if none)."""
+    return sum(scrape_by_replica(cluster, name, labels).values())
+
+
+def scrape_by_replica(cluster: ServeCluster, name: str, labels: dict[str, str]) -> dict[str, float]:
+    """The samples called `name` whose labels include `labels`, summed per `replica` label."""
     text = httpx.get(cluster.metrics_url, timeout=30).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and labels.items() <= sample.labels.items()
-    )
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                replica = sample.labels.get("replica", "")
+                values[replica] = values.get(replica, 0.0) + sample.value
+    return values
 
 
 def wait_for(condition, what: str) -> None:

@@ -27,6 +27,14 @@ class Endpoint:
             body["text"] = text
         return {**body, "finish_reason": finish_reason, "logprobs": None}
 
+    def sends(self, delta: ChoiceDelta, first: bool) -> bool:
+        """Whether a delta gets a chunk. Completions send one per delta with tokens, even when
+        its text is empty (a partial UTF-8 character, a model without a tokenizer), as vLLM
+        does; chat sends text only, after the first chunk that names the role."""
+        if delta.text or delta.finish_reason or (first and self.is_chat):
+            return True
+        return bool(delta.token_ids) and not self.is_chat
+
     def chunk_choice(self, delta: ChoiceDelta, first: bool) -> dict[str, object]:
         body: dict[str, object] = {"index": delta.index}
         if self.is_chat:
@@ -102,7 +110,7 @@ class ResponseWriter:
             for delta in batch:
                 self.usage.add(delta)
                 first = delta.index not in started
-                if delta.text or delta.finish_reason or (first and self.endpoint.is_chat):
+                if self.endpoint.sends(delta, first):
                     choices.append(self.endpoint.chunk_choice(delta, first))
                     started.add(delta.index)
             if choices:

@@ -22,6 +22,24 @@ _SHAPES: dict[str, tuple[type[PretrainedConfig], dict[str, object]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    # Not a published model: a toy Llama for load tests and soaks, where the point is the
+    # serving path (scheduling, KV accounting, streaming, cancellation), not the model's math.
+    "tiny-llama": (
+        LlamaConfig,
+        dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=2048,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+        ),
+    ),
     "qwen3-0.6b": (
         Qwen3Config,
         dict(

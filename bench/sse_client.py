@@ -1,0 +1,61 @@
+"""An OpenAI completions client over raw SSE that records what a user sees: status, error code,
+chunk arrival times, usage. It can hang up mid-stream, as an impatient client does."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class StreamResult:
+    status: int  # HTTP status
+    error_code: str | None = None  # from an error body, or an error event mid-stream
+    sent_at: float = field(default_factory=time.monotonic)
+    chunk_times: list[float] = field(default_factory=list)  # monotonic, one per chunk with tokens
+    completion_tokens: int | None = None  # from the usage chunk
+    finish_reason: str | None = None
+    disconnected: bool = False  # we hung up before the end
+    done_at: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.chunk_times[0] - self.sent_at if self.chunk_times else None
+
+    @property
+    def chunk_gaps_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
+
+
+async def stream_completion(
+    http: httpx.AsyncClient, url: str, body: dict, disconnect_after_chunks: int | None = None
+) -> StreamResult:
+    """POST `body` with stream + include_usage; read to [DONE], or hang up after that many chunks."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    result = StreamResult(status=0)
+    async with http.stream("POST", url, json=body) as response:
+        result.status = response.status_code
+        if response.status_code != 200:
+            result.error_code = json.loads(await response.aread())["error"]["code"]
+            result.done_at = time.monotonic()
+            return result
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                result.error_code = chunk["error"]["code"]
+            elif chunk.get("usage"):
+                result.completion_tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"]:
+                result.chunk_times.append(time.monotonic())
+                result.finish_reason = chunk["choices"][0]["finish_reason"] or result.finish_reason
+                hang_up = disconnect_after_chunks is not None and result.finish_reason is None
+                if hang_up and len(result.chunk_times) >= disconnect_after_chunks:
+                    result.disconnected = True
+                    break  # leaving the `async with` closes the connection
+    result.done_at = time.monotonic()
+    return result
