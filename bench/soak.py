@@ -178,11 +178,16 @@ def replica_actor_names(app: str) -> list[str]:
     return sorted(a["name"] for a in actors if a["name"].startswith(prefix))
 
 
-def kill_replica(app: str) -> str:
-    """Kill one of the app's EngineReplica actors, as a crash would; return its name."""
+def kill_replica(cluster: ServeCluster, app: str) -> str:
+    """Kill the app's EngineReplica actor with the most running requests (by its last metrics
+    report), as a crash would; return its actor name."""
     import ray
 
-    victim = replica_actor_names(app)[0]
+    running = serve_cluster.scrape_by_replica(
+        cluster, f"{METRIC}num_requests_running", {"application": app}
+    )
+    names = replica_actor_names(app)
+    victim = max(names, key=lambda name: running.get(name.rsplit("#", 1)[1], 0))
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
     return victim
 
@@ -248,7 +253,7 @@ def main() -> None:
     def on_finished(count: int) -> None:
         if args.kill_after and count == int(args.kill_after * len(requests)):
             kill["at_s"] = time.monotonic()
-            kill["victim"] = kill_replica(app)
+            kill["victim"] = kill_replica(cluster, app)
 
     try:
         cluster.wait_ready()

@@ -16,6 +16,7 @@ class StreamResult:
     error_code: str | None = None  # from an error body, or an error event mid-stream
     sent_at: float = field(default_factory=time.monotonic)
     chunk_times: list[float] = field(default_factory=list)  # monotonic, one per chunk with tokens
+    text: str = ""
     completion_tokens: int | None = None  # from the usage chunk
     finish_reason: str | None = None
     disconnected: bool = False  # we hung up before the end
@@ -52,6 +53,7 @@ async def stream_completion(
                 result.completion_tokens = chunk["usage"]["completion_tokens"]
             elif chunk["choices"]:
                 result.chunk_times.append(time.monotonic())
+                result.text += chunk["choices"][0]["text"]
                 result.finish_reason = chunk["choices"][0]["finish_reason"] or result.finish_reason
                 hang_up = disconnect_after_chunks is not None and result.finish_reason is None
                 if hang_up and len(result.chunk_times) >= disconnect_after_chunks:

@@ -3,6 +3,7 @@ model whose KV pools are small enough for placement to matter."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -10,8 +11,11 @@ import httpx
 import pytest
 from ray import serve
 
+from bench import soak
 from bench.serve_cluster import ServeCluster, scrape, wait_for
+from bench.sse_client import StreamResult, stream_completion
 from deployments.app import AppArgs, build_app
+from replica_engine import SamplingParams
 
 BLOCK_BYTES = 16 * 30 * 2 * 3 * 64 * 4  # one 16-token KV block of SmolLM2 in float32
 LONG_PROMPT = "Summarise the history of the Roman Empire in detail. " * 12  # ~130 tokens
@@ -144,3 +148,38 @@ def test_kv_pressure_scales_up_under_load_and_back_down_when_idle(serve_cluster:
             time.sleep(1)
     finally:
         serve.delete("autoscale")
+
+
+def test_killing_a_replica_mid_load_fails_only_its_requests_and_serve_replaces_it(
+    serve_cluster: ServeCluster, fleet: str, llm
+):
+    prompts = [f"{i}, {i + 1}, {i + 2}," for i in range(1, 61, 10)]
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    expected = [o.text for o in llm.generate(prompts, params)]
+    url = f"{fleet}/v1/completions"
+    bodies = [{"prompt": p, "max_tokens": 100, "temperature": 0, "ignore_eos": True} for p in prompts]
+    running = f"{soak.METRIC}num_requests_running"
+
+    def kill_once_all_run() -> str:
+        wait_for(lambda: scrape(serve_cluster, running, {"application": "fleet"}) == 6, "all 6 running")
+        return soak.kill_replica(serve_cluster, "fleet")
+
+    async def load_then_kill() -> tuple[str, list[StreamResult]]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            streams = [asyncio.create_task(stream_completion(http, url, body)) for body in bodies]
+            victim = await asyncio.to_thread(kill_once_all_run)
+            # Bounded: a request on the dead replica must end, not hang.
+            return victim, await asyncio.wait_for(asyncio.gather(*streams), timeout=90)
+
+    victim, results = asyncio.run(load_then_kill())
+    failed = [r for r in results if r.error_code is not None]
+    survivors = [(r, text) for r, text in zip(results, expected, strict=True) if r.error_code is None]
+    assert failed and survivors, [r.error_code for r in results]
+    # In flight on the dead replica: a clear error in the stream (headers were already sent).
+    assert {(r.status, r.error_code) for r in failed} == {(200, "replica_failed")}
+    for result, text in survivors:  # on the other replica: untouched, token for token
+        assert result.text == text and result.completion_tokens == 100
+    # New requests succeed at once (on the survivor), and Serve starts a replacement.
+    after = httpx.post(url, json=bodies[0], timeout=120)
+    assert after.status_code == 200 and after.json()["choices"][0]["text"] == expected[0]
+    assert soak.wait_replaced("fleet", victim, num_replicas=2, timeout_s=120) < 120
