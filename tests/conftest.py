@@ -65,9 +65,10 @@ def serve_cluster(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def small_app(serve_cluster):
-    """A second app on the same cluster, at /small: a 64-token context, a KV pool of 8 blocks (four
-    requests of 64 tokens cannot all fit: preemption), and a replica that holds 4 requests and
-    queues 1 more (the rest get 503). Yields its base URL."""
+    """A second app on the same cluster, at /small: a KV pool of 8 blocks (128 tokens: four
+    requests of 54 tokens cannot all fit, so the engine preempts), a 160-token context (a request
+    may be too large for the whole pool), and a replica that holds 4 requests and queues 1 more
+    (the rest get 503). Yields its base URL."""
     from ray import serve
 
     from deployments.app import AppArgs, build_app
@@ -77,7 +78,7 @@ def small_app(serve_cluster):
         max_ongoing_requests=4,
         max_queued_requests=1,
         num_cpus=0,
-        engine={"kv_cache_bytes": 8 * block_bytes, "max_model_len": 64},
+        engine={"kv_cache_bytes": 8 * block_bytes, "max_model_len": 160},
         sampling_defaults={"max_tokens": 256},
     )
     serve.run(build_app(args), name="small", route_prefix="/small")

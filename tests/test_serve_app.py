@@ -188,9 +188,10 @@ def test_unknown_route_is_an_openai_404(serve_cluster: ServeCluster):
     assert response.status_code == 404 and response.json()["error"]["message"]
 
 
-def test_default_max_tokens_fits_the_context_the_prompt_leaves(small_app: str):
-    # 60 prompt tokens + the server's default of 256 would not fit in 64: the default shrinks.
-    body = {"prompt": [1] * 60, "ignore_eos": True}
+def test_default_max_tokens_fits_the_room_the_prompt_leaves(small_app: str):
+    # 124 prompt tokens + the server's default of 256 would not fit in the 128-token KV pool (nor
+    # the 160-token context): the default shrinks to what fits.
+    body = {"prompt": [1] * 124, "ignore_eos": True}
     response = httpx.post(f"{small_app}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 4
