@@ -4,6 +4,7 @@ It parses and checks requests, asks a replica through a streaming DeploymentHand
 OpenAI bodies or Server-Sent Events. It imports no torch: the model lives in the replicas."""
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -59,7 +60,7 @@ async def _replies(
 ) -> AsyncIterator[list[ChoiceDelta]]:
     """The replica's deltas for one request. Every way that can end badly becomes an ApiError: a
     refusal or engine fault (the replica's GenerateError), a full queue, a dead replica, or the
-    request's deadline (loop time). The caller cancels `stream` when it is done with it."""
+    request's deadline (loop time). The caller cancels `stream` (_cancel) when done with it."""
     try:
         while True:
             async with asyncio.timeout_at(deadline):
@@ -93,6 +94,13 @@ async def _replies(
             error_type="server_error",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         ) from None
+
+
+def _cancel(stream: DeploymentResponseGenerator) -> None:
+    """Abort the replica call (a no-op once it has ended). Serve's cancel() re-raises a call
+    that failed before reaching a replica (a full queue): that failure is already answered."""
+    with contextlib.suppress(Exception):
+        stream.cancel()
 
 
 async def _prepend(
@@ -193,7 +201,7 @@ class Ingress:
         try:
             first = await anext(replies)  # the engine's verdict comes before any header is sent
         except BaseException:
-            stream.cancel()
+            _cancel(stream)
             raise
         writer = ResponseWriter(
             endpoint, generate.request_id, self.model_name, Usage(generate.n), body.include_usage
@@ -204,7 +212,7 @@ class Ingress:
         try:
             return JSONResponse(await writer.whole(_prepend(first, replies)))
         finally:
-            stream.cancel()  # a no-op once finished; aborts the request if it failed or was cancelled
+            _cancel(stream)  # a no-op once finished; aborts the request if it failed or was cancelled
 
     @staticmethod
     async def _events(
@@ -223,4 +231,4 @@ class Ingress:
             yield sse_event(error.body)
             yield "data: [DONE]\n\n"
         finally:
-            stream.cancel()  # the client went away (CancelledError) or we are done: free the KV blocks
+            _cancel(stream)  # the client went away (CancelledError) or we are done: free the KV blocks

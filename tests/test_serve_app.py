@@ -207,3 +207,4 @@ def test_full_queue_gets_503_with_retry_after(small_app: str):
     for response in refused:
         assert int(response.headers["retry-after"]) >= 1
         assert response.json()["error"]["code"] == "overloaded"
+        assert response.elapsed.total_seconds() < 5  # refused at once, not after waiting
