@@ -20,6 +20,7 @@ import json
 import math
 import random
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -183,9 +184,7 @@ def kill_replica(cluster: ServeCluster, app: str) -> str:
     report), as a crash would; return its actor name."""
     import ray
 
-    running = serve_cluster.scrape_by_replica(
-        cluster, f"{METRIC}num_requests_running", {"application": app}
-    )
+    running = serve_cluster.scrape_by_replica(cluster, f"{METRIC}num_requests_running", {"application": app})
     names = replica_actor_names(app)
     victim = max(names, key=lambda name: running.get(name.rsplit("#", 1)[1], 0))
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
@@ -249,11 +248,17 @@ def main() -> None:
     cluster = serve_cluster.start(_config(work_dir / "serve_config.yaml", app_args), work_dir)
     app = cluster.app_name
     kill: dict[str, object] = {}
+    watcher: list[threading.Thread] = []  # times Serve's replacement of the killed replica
+
+    def watch_replacement(victim: str) -> None:
+        kill["replaced_after_s"] = round(wait_replaced(app, victim, num_replicas), 1)
 
     def on_finished(count: int) -> None:
         if args.kill_after and count == int(args.kill_after * len(requests)):
             kill["at_s"] = time.monotonic()
             kill["victim"] = kill_replica(cluster, app)
+            watcher.append(threading.Thread(target=watch_replacement, args=(kill["victim"],)))
+            watcher[0].start()
 
     try:
         cluster.wait_ready()
@@ -267,11 +272,12 @@ def main() -> None:
         counters = engine_counters(cluster, app)
         report = client_report(requests, results, wall_s)
         if kill:
+            watcher[0].join()
             kill_at = float(kill["at_s"])  # type: ignore[arg-type]
             report["kill"] = {
                 "victim": kill["victim"],
                 "at_s": round(kill_at - started, 2),
-                "replaced_after_s": round(wait_replaced(app, str(kill["victim"]), num_replicas), 1),
+                "replaced_after_s": kill["replaced_after_s"],  # a new replica RUNNING, from the kill
                 # Requests sent 10 s after the kill (Serve has noticed by then) must all succeed.
                 "failed_among_sent_10s_after": sum(
                     outcome(r, res).startswith("failed")
