@@ -76,8 +76,6 @@ def _wait_all_free() -> None:
         time.sleep(0.1)
 
 
-
-
 def test_request_timeout_answers_408_and_frees_the_request(timeout_app: str):
     short = httpx.post(f"{timeout_app}/v1/completions", json={**LONG, "max_tokens": 2}, timeout=60)
     assert short.status_code == 200, short.text
