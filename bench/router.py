@@ -35,7 +35,7 @@ APP_ARGS = {
     "num_cpus": 0,
     "cpu_threads": 1,
     "engine": {
-        "kv_cache_bytes": KV_BLOCKS * BLOCK_SIZE * 30 * 2 * 3 * 64 * 4,  # SmolLM2 fp32 blocks
+        "num_kv_blocks": KV_BLOCKS,
         "max_model_len": KV_BLOCKS * BLOCK_SIZE,
         "max_num_batched_tokens": 256,
     },

@@ -126,9 +126,9 @@ class EngineReplica:
 
     async def _start(self, request: GenerateRequest) -> list[Stream]:
         """Check every input before starting any, so a refusal leaves nothing running."""
-        engine = self.engine.engine
-        prompts = [engine.tokenize(p) for p in request.prompts]
-        prompts += [engine.chat_prompt_ids(c) for c in request.conversations]
+        inputs = self.engine.inputs
+        prompts = [inputs.tokenize(p) for p in request.prompts]
+        prompts += [inputs.chat_prompt_ids(c) for c in request.conversations]
         # Stream position == choice index: input i's choice j is stream i * n + j.
         jobs = [(prompt, self._params(request, prompt, j)) for prompt in prompts for j in range(request.n)]
         streams: list[Stream] = []
@@ -145,7 +145,7 @@ class EngineReplica:
     def _params(self, request: GenerateRequest, prompt: list[int], choice: int) -> SamplingParams:
         sampling = dict(request.sampling)
         if sampling.get("max_tokens") is None:  # whatever room is left, at most the server's default
-            context_left = max(1, self.engine.engine.max_request_tokens - len(prompt))
+            context_left = max(1, self.engine.inputs.max_request_tokens - len(prompt))
             sampling["max_tokens"] = min(request.default_max_tokens or context_left, context_left)
         if sampling.get("seed") is not None and choice:  # n seeded choices must still differ
             sampling["seed"] = wrap_int64(sampling["seed"] + choice)  # (choice 0 checks the seed itself)
@@ -163,7 +163,7 @@ class EngineReplica:
             "num_waiting_prompt_tokens": stats.num_waiting_prompt_tokens,
             "num_waiting": stats.num_waiting,
             "num_running": stats.num_running,
-            "block_size": self.engine.engine.config.block_size,
+            "block_size": self.engine.inputs.config.block_size,
             "reported_at": time.time(),
         }
 

@@ -1,47 +1,92 @@
-"""The engine for an asyncio server (the Serve replica): the model steps on a background thread,
-so the event loop never blocks on it; each request is an async stream of RequestOutputs."""
+"""The engine for an asyncio server (the Serve replica). One step thread owns the EngineCore:
+it alone schedules, runs the model and changes request and KV state. Other threads send it
+messages (add, abort) on a queue it drains between steps, and read the stats it publishes.
+Each request is an async stream of RequestOutputs, detokenized on the event loop that reads it,
+so the step thread does schedule -> execute -> update only.
+
+Abort timing: `abort` (or closing a stream) ends the stream at once, with finish_reason abort;
+the request's KV blocks are free by the end of the step running when it was called."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from replica_engine.config import EngineConfig
-from replica_engine.engine import EngineStats, LLMEngine, Prompt
-from replica_engine.errors import (
-    EngineDeadError,
-    InvalidRequestError,
-    StepFailedError,
-)
+from replica_engine.engine import build_engine
+from replica_engine.engine_core import EngineStats
+from replica_engine.errors import EngineDeadError, InvalidRequestError, StepFailedError
+from replica_engine.input_processor import Prompt
 from replica_engine.metrics import EngineMetrics
-from replica_engine.outputs import RequestOutput
+from replica_engine.output_processor import RequestState
+from replica_engine.outputs import CoreOutput, RequestOutput
+from replica_engine.request import FinishReason, Request
 from replica_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 GAUGE_REFRESH_S = 0.5
-# A failing request is finished with reason error and the rest go on (LLMEngine.step); this
+# A failing request is finished with reason error and the rest go on (EngineCore.step); this
 # many steps in a row where every request failed mean the engine itself is broken (a lost
 # device, a corrupted cache), so it stops and reports unhealthy.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
-@dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    """One request's output side. Its methods run on `loop`, the event loop reading it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, state: RequestState) -> None:
+        self.loop = loop
+        self.state = state
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def end(self, reason: FinishReason) -> None:
+        output = self.state.finish(reason)
+        if output is not None:
+            self.queue.put_nowait(output)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.state.finished:
+            self.state.finish_reason = FinishReason.ERROR.value
+            self.queue.put_nowait(error)
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: Request
+    stream: _Stream
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+    reason: FinishReason
+
+
+_SHUTDOWN = object()
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: object) -> bool:
+    """Run `callback(*args)` on `loop`; False if that loop has closed (its reader is gone)."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        return False
+    return True
 
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, metrics: EngineMetrics | None = None) -> None:
-        self.engine = LLMEngine(config, metrics)
+        self.core, self.inputs = build_engine(config or EngineConfig(), metrics)
         self.error: BaseException | None = None
-        self._streams: dict[str, _Stream] = {}
-        self._wakeup = threading.Event()
-        self._stopping = False
+        self._inbox: queue.SimpleQueue[_Add | _Abort | object] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # event-loop side: streams still open
+        self._sinks: dict[str, _Stream] = {}  # step-thread side: where each request's outputs go
         self._thread = threading.Thread(target=self._run_steps, name="stallfree-engine", daemon=True)
         self._thread.start()
 
@@ -57,18 +102,16 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-        # The stream exists before the engine can step the request, so no output is missed.
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._check_alive()
+        request = self.inputs.make_request(prompt, params or SamplingParams(), request_id)
+        stream = _Stream(asyncio.get_running_loop(), RequestState(request, self.inputs.tokenizer))
         self._streams[request_id] = stream
-        try:
-            self._check_alive()
-            self.engine.add_request(prompt, params, request_id)
-            self._check_alive()  # the loop may have died meanwhile, failing only older streams
-        except BaseException:
+        self._inbox.put(_Add(request, stream))
+        # The step thread sets `error` before its last drain of the queue: if it is still unset
+        # here, this message will be taken (and answered) either way.
+        if self.error is not None:
             self._streams.pop(request_id, None)
-            self.engine.abort_request(request_id)
-            raise
-        self._wakeup.set()
+            self._check_alive()
         return self._read(request_id, stream)
 
     def _check_alive(self) -> None:
@@ -76,69 +119,138 @@ class AsyncEngine:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
 
     async def _read(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        finished = False
         try:
-            while not finished:
+            while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
                 yield item
+                if item.finished:
+                    return
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
-                self.engine.abort_request(request_id)
+            if not stream.state.finished:  # the reader left early
+                stream.state.finish(FinishReason.ABORT)
+                self._inbox.put(_Abort(request_id, FinishReason.ABORT))
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now (its blocks are free on return); its stream ends with finish_reason abort."""
-        output = self.engine.abort_request(request_id)
-        if output is not None:
-            self._deliver(request_id, output)
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        """Stop a request from any thread: its stream ends at once with this finish_reason; its KV
+        blocks are free by the end of the step running now."""
+        self._inbox.put(_Abort(request_id, reason))
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        try:
+            on_its_loop = asyncio.get_running_loop() is stream.loop
+        except RuntimeError:
+            on_its_loop = False
+        if on_its_loop:
+            stream.end(reason)
+        else:
+            _post(stream.loop, stream.end, reason)
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        """The snapshot the step thread published after its latest step (or message)."""
+        return self.core.stats
 
     def shutdown(self) -> None:
-        self._stopping = True
-        self._wakeup.set()
+        self._inbox.put(_SHUTDOWN)
         self._thread.join(timeout=10)
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    # -- the event loop's side of outputs -------------------------------------------------
+    def _receive(self, items: list[tuple[_Stream, CoreOutput]]) -> None:
+        for stream, core_output in items:
+            output = stream.state.process(core_output)
+            if output is None:
+                continue
+            if output.finished and not core_output.finished:  # a stop string: tell the engine
+                self._inbox.put(_Abort(core_output.request_id, FinishReason.STOP))
+            stream.queue.put_nowait(output)
 
+    # -- the step thread ------------------------------------------------------------------
     def _run_steps(self) -> None:
         consecutive_failures = 0
-        while not self._stopping:
-            if not self.engine.has_unfinished_requests():
-                # Idle: still republish the gauges now and then, as Ray's metrics agent drops a
-                # gauge series that is not refreshed within two report intervals.
-                self._wakeup.wait(timeout=GAUGE_REFRESH_S)
-                self._wakeup.clear()
-                self.engine.record_stats()
-                continue
+        try:
+            while self._apply_messages(wait=not self.core.has_unfinished_requests()):
+                if not self.core.has_unfinished_requests():
+                    continue
+                try:
+                    outputs = self.core.step()
+                except StepFailedError as failure:  # its requests are finished (reason error)
+                    self._deliver(failure.outputs)
+                    consecutive_failures += 1
+                    if consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        raise
+                    continue
+                consecutive_failures = 0
+                self._deliver(outputs)
+        except BaseException as error:  # outside any one request's work: the loop cannot go on
+            self._die(error)
+
+    def _apply_messages(self, wait: bool) -> bool:
+        """Apply every queued message; when `wait`, first wait for one up to GAUGE_REFRESH_S (an
+        idle engine republishes its gauges that often: Ray's metrics agent drops a gauge series
+        that is not refreshed). False once asked to shut down."""
+        try:
+            message = self._inbox.get(timeout=GAUGE_REFRESH_S) if wait else self._inbox.get_nowait()
+        except queue.Empty:
+            if wait:
+                self.core.publish_stats()
+            return True
+        while message is not _SHUTDOWN:
+            self._apply(message)
             try:
-                outputs = self.engine.step()
-            except StepFailedError as failure:  # its requests are finished (reason error)
-                consecutive_failures += 1
-                for output in failure.outputs:
-                    self._deliver(output.request_id, output)
-                if consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-                    self._die(failure)
-                    return
-                continue
-            except BaseException as error:  # outside any request's work: the loop cannot go on
-                self._die(error)
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                self.core.publish_stats()
+                return True
+        return False
+
+    def _apply(self, message: _Add | _Abort | object) -> None:
+        if isinstance(message, _Add):
+            request_id = message.request.request_id
+            if request_id in self._sinks:  # only a caller reusing an id it has not aborted yet
+                error = InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+                _post(message.stream.loop, message.stream.fail, error)
                 return
-            consecutive_failures = 0
-            for output in outputs:
-                self._deliver(output.request_id, output)
+            self._sinks[request_id] = message.stream
+            self.core.add_request(message.request)
+        elif isinstance(message, _Abort):
+            self._sinks.pop(message.request_id, None)  # its stream has ended already
+            self.core.abort_request(message.request_id, message.reason)
+
+    def _deliver(self, outputs: list[CoreOutput]) -> None:
+        """Hand outputs to their streams' event loops, one call per loop per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, CoreOutput]]] = defaultdict(list)
+        for output in outputs:
+            stream = (
+                self._sinks.pop(output.request_id) if output.finished else self._sinks.get(output.request_id)
+            )
+            if stream is not None:
+                by_loop[stream.loop].append((stream, output))
+        for loop, items in by_loop.items():
+            if not _post(loop, self._receive, items):  # nobody reads these any more
+                for _, output in items:
+                    self._sinks.pop(output.request_id, None)
+                    self.core.abort_request(output.request_id)
 
     def _die(self, error: BaseException) -> None:
         """Fail every request, loudly, and refuse new ones: health checks now fail."""
         logger.error("the engine stopped", exc_info=error)
-        self.error = error
-        for request_id in list(self._streams):
-            self._deliver(request_id, EngineDeadError(f"engine stopped: {error!r}"))
-        self.engine.fail_all_requests()
+        self.error = error  # before the last drain: add_request relies on this order
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(message, _Add):
+                self._sinks[message.request.request_id] = message.stream
+        dead = EngineDeadError(f"engine stopped: {error!r}")
+        for stream in self._sinks.values():
+            _post(stream.loop, stream.fail, dead)
+        self._sinks.clear()
+        try:
+            self.core.fail_all_requests()
+            self.core.publish_stats()
+        except Exception:
+            logger.exception("could not finish the requests of a stopped engine")

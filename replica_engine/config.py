@@ -54,6 +54,9 @@ class EngineConfig:
     max_num_seqs: int | None = None  # most requests running at once
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int | None = None  # KV pool size; on GPU, overrides gpu_memory_utilization
+    num_kv_blocks: int | None = (
+        None  # KV blocks requests may hold; overrides both (vLLM's num_gpu_blocks_override)
+    )
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use in all
     max_model_len: int | None = None  # prompt + output cap; default: the model's context
     attention_backend: str = "auto"
@@ -67,6 +70,7 @@ class EngineConfig:
             "max_num_seqs",
             "block_size",
             "kv_cache_bytes",
+            "num_kv_blocks",
             "max_model_len",
         ):
             _positive_int(name, getattr(self, name))

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from replica_engine.outputs import RequestOutput
-    from replica_engine.request import Request
+    from replica_engine.outputs import CoreOutput
 
 
 class InvalidRequestError(ValueError):
@@ -20,10 +19,10 @@ class InvalidRequestError(ValueError):
 
 class StepFailedError(RuntimeError):
     """Every request of an engine step failed, even each on its own (the engine may be broken).
-    They are finished with reason `error`: `outputs` are their final RequestOutputs."""
+    They are finished with reason `error`: `outputs` are their final CoreOutputs."""
 
-    def __init__(self, outputs: list[RequestOutput], failed: list[Request]) -> None:
-        super().__init__(f"every request of a step failed: {[r.request_id for r in failed]}")
+    def __init__(self, outputs: list[CoreOutput]) -> None:
+        super().__init__(f"every request of a step failed: {[o.request_id for o in outputs]}")
         self.outputs = outputs
 
 

@@ -1,5 +1,6 @@
-"""Turns a step plan into one flat varlen batch: every scheduled token of every request in one
-row of [T], prefill chunks and decodes alike."""
+"""Turns a sealed step (ScheduledBatch) into one flat varlen batch: every scheduled token of every
+request in one row of [T], prefill chunks and decodes alike. Reads only the batch's own copies,
+never a live request."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from replica_engine.attention.base import INVALID_BLOCK_ID, AttentionMetadata
-from replica_engine.scheduler.plan import StepPlan
+from replica_engine.attention.base import AttentionMetadata
+from replica_engine.kv_cache_manager import NULL_BLOCK_ID
+from replica_engine.scheduler.plan import ScheduledBatch
 
 
 @dataclass
@@ -31,7 +33,6 @@ class FlatBatch:
                 block_tables=meta.block_tables.to(device, non_blocking=True),
                 slot_mapping=meta.slot_mapping.to(device, non_blocking=True),
                 max_query_len=meta.max_query_len,
-                max_seq_len_kv=meta.max_seq_len_kv,
                 query_lens_cpu=meta.query_lens_cpu,
                 seq_lens_kv_cpu=meta.seq_lens_kv_cpu,
             ),
@@ -39,29 +40,26 @@ class FlatBatch:
         )
 
 
-def build_flat_batch(plan: StepPlan, block_size: int, pin_memory: bool = False) -> FlatBatch:
+def build_flat_batch(batch: ScheduledBatch, block_size: int, pin_memory: bool = False) -> FlatBatch:
     input_ids: list[int] = []
     positions: list[int] = []
     request_rows: list[int] = []  # which request each token belongs to
     query_lens: list[int] = []
     seq_lens_kv: list[int] = []
     logits_indices: list[int] = []
-    sampling = set(plan.sampling_requests)
-    for row, (request, num_tokens) in enumerate(plan.num_scheduled_tokens.items()):
-        start = request.num_computed_tokens
-        end = start + num_tokens
-        input_ids.extend(request.token_ids(start, end))
-        positions.extend(range(start, end))
-        request_rows.extend([row] * num_tokens)
-        query_lens.append(num_tokens)
-        seq_lens_kv.append(end)
-        if request in sampling:
+    for index, row in enumerate(batch.rows):
+        input_ids.extend(row.token_ids)
+        positions.extend(range(row.start_position, row.end_position))
+        request_rows.extend([index] * row.num_tokens)
+        query_lens.append(row.num_tokens)
+        seq_lens_kv.append(row.end_position)
+        if row.sampling is not None:
             logits_indices.append(len(input_ids) - 1)
 
-    max_blocks = max(-(-n // block_size) for n in seq_lens_kv)
-    block_tables = torch.full((len(query_lens), max_blocks), INVALID_BLOCK_ID, dtype=torch.int32)
-    for row, request in enumerate(plan.num_scheduled_tokens):
-        block_tables[row, : len(request.block_ids)] = torch.tensor(request.block_ids, dtype=torch.int32)
+    max_blocks = max(len(row.block_ids) for row in batch.rows)
+    block_tables = torch.full((len(batch.rows), max_blocks), NULL_BLOCK_ID, dtype=torch.int32)
+    for index, row in enumerate(batch.rows):
+        block_tables[index, : len(row.block_ids)] = torch.tensor(row.block_ids, dtype=torch.int32)
 
     positions_t = torch.tensor(positions, dtype=torch.int64)
     rows_t = torch.tensor(request_rows, dtype=torch.int64)
@@ -83,7 +81,6 @@ def build_flat_batch(plan: StepPlan, block_size: int, pin_memory: bool = False) 
             block_tables=host(block_tables),
             slot_mapping=host(slot_mapping),
             max_query_len=max(query_lens),
-            max_seq_len_kv=max(seq_lens_kv),
             query_lens_cpu=query_lens,
             seq_lens_kv_cpu=seq_lens_kv,
         ),

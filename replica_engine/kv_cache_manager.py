@@ -1,10 +1,15 @@
-"""The paged KV cache's bookkeeping: a pool of fixed-size blocks and each request's block table."""
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks and each request's block table.
+
+Block 0 is the null block (vLLM's `null_block`): never given to a request, it pads block tables,
+so a padded entry can only ever point at scratch space, never at another request's K/V."""
 
 from __future__ import annotations
 
 from collections import deque
 
 from replica_engine.request import Request
+
+NULL_BLOCK_ID = 0
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -13,18 +18,27 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
 
 class KVCacheManager:
     """Allocates blocks for exactly the tokens scheduled; a request's blocks go back on finish,
-    abort or preemption. Block ids index the cache tensors that the model runner owns."""
+    abort or preemption. Block ids index the cache tensors that the model runner owns, which
+    hold `pool_size` = `num_blocks` + 1 blocks (the null block first)."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # blocks requests can hold
         self.block_size = block_size
-        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        self._free_block_ids: deque[int] = deque(range(NULL_BLOCK_ID + 1, num_blocks + 1))
+
+    @property
+    def pool_size(self) -> int:
+        return self.num_blocks + 1
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free_block_ids)
+
+    @property
+    def free_block_ids(self) -> tuple[int, ...]:
+        return tuple(self._free_block_ids)
 
     @property
     def usage(self) -> float:

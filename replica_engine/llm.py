@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from replica_engine.config import EngineConfig
-from replica_engine.engine import LLMEngine, Prompt
+from replica_engine.engine import LLMEngine
+from replica_engine.input_processor import Message, Prompt
 from replica_engine.models.sources import DEFAULT_MODEL
 from replica_engine.outputs import CompletionOutput
 from replica_engine.sampling_params import SamplingParams
-
-Message = dict[str, str]
 
 
 class LLM:

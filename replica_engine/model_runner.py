@@ -1,4 +1,5 @@
-"""Runs a step plan on the model: owns the KV cache tensors, builds the flat batch, samples."""
+"""Runs a sealed step on the model: owns the KV cache tensors, builds the flat batch, samples.
+It reads only the ScheduledBatch it is given, never a live request."""
 
 from __future__ import annotations
 
@@ -6,12 +7,11 @@ import torch
 
 from replica_engine.config import EngineConfig
 from replica_engine.flat_batch import build_flat_batch
-from replica_engine.kv_cache_manager import KVCacheManager
+from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
 from replica_engine.models.llama import LlamaForCausalLM
-from replica_engine.request import Request
 from replica_engine.sampler import sample
 from replica_engine.sampling_params import SamplingParams
-from replica_engine.scheduler.plan import StepPlan
+from replica_engine.scheduler.plan import SamplingRow, ScheduledBatch, ScheduledRow
 
 
 class ModelRunner:
@@ -31,53 +31,57 @@ class ModelRunner:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * self.config.torch_dtype.itemsize
 
     def num_kv_blocks(self) -> int:
-        """How many blocks the KV pool gets: kv_cache_bytes where given, else (GPU) what is left of
-        gpu_memory_utilization after the weights and the peak of a full-budget step."""
+        """How many blocks requests may hold (the null block comes on top): num_kv_blocks where
+        given; else what kv_cache_bytes holds; else (GPU) what is left of gpu_memory_utilization
+        after the weights and the peak of a full-budget step."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
         if self.config.kv_cache_bytes is not None:
-            return self.config.kv_cache_bytes // self.bytes_per_block
+            return self.config.kv_cache_bytes // self.bytes_per_block - 1
         peak_activation_bytes = self._profile_peak_step_bytes()
         free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
         used_bytes = total_bytes - free_bytes
         budget = total_bytes * self.config.gpu_memory_utilization - used_bytes - peak_activation_bytes
-        return max(0, int(budget)) // self.bytes_per_block
+        return max(0, int(budget)) // self.bytes_per_block - 1
 
     def _profile_peak_step_bytes(self) -> int:
         """Run one step of max_num_batched_tokens tokens against a throwaway pool and measure
         the memory it needed beyond what was allocated before."""
         num_tokens = self.config.max_num_batched_tokens
-        pool = KVCacheManager(-(-num_tokens // self.config.block_size), self.config.block_size)
-        self.allocate_kv_cache(pool.num_blocks)
-        request = Request("profile", [0] * num_tokens, SamplingParams(max_tokens=1, temperature=0.0))
-        pool.allocate(request, num_tokens)
-        plan = StepPlan(num_tokens, {request: num_tokens})
-        plan.seal()
+        num_blocks = blocks_for_tokens(num_tokens, self.config.block_size)
+        self.allocate_kv_cache(num_blocks + 1)
+        sampling = SamplingRow(SamplingParams(max_tokens=1, temperature=0.0), None)
+        row = ScheduledRow(
+            "profile", (0,) * num_tokens, 0, tuple(range(NULL_BLOCK_ID + 1, num_blocks + 1)), False, sampling
+        )
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self.execute(plan)
+        self.execute(ScheduledBatch((row,)))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self.kv_caches = []
         torch.cuda.empty_cache()
         return peak
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, pool_size: int) -> None:
+        """`pool_size` blocks per layer for K and for V, the null block included."""
         self.kv_caches = [
             (
-                torch.zeros((num_blocks, *self.kv_shape), dtype=self.config.torch_dtype, device=self.device),
-                torch.zeros((num_blocks, *self.kv_shape), dtype=self.config.torch_dtype, device=self.device),
+                torch.zeros((pool_size, *self.kv_shape), dtype=self.config.torch_dtype, device=self.device),
+                torch.zeros((pool_size, *self.kv_shape), dtype=self.config.torch_dtype, device=self.device),
             )
             for _ in self.model.model.layers
         ]
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[int]:
-        """Compute every scheduled token; return one sampled token per `plan.sampling_requests`."""
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """Compute every scheduled token; return one sampled token per `batch.sampling_rows`."""
         on_gpu = self.device.type == "cuda"
-        batch = build_flat_batch(plan, self.config.block_size, pin_memory=on_gpu).to(self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attention)
-        sampling = plan.sampling_requests
+        flat = build_flat_batch(batch, self.config.block_size, pin_memory=on_gpu).to(self.device)
+        hidden = self.model(flat.input_ids, flat.positions, self.kv_caches, flat.attention)
+        sampling = [row.sampling for row in batch.rows if row.sampling is not None]
         if not sampling:
             return []
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.model.compute_logits(hidden[flat.logits_indices])
         return sample(logits, sampling)

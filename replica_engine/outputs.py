@@ -1,8 +1,24 @@
-"""What the engine returns: per-step deltas while a request runs, and a whole completion offline."""
+"""What the engine returns: the step thread's token deltas (CoreOutput), the same with text once
+detokenized (RequestOutput), and a whole completion offline (CompletionOutput)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CoreOutput:
+    """What one step did for one request, before detokenizing: its new token (none if it failed
+    or was aborted) and, if it has finished, why."""
+
+    request_id: str
+    new_token_ids: list[int]
+    num_prompt_tokens: int
+    finish_reason: str | None = None  # stop | length | abort | error, once finished
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""One request's state. The work it owes is `num_tokens - num_computed_tokens`: no phase flags."""
+"""One request's state. The work it owes is `num_tokens - num_computed_tokens`: no phase flags.
+Only the engine's step thread reads or changes it once the request is added."""
 
 from __future__ import annotations
 
@@ -36,9 +37,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
-    num_preemptions: int = 0
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
+    last_token_time: float | None = None  # of the latest output token (TBT metrics)
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
 
     @property

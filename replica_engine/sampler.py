@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from replica_engine.request import Request
+from replica_engine.scheduler.plan import SamplingRow
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -24,13 +24,13 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     """One token id per row of `logits` ([num_requests, vocab], float32)."""
     greedy_ids = logits.argmax(dim=-1)
-    if all(r.sampling_params.greedy for r in requests):
+    if all(r.params.greedy for r in rows):
         return greedy_ids.tolist()
     device = logits.device
-    params = [r.sampling_params for r in requests]
+    params = [r.params for r in rows]
     temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
     logits = logits / temperature[:, None]
     top_k = torch.tensor([p.top_k for p in params], device=device)
@@ -41,9 +41,9 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p; seeded rows use
     # their own generator.
     noise = torch.empty_like(probs).exponential_()
-    for row, request in enumerate(requests):
-        if request.generator is not None:
-            noise[row].exponential_(generator=request.generator)
+    for index, row in enumerate(rows):
+        if row.generator is not None:
+            noise[index].exponential_(generator=row.generator)
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([p.greedy for p in params], device=device)
     return torch.where(is_greedy, greedy_ids, sampled).tolist()

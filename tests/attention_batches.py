@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from replica_engine.attention import INVALID_BLOCK_ID, AttentionMetadata
+from replica_engine.attention import AttentionMetadata
+from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
 
 
 @dataclass
@@ -34,14 +35,15 @@ def paged_batch(
 ) -> PagedBatch:
     """`shapes`: (cached tokens, new tokens) per request."""
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-(c + n) // block_size) for c, n in shapes) + 3
+    num_blocks = sum(blocks_for_tokens(c + n, block_size) for c, n in shapes) + 3
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)  # junk where unused
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    free = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, out-of-order blocks
+    # Scattered, out-of-order blocks; never the null block, which pads the tables.
+    free = [b for b in torch.randperm(num_blocks, generator=gen).tolist() if b != NULL_BLOCK_ID]
     full_k, full_v, tables, slots, queries = [], [], [], [], []
     for cached, new in shapes:
         total = cached + new
-        blocks = [free.pop() for _ in range(-(-total // block_size))]
+        blocks = [free.pop() for _ in range(blocks_for_tokens(total, block_size))]
         tables.append(blocks)
         k = torch.randn(total, kv_heads, head_dim, generator=gen)
         v = torch.randn(total, kv_heads, head_dim, generator=gen)
@@ -59,11 +61,10 @@ def paged_batch(
         cu_seqlens_q=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
         seq_lens_kv=torch.tensor(kv_lens, dtype=torch.int32),
         block_tables=torch.tensor(
-            [[*t, *[INVALID_BLOCK_ID] * (width - len(t))] for t in tables], dtype=torch.int32
+            [[*t, *[NULL_BLOCK_ID] * (width - len(t))] for t in tables], dtype=torch.int32
         ),
         slot_mapping=torch.tensor(slots),
         max_query_len=max(query_lens),
-        max_seq_len_kv=max(kv_lens),
         query_lens_cpu=query_lens,
         seq_lens_kv_cpu=kv_lens,
     )

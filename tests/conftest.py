@@ -73,12 +73,11 @@ def small_app(serve_cluster):
 
     from deployments.app import AppArgs, build_app
 
-    block_bytes = 16 * 30 * 2 * 3 * 64 * 4  # SmolLM2: 16 tokens x 30 layers x K,V x 3 heads x 64 x fp32
     args = AppArgs(
         max_ongoing_requests=4,
         max_queued_requests=1,
         num_cpus=0,
-        engine={"kv_cache_bytes": 8 * block_bytes, "max_model_len": 160},
+        engine={"num_kv_blocks": 8, "max_model_len": 160},
         sampling_defaults={"max_tokens": 256},
     )
     serve.run(build_app(args), name="small", route_prefix="/small")

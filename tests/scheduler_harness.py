@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.request import Request
 from replica_engine.sampling_params import SamplingParams
-from replica_engine.scheduler import SCHEDULING_POLICIES, Scheduler, SchedulerConfig, StepPlan
+from replica_engine.scheduler import SCHEDULING_POLICIES, Scheduler, SchedulerConfig
+from replica_engine.scheduler.plan import ScheduledBatch
 
 
 @dataclass
@@ -22,7 +23,7 @@ class Arrival:
 class Run:
     scheduler: Scheduler
     requests: list[Request]
-    plans: list[StepPlan] = field(default_factory=list)
+    batches: list[ScheduledBatch] = field(default_factory=list)
     first_admission_order: list[str] = field(default_factory=list)
 
 
@@ -40,9 +41,9 @@ def make_scheduler(policy: str, budget: int, max_seqs: int, num_blocks: int, blo
 def run_to_completion(
     scheduler: Scheduler,
     arrivals: list[Arrival],
-    next_token: Callable[[Request], int] = lambda request: 7,
+    next_token: Callable[[str], int] = lambda request_id: 7,
     stop_token_ids: frozenset[int] = frozenset(),
-    check_step: Callable[[Scheduler, StepPlan], None] = lambda scheduler, plan: None,
+    check_step: Callable[[Scheduler, ScheduledBatch], None] = lambda scheduler, batch: None,
     max_steps: int = 100_000,
 ) -> Run:
     """Add requests at their arrival steps (in list order) and step until every one has finished."""
@@ -57,16 +58,16 @@ def run_to_completion(
     while pending or scheduler.has_unfinished_requests():
         while pending and pending[0][1].step <= step:
             scheduler.add_request(requests[pending.pop(0)[0]])
-        plan = scheduler.schedule()
-        if plan.is_empty and not pending:
+        batch = scheduler.schedule()
+        if batch.is_empty and not pending:
             raise AssertionError(f"step {step}: nothing scheduled but requests are unfinished (deadlock)")
-        check_step(scheduler, plan)
-        for request in plan.num_scheduled_tokens:
-            if request.request_id not in seen:
-                seen.add(request.request_id)
-                run.first_admission_order.append(request.request_id)
-        scheduler.update(plan, [next_token(r) for r in plan.sampling_requests])
-        run.plans.append(plan)
+        check_step(scheduler, batch)
+        for row in batch.rows:
+            if row.request_id not in seen:
+                seen.add(row.request_id)
+                run.first_admission_order.append(row.request_id)
+        scheduler.update(batch, [next_token(row.request_id) for row in batch.sampling_rows])
+        run.batches.append(batch)
         step += 1
         assert step < max_steps, "no progress"
     return run

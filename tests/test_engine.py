@@ -124,7 +124,7 @@ def test_context_length_error_says_so(llm):
 
 
 def test_a_request_larger_than_the_whole_kv_pool_is_rejected_up_front():
-    llm = LLM(kv_cache_bytes=4 * 30 * 2 * 16 * 3 * 64 * 4)  # 4 blocks = 64 tokens
+    llm = LLM(num_kv_blocks=4)  # 64 tokens
     with pytest.raises(InvalidRequestError, match="whole KV pool"):
         llm.generate("hello " * 40, SamplingParams(max_tokens=30))
     assert llm.generate("hello", SamplingParams(max_tokens=3))[0].finish_reason == "length"

@@ -10,21 +10,21 @@ import pytest
 
 from replica_engine import LLM, SamplingParams
 from replica_engine.errors import StepFailedError
-from replica_engine.scheduler.plan import StepPlan
+from replica_engine.scheduler.plan import ScheduledBatch
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0)
 
 
 def fail_when(llm: LLM, monkeypatch: pytest.MonkeyPatch, poisoned: Callable[[str], bool]) -> None:
-    """Make the runner raise for any plan holding a request whose id `poisoned` picks."""
-    execute = llm.engine.runner.execute
+    """Make the runner raise for any batch holding a request whose id `poisoned` picks."""
+    execute = llm.engine.core.runner.execute
 
-    def faulty_execute(plan: StepPlan) -> list[int]:
-        if any(poisoned(request.request_id) for request in plan.num_scheduled_tokens):
+    def faulty_execute(batch: ScheduledBatch) -> list[int]:
+        if any(poisoned(row.request_id) for row in batch.rows):
             raise RuntimeError("injected fault")
-        return execute(plan)
+        return execute(batch)
 
-    monkeypatch.setattr(llm.engine.runner, "execute", faulty_execute)
+    monkeypatch.setattr(llm.engine.core.runner, "execute", faulty_execute)
 
 
 def run_to_end(llm: LLM, request_ids: list[str]) -> dict[str, tuple[list[int], str | None]]:

@@ -11,6 +11,7 @@ from deployments.engine_replica import EngineReplica, wrap_int64
 from deployments.messages import ChoiceDelta, GenerateError, GenerateRequest
 from replica_engine import EngineConfig
 from replica_engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
+from tests.engine_idle import is_idle, wait_idle
 
 
 @pytest.fixture
@@ -30,8 +31,7 @@ def test_a_refused_input_leaves_nothing_running(replica: EngineReplica):
     request = GenerateRequest("r1", prompts=["Hello there", ""], sampling={"max_tokens": 4})
     items = asyncio.run(collect(replica, request))
     assert len(items) == 1 and isinstance(items[0], GenerateError) and items[0].param == "prompt"
-    stats = replica.stats()
-    assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
+    assert is_idle(replica.stats())
 
 
 def test_choices_stream_to_their_end(replica: EngineReplica):
@@ -40,18 +40,18 @@ def test_choices_stream_to_their_end(replica: EngineReplica):
     for index in range(4):
         mine = [d for d in deltas if d.index == index]
         assert sum(len(d.token_ids) for d in mine) == 5 and mine[-1].finish_reason == "length"
-    assert replica.stats().num_free_blocks == replica.stats().num_total_blocks
+    assert is_idle(replica.stats())
 
 
 def test_a_failing_choice_ends_its_request_with_a_500_and_the_replica_goes_on(replica: EngineReplica):
     # A device fault cannot be caused on purpose on a CPU: the runner raises for one request.
-    runner = replica.engine.engine.runner
+    runner = replica.engine.core.runner
     execute = runner.execute
 
-    def faulty_execute(plan):
-        if any(r.request_id.startswith("poison") for r in plan.num_scheduled_tokens):
+    def faulty_execute(batch):
+        if any(row.request_id.startswith("poison") for row in batch.rows):
             raise RuntimeError("injected fault")
-        return execute(plan)
+        return execute(batch)
 
     runner.execute = faulty_execute
     good = GenerateRequest("good", prompts=["Hello"], sampling={"max_tokens": 6, "temperature": 0})
@@ -65,15 +65,14 @@ def test_a_failing_choice_ends_its_request_with_a_500_and_the_replica_goes_on(re
     assert (poison_items[0].status, poison_items[0].code) == (500, "engine_error")
     assert sum(len(d.token_ids) for batch in good_items for d in batch) == 6
     replica.check_health()  # one failed request does not make the replica unhealthy
-    stats = replica.stats()
-    assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
+    wait_idle(replica.stats)  # the poisoned request's other choice is aborted when it fails
 
 
 def test_health_check_fails_once_every_step_keeps_failing(replica: EngineReplica):
-    def broken_execute(plan):
+    def broken_execute(batch):
         raise RuntimeError("device lost")
 
-    replica.engine.engine.runner.execute = broken_execute
+    replica.engine.core.runner.execute = broken_execute
     statuses = []
     for i in range(MAX_CONSECUTIVE_STEP_FAILURES + 1):
         request = GenerateRequest(f"r{i}", prompts=["Hello"], sampling={"max_tokens": 4})

@@ -24,12 +24,11 @@ PROMPTS = [
 ]
 MAX_TOKENS = 24
 TIE_TOLERANCE = 1e-4
-BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2-135M, fp32, block_size 16
 
 CONFIGS = {
     "large_budget": {},
     "budget_16": {"max_num_batched_tokens": 16},  # chunked prefill mixed with decodes
-    "tiny_pool": {"kv_cache_bytes": 12 * BYTES_PER_BLOCK},  # 192 tokens for ~500: preemption
+    "tiny_pool": {"num_kv_blocks": 12},  # 192 tokens for ~500: preemption
 }
 
 
@@ -72,11 +71,11 @@ def test_greedy_outputs_match_transformers(config_name, hf_model, tokenizer, hf_
         )
         assert gap < TIE_TOLERANCE, (prompt, position, ours.token_ids, theirs)
 
-    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+    assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.kv_cache.num_blocks
     if config_name == "budget_16":
         mixed = [s for s in steps if s.num_prefill_requests and s.num_decode_requests]
         assert mixed, "no step mixed a prefill chunk with decodes"
         assert max(s.num_prefill_tokens + s.num_decode_requests for s in steps) <= 16
     if config_name == "tiny_pool":
-        assert llm.engine.scheduler.num_preemptions > 0
-        assert sum(s.num_preempted for s in steps) == llm.engine.scheduler.num_preemptions
+        assert llm.engine.core.scheduler.num_preemptions > 0
+        assert sum(s.num_preempted for s in steps) == llm.engine.core.scheduler.num_preemptions

@@ -17,7 +17,6 @@ from bench.sse_client import StreamResult, stream_completion
 from deployments.app import AppArgs, build_app
 from replica_engine import SamplingParams
 
-BLOCK_BYTES = 16 * 30 * 2 * 3 * 64 * 4  # one 16-token KV block of SmolLM2 in float32
 LONG_PROMPT = "Summarise the history of the Roman Empire in detail. " * 12  # ~130 tokens
 SHORT_PROMPT = "Say hello."
 
@@ -44,7 +43,7 @@ def fleet(serve_cluster: ServeCluster) -> str:
         num_replicas=2,
         num_cpus=0,
         cpu_threads=1,
-        engine={"kv_cache_bytes": 24 * BLOCK_BYTES, "max_model_len": 384, "max_num_batched_tokens": 256},
+        engine={"num_kv_blocks": 24, "max_model_len": 384, "max_num_batched_tokens": 256},
     )
     deploy("fleet", args)
     yield f"{serve_cluster.base_url}/fleet"
@@ -127,7 +126,7 @@ def test_kv_pressure_scales_up_under_load_and_back_down_when_idle(serve_cluster:
         },
         target_kv_cache_usage=0.3,
         target_waiting_requests=8,
-        engine={"kv_cache_bytes": 24 * BLOCK_BYTES, "max_model_len": 384},
+        engine={"num_kv_blocks": 24, "max_model_len": 384},
     )
     deploy("autoscale", args)
     try:

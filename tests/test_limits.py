@@ -14,6 +14,7 @@ from bench.serve_cluster import ServeCluster, scrape, wait_for
 from bench.sse_client import stream_completion
 from deployments.app import AppArgs, build_app
 from replica_engine import LLM, EngineStats, SamplingParams
+from tests.engine_idle import wait_idle
 
 SMALL_APP = {"application": "small", "deployment": "EngineReplica"}
 
@@ -65,17 +66,6 @@ def _stats() -> EngineStats:
     return serve.get_deployment_handle("EngineReplica", app_name="timeout").stats.remote().result()
 
 
-def _wait_all_free() -> None:
-    def all_free() -> bool:
-        stats = _stats()
-        return stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
-
-    deadline = time.monotonic() + 2
-    while not all_free():
-        assert time.monotonic() < deadline, f"blocks still held 2 s after the timeout: {_stats()}"
-        time.sleep(0.1)
-
-
 def test_request_timeout_answers_408_and_frees_the_request(timeout_app: str):
     short = httpx.post(f"{timeout_app}/v1/completions", json={**LONG, "max_tokens": 2}, timeout=60)
     assert short.status_code == 200, short.text
@@ -84,7 +74,7 @@ def test_request_timeout_answers_408_and_frees_the_request(timeout_app: str):
     assert response.status_code == 408, response.text
     assert response.json()["error"]["code"] == "request_timeout"
     assert time.monotonic() - started < 5
-    _wait_all_free()
+    wait_idle(_stats, timeout_s=2)
 
 
 def test_request_timeout_ends_a_stream_with_an_error_event(timeout_app: str):
@@ -95,4 +85,4 @@ def test_request_timeout_ends_a_stream_with_an_error_event(timeout_app: str):
     result = asyncio.run(stream())
     assert (result.status, result.error_code) == (200, "request_timeout")
     assert result.chunk_times and result.done_at - result.sent_at < 5
-    _wait_all_free()
+    wait_idle(_stats, timeout_s=2)

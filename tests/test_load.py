@@ -16,7 +16,6 @@ from bench.serve_cluster import ServeCluster, wait_for
 from deployments.app import AppArgs, build_app
 
 APP = "load"
-TINY_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # K,V x 2 layers x 16 tokens x 2 KV heads x 16 dims x fp32
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +27,7 @@ def load_app(serve_cluster: ServeCluster) -> str:
         num_replicas=2,
         num_cpus=0,
         cpu_threads=1,
-        engine={"kv_cache_bytes": 256 * TINY_BLOCK_BYTES, "max_num_seqs": 64},
+        engine={"num_kv_blocks": 256, "max_num_seqs": 64},
     )
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     yield f"{serve_cluster.base_url}/{APP}/v1/completions"

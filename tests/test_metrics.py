@@ -52,16 +52,14 @@ def test_counts_add_up_after_a_run():
     assert sample(registry, "stallfree_kv_cache_usage_perc") == 0
     assert sample(registry, "stallfree_num_requests_running") == 0
     assert sample(registry, "stallfree_num_requests_waiting") == 0
-    assert sample(registry, "stallfree_num_free_kv_blocks") == engine.kv_cache.num_blocks
+    assert sample(registry, "stallfree_num_free_kv_blocks") == engine.core.kv_cache.num_blocks
 
 
 def test_preemptions_and_aborts_are_counted():
     # 12 blocks of 16 tokens cannot hold four requests of ~60 tokens each: some are preempted.
-    engine, registry = run_engine(
-        {"kv_cache_bytes": 12 * 16 * 30 * 2 * 3 * 64 * 4}, PROMPTS * 2, max_tokens=48
-    )
-    assert engine.scheduler.num_preemptions > 0
-    assert sample(registry, "stallfree_num_preemptions_total") == engine.scheduler.num_preemptions
+    engine, registry = run_engine({"num_kv_blocks": 12}, PROMPTS * 2, max_tokens=48)
+    assert engine.core.scheduler.num_preemptions > 0
+    assert sample(registry, "stallfree_num_preemptions_total") == engine.core.scheduler.num_preemptions
 
     request_id = engine.add_request("Tell me a story", SamplingParams(max_tokens=50))
     assert sample(registry, "stallfree_num_requests_waiting") == 1  # queue depth moves on arrival

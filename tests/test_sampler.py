@@ -1,18 +1,14 @@
 import torch
 
-from replica_engine.request import Request
 from replica_engine.sampler import sample
 from replica_engine.sampling_params import SamplingParams
+from replica_engine.scheduler.plan import SamplingRow
 
 
-def _requests(*params: SamplingParams) -> list[Request]:
-    requests = []
-    for i, p in enumerate(params):
-        request = Request(f"r{i}", [1], p)
-        if p.seed is not None:
-            request.generator = torch.Generator().manual_seed(p.seed)
-        requests.append(request)
-    return requests
+def _requests(*params: SamplingParams) -> list[SamplingRow]:
+    return [
+        SamplingRow(p, torch.Generator().manual_seed(p.seed) if p.seed is not None else None) for p in params
+    ]
 
 
 def _logits(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:

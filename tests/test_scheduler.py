@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from replica_engine.kv_cache_manager import blocks_for_tokens
 from replica_engine.request import Request, RequestStatus
 from replica_engine.sampling_params import SamplingParams
-from replica_engine.scheduler import Scheduler, StepPlan
+from replica_engine.scheduler import Scheduler
+from replica_engine.scheduler.plan import ScheduledBatch
 from tests.scheduler_harness import Arrival, arrival_order, make_scheduler, run_to_completion
 
 
@@ -19,57 +20,56 @@ def _add(scheduler: Scheduler, name: str, prompt_len: int, max_tokens: int = 8) 
     return request
 
 
-def _step(scheduler: Scheduler) -> StepPlan:
-    plan = scheduler.schedule()
-    scheduler.update(plan, [7] * len(plan.sampling_requests))
-    return plan
+def _step(scheduler: Scheduler) -> dict[str, int]:
+    """One step; the tokens it scheduled per request, in batch order."""
+    batch = scheduler.schedule()
+    scheduler.update(batch, [7] * len(batch.sampling_rows))
+    return batch.num_scheduled_tokens
 
 
 def test_stall_free_runs_decodes_first_then_chunks_prompts_to_the_budget_left():
     scheduler = make_scheduler("stall_free", budget=16, max_seqs=8, num_blocks=64, block_size=4)
     a = _add(scheduler, "a", 10)
-    assert _step(scheduler).num_scheduled_tokens == {a: 10}  # whole prompt fits: a samples
+    assert _step(scheduler) == {"a": 10}  # whole prompt fits: a samples
     b = _add(scheduler, "b", 40)
-    plan = _step(scheduler)
-    assert plan.num_scheduled_tokens == {a: 1, b: 15}  # a's decode first, b chunked to the rest
+    assert list(_step(scheduler).items()) == [("a", 1), ("b", 15)]  # a's decode first, b chunked
     c = _add(scheduler, "c", 5)
-    plan = _step(scheduler)
-    assert list(plan.num_scheduled_tokens.items()) == [(a, 1), (b, 15)]  # c waits: no budget left
-    plan = _step(scheduler)
-    assert list(plan.num_scheduled_tokens.items()) == [(a, 1), (b, 10), (c, 5)]
-    assert b.output_token_ids == [7] and c.output_token_ids == [7]
+    assert list(_step(scheduler).items()) == [("a", 1), ("b", 15)]  # c waits: no budget left
+    assert list(_step(scheduler).items()) == [("a", 1), ("b", 10), ("c", 5)]
+    assert a.output_token_ids == [7] * 4 and b.output_token_ids == [7] and c.output_token_ids == [7]
 
 
 def test_prefill_first_stalls_decodes_while_prompts_are_admitted():
     scheduler = make_scheduler("prefill_first", budget=64, max_seqs=8, num_blocks=64, block_size=4)
-    a = _add(scheduler, "a", 10)
+    _add(scheduler, "a", 10)
     _step(scheduler)
-    b = _add(scheduler, "b", 20)
-    assert _step(scheduler).num_scheduled_tokens == {b: 20}  # a's decode waits
-    assert _step(scheduler).num_scheduled_tokens == {a: 1, b: 1}
+    _add(scheduler, "b", 20)
+    assert _step(scheduler) == {"b": 20}  # a's decode waits
+    assert _step(scheduler) == {"a": 1, "b": 1}
 
 
 def test_static_admits_a_new_batch_only_when_the_last_has_drained():
     scheduler = make_scheduler("static", budget=64, max_seqs=8, num_blocks=64, block_size=4)
     a = _add(scheduler, "a", 4, max_tokens=3)
     _step(scheduler)
-    b = _add(scheduler, "b", 4, max_tokens=1)
-    assert _step(scheduler).num_scheduled_tokens == {a: 1}
-    assert _step(scheduler).num_scheduled_tokens == {a: 1}
+    _add(scheduler, "b", 4, max_tokens=1)
+    assert _step(scheduler) == {"a": 1}
+    assert _step(scheduler) == {"a": 1}
     assert a.is_finished
-    assert _step(scheduler).num_scheduled_tokens == {b: 4}
+    assert _step(scheduler) == {"b": 4}
 
 
 def test_out_of_blocks_preempts_the_newest_keeps_its_tokens_and_admits_nothing():
     # 3 blocks of 4 tokens. a and b each hold one full block; the next decode needs a new block.
     scheduler = make_scheduler("stall_free", budget=64, max_seqs=8, num_blocks=3, block_size=4)
-    a = _add(scheduler, "a", 4)
+    _add(scheduler, "a", 4)
     b = _add(scheduler, "b", 4)
     _step(scheduler)  # prompts: a and b fill one block each and sample their first token
     c = _add(scheduler, "c", 2)
-    plan = _step(scheduler)  # each decode needs a 2nd block: a takes the last; b (newest) is preempted
-    assert plan.preempted == [b]
-    assert plan.num_scheduled_tokens == {a: 1}  # c is not admitted in a step that preempted
+    batch = scheduler.schedule()  # each decode needs a 2nd block: a takes the last; b, newest, is preempted
+    scheduler.update(batch, [7] * len(batch.sampling_rows))
+    assert batch.num_preempted == 1
+    assert batch.num_scheduled_tokens == {"a": 1}  # c is not admitted in a step that preempted
     assert b.status is RequestStatus.WAITING and b.block_ids == [] and b.num_computed_tokens == 0
     assert b.output_token_ids == [7]  # nothing lost: recomputed later from prompt + output
     assert list(scheduler.waiting) == [b, c]  # front of the queue
@@ -105,22 +105,25 @@ arrivals_strategy = st.lists(
 )
 
 
-def _check_stall_free_step(scheduler: Scheduler, plan: StepPlan, budget: int, max_seqs: int) -> None:
-    assert plan.total_tokens <= budget
-    assert len(plan.num_scheduled_tokens) <= max_seqs
+def _check_stall_free_step(scheduler: Scheduler, batch: ScheduledBatch, budget: int, max_seqs: int) -> None:
+    assert batch.total_tokens <= budget
+    assert len(batch.rows) <= max_seqs
     assert len(scheduler.running) <= max_seqs
     block_size = scheduler.kv_cache.block_size
-    for request, num_tokens in plan.num_scheduled_tokens.items():
-        assert num_tokens >= 1
-        # Blocks for exactly the tokens computed after this step, no more.
-        expected_blocks = blocks_for_tokens(request.num_computed_tokens + num_tokens, block_size)
-        assert len(request.block_ids) == expected_blocks
-    summary = plan.summary()
+    for row in batch.rows:
+        request = scheduler.requests[row.request_id]
+        assert row.num_tokens >= 1
+        # Blocks for exactly the tokens computed after this step, no more; the batch holds a copy.
+        assert len(request.block_ids) == blocks_for_tokens(
+            request.num_computed_tokens + row.num_tokens, block_size
+        )
+        assert row.block_ids == tuple(request.block_ids) and row.start_position == request.num_computed_tokens
+    scheduled = batch.num_scheduled_tokens
     skipped_decodes = [
-        r for r in scheduler.running if r.num_owed_tokens == 1 and r not in plan.num_scheduled_tokens
+        r for r in scheduler.running if r.num_owed_tokens == 1 and r.request_id not in scheduled
     ]
     # Stall-free: a running request owing one token is never left out for a prefill.
-    assert not (skipped_decodes and summary.num_prefill_requests), (skipped_decodes, plan)
+    assert not (skipped_decodes and batch.summary().num_prefill_requests), (skipped_decodes, batch)
     held = sum(len(r.block_ids) for r in scheduler.running)
     assert held + scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks  # no leak
 
@@ -142,9 +145,9 @@ def test_stall_free_properties(arrivals, budget, max_seqs, block_size, spare_blo
     run = run_to_completion(
         scheduler,
         arrivals,
-        next_token=lambda request: next(draws),
+        next_token=lambda request_id: next(draws),
         stop_token_ids=frozenset({0}),
-        check_step=lambda s, plan: _check_stall_free_step(s, plan, budget, max_seqs),
+        check_step=lambda s, batch: _check_stall_free_step(s, batch, budget, max_seqs),
     )
     for request, arrival in zip(run.requests, arrivals, strict=True):
         outputs = request.output_token_ids
@@ -170,5 +173,5 @@ def test_baseline_policies_finish_everything_in_fcfs_order(policy, arrivals, max
     assert run.first_admission_order == arrival_order(arrivals, run.requests)
     if policy == "prefill_first":  # no step mixes a prefill with decodes
         assert all(
-            not (p.summary().num_prefill_requests and p.summary().num_decode_requests) for p in run.plans
+            not (b.summary().num_prefill_requests and b.summary().num_decode_requests) for b in run.batches
         )

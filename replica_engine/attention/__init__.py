@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from replica_engine.attention.base import INVALID_BLOCK_ID, AttentionBackend, AttentionMetadata
+from replica_engine.attention.base import AttentionBackend, AttentionMetadata, NullBlockWriteError
 from replica_engine.attention.torch_ref import TorchAttention
 from replica_engine.errors import InvalidRequestError
 
@@ -21,4 +21,10 @@ def get_backend(name: str) -> AttentionBackend:
     raise InvalidRequestError("attention_backend", f"unknown {name!r}; have {list(ATTENTION_BACKENDS)}")
 
 
-__all__ = ["ATTENTION_BACKENDS", "INVALID_BLOCK_ID", "AttentionBackend", "AttentionMetadata", "get_backend"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "NullBlockWriteError",
+    "get_backend",
+]

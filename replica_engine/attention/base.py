@@ -15,16 +15,16 @@ class AttentionMetadata:
 
     cu_seqlens_q: torch.Tensor  # [num_reqs + 1] int32
     seq_lens_kv: torch.Tensor  # [num_reqs] int32
-    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with INVALID_BLOCK_ID
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with the null block (0)
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token's K/V goes to
     max_query_len: int
-    max_seq_len_kv: int
     # Host copies for backends that loop in Python (the reference); never read on the GPU path.
     query_lens_cpu: list[int]
     seq_lens_kv_cpu: list[int]
 
 
-INVALID_BLOCK_ID = -1  # pads block tables; never a real block
+class NullBlockWriteError(RuntimeError):
+    """A real token's K/V was about to land in the null block: its block table was incomplete."""
 
 
 class AttentionBackend(ABC):
@@ -38,8 +38,14 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Store this step's keys/values ([T, kv_heads, head_dim]) into their cache slots."""
+        """Store this step's keys/values ([T, kv_heads, head_dim]) into their cache slots. Every
+        slot here is a real token's, so none may point into the null block (block 0): on the CPU,
+        where the check costs no device sync, a bad table fails the step instead of the write
+        landing in scratch space or, with any other padding, in another request's block."""
         num_kv_heads, head_dim = key.shape[1:]
+        block_size = k_cache.shape[1]
+        if slot_mapping.device.type == "cpu" and int(slot_mapping.min()) < block_size:
+            raise NullBlockWriteError(f"slot {int(slot_mapping.min())} is in the null block")
         k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = key
         v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value
 

@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from replica_engine.attention.base import AttentionBackend, AttentionMetadata
+from replica_engine.kv_cache_manager import blocks_for_tokens
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first seq_len tokens of one request's paged cache, as [seq_len, kv_heads, head_dim]."""
-    block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
+    num_blocks = blocks_for_tokens(seq_len, cache.shape[1])
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
 
 
@@ -35,10 +35,9 @@ def _batched_decode(
     scale: float,
 ) -> torch.Tensor:
     """query [R, heads, d], one per request -> [R, heads, d]."""
-    block_size = k_cache.shape[1]
-    num_blocks = -(-max_len // block_size)
-    # Padding ids point at block 0: read, then masked out below.
-    tables = block_tables[:, :num_blocks].long().clamp(min=0)
+    num_blocks = blocks_for_tokens(max_len, k_cache.shape[1])
+    # Padding entries point at the null block: read, then masked out below.
+    tables = block_tables[:, :num_blocks].long()
     keys = k_cache[tables].flatten(1, 2)  # [R, num_blocks * block_size, kv_heads, d]
     values = v_cache[tables].flatten(1, 2)
     visible = torch.arange(keys.shape[1], device=query.device)[None, :] < seq_lens[:, None].long()

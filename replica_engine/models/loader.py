@@ -36,7 +36,6 @@ _MERGED = {
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM
-    config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase | None  # None for dummy weights: token ids in and out
     stop_token_ids: frozenset[int]  # eos and chat-end tokens
 
@@ -70,10 +69,10 @@ def load_model(
         model = LlamaForCausalLM(config, backend, max_position)
     if source.dummy_shape is not None:
         _fill_dummy(model, seed)
-        return LoadedModel(model.eval(), config, None, frozenset())
+        return LoadedModel(model.eval(), None, frozenset())
     _load_safetensors(model, source.hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(source.hf_dir)
-    return LoadedModel(model.eval(), config, tokenizer, _stop_token_ids(source.hf_dir, tokenizer))
+    return LoadedModel(model.eval(), tokenizer, _stop_token_ids(source.hf_dir, tokenizer))
 
 
 def _stop_token_ids(hf_dir: Path, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

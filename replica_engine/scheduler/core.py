@@ -1,5 +1,7 @@
 """What every scheduling policy shares: the queues, allocation with preemption, and the update
-after a step. Policies only decide the order in which a step's token budget is spent."""
+after a step. Policies only decide the order in which a step's token budget is spent.
+
+Not thread-safe, by design: one thread (the engine's step thread) owns it and every request in it."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.request import FinishReason, Request, RequestStatus
-from replica_engine.scheduler.plan import StepPlan
+from replica_engine.scheduler.plan import ScheduledBatch, StepPlan
 
 
 @dataclass(frozen=True)
@@ -23,12 +25,16 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the first to preempt
         self.num_preemptions = 0
 
     # -- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in flight")
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -43,34 +49,28 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv_cache.free(request)
+        del self.requests[request.request_id]
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
     # -- one step -----------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self) -> ScheduledBatch:
         plan = StepPlan(self.config.max_num_batched_tokens)
         self._fill(plan)
-        plan.seal()
-        return plan
+        return plan.seal()
 
     def _fill(self, plan: StepPlan) -> None:
         """Spend the step's budget: the one thing a policy decides."""
         raise NotImplementedError
 
-    def update(self, plan: StepPlan, sampled_token_ids: list[int]) -> list[Request]:
-        """Advance the requests a step computed; `sampled_token_ids` follows `plan.sampling_requests`.
-        Returns the requests that got a token (some may now be finished). Requests aborted while
-        the step ran are skipped."""
-        for request, num_tokens in plan.num_scheduled_tokens.items():
-            if not request.is_finished:
-                request.num_computed_tokens += num_tokens
+    def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Request]:
+        """Advance the requests a step computed; `sampled_token_ids` follows `batch.sampling_rows`.
+        Returns the requests that got a token (some may now be finished)."""
+        for row in batch.rows:
+            self.requests[row.request_id].num_computed_tokens += row.num_tokens
         advanced = []
-        now = time.monotonic()
-        for request, token_id in zip(plan.sampling_requests, sampled_token_ids, strict=True):
-            if request.is_finished:
-                continue
-            if request.first_token_time is None:
-                request.first_token_time = now
+        for row, token_id in zip(batch.sampling_rows, sampled_token_ids, strict=True):
+            request = self.requests[row.request_id]
             reason = request.append_output_token(token_id)
             if reason is not None:
                 self.finish_request(request, reason)
@@ -131,6 +131,5 @@ class Scheduler:
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -1,10 +1,17 @@
-"""A step's plan: which requests run how many tokens, in batch order."""
+"""A step's plan, in two forms. `StepPlan` is the scheduler's working copy while a policy fills
+it (live requests as keys). `seal()` turns it into a `ScheduledBatch`: frozen copies of all the
+model runner needs (token ids, positions, block ids, sampling rows), so nothing the runner reads
+can change under it, whatever happens to the requests afterwards."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
+
 from replica_engine.request import Request
+from replica_engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -23,14 +30,80 @@ class StepSummary:
         return self.num_prefill_tokens + self.num_decode_requests
 
 
+@dataclass(frozen=True)
+class SamplingRow:
+    """How to sample one request's next token. The generator is the request's own (seeded
+    requests only); only the step thread draws from it."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    """One request's share of a step: tokens at positions start_position.. of its sequence."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_position: int  # tokens already in the cache before this step
+    block_ids: tuple[int, ...]  # covers start_position + len(token_ids) tokens
+    is_decode: bool  # one token, past the prompt
+    sampling: SamplingRow | None  # set when this step computes the request's last owed token
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_position(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """A sealed plan, in batch order: what the model runner executes."""
+
+    rows: tuple[ScheduledRow, ...]
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.rows
+
+    @property
+    def sampling_rows(self) -> list[ScheduledRow]:
+        return [row for row in self.rows if row.sampling is not None]
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {row.request_id: row.num_tokens for row in self.rows}
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(row.num_tokens for row in self.rows)
+
+    def only(self, request_ids: Iterable[str]) -> ScheduledBatch:
+        """The rows of these requests alone (the step's preemptions stay counted)."""
+        keep = set(request_ids)
+        return ScheduledBatch(tuple(row for row in self.rows if row.request_id in keep), self.num_preempted)
+
+    def summary(self, duration_s: float = 0.0) -> StepSummary:
+        num_decodes = sum(row.is_decode for row in self.rows)
+        return StepSummary(
+            num_requests=len(self.rows),
+            num_decode_requests=num_decodes,
+            num_prefill_requests=len(self.rows) - num_decodes,
+            num_prefill_tokens=self.total_tokens - num_decodes,
+            num_preempted=self.num_preempted,
+            duration_s=duration_s,
+        )
+
+
 @dataclass
 class StepPlan:
     token_budget: int
     num_scheduled_tokens: dict[Request, int] = field(default_factory=dict)  # insertion order = batch order
     preempted: list[Request] = field(default_factory=list)
-    # Set by seal(), from the requests' state before the step runs (update() changes that state).
-    sampling_requests: list[Request] = field(default_factory=list)
-    num_decode_requests: int = 0
 
     @property
     def budget_left(self) -> int:
@@ -44,22 +117,23 @@ class StepPlan:
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
 
-    def seal(self) -> None:
-        """Fix the facts that depend on request state: a request samples a token when this step
-        computes its last owed token; a decode is one token for a request past its prompt."""
-        scheduled = self.num_scheduled_tokens.items()
-        self.sampling_requests = [r for r, n in scheduled if n == r.num_owed_tokens]
-        self.num_decode_requests = sum(
-            1 for r, n in scheduled if n == 1 and r.num_computed_tokens >= r.num_prompt_tokens
+    def seal(self) -> ScheduledBatch:
+        """Copy out, from the requests' state before the step runs: a request samples when this
+        step computes its last owed token; a decode is one token for a request past its prompt."""
+        return ScheduledBatch(
+            tuple(_row(request, num_tokens) for request, num_tokens in self.num_scheduled_tokens.items()),
+            len(self.preempted),
         )
 
-    def summary(self, duration_s: float = 0.0) -> StepSummary:
-        num_requests = len(self.num_scheduled_tokens)
-        return StepSummary(
-            num_requests=num_requests,
-            num_decode_requests=self.num_decode_requests,
-            num_prefill_requests=num_requests - self.num_decode_requests,
-            num_prefill_tokens=self.total_tokens - self.num_decode_requests,
-            num_preempted=len(self.preempted),
-            duration_s=duration_s,
-        )
+
+def _row(request: Request, num_tokens: int) -> ScheduledRow:
+    start = request.num_computed_tokens
+    samples = num_tokens == request.num_owed_tokens
+    return ScheduledRow(
+        request_id=request.request_id,
+        token_ids=tuple(request.token_ids(start, start + num_tokens)),
+        start_position=start,
+        block_ids=tuple(request.block_ids),
+        is_decode=num_tokens == 1 and start >= request.num_prompt_tokens,
+        sampling=SamplingRow(request.sampling_params, request.generator) if samples else None,
+    )

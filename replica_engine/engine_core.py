@@ -1,0 +1,150 @@
+"""The engine's state and its step: scheduler, KV cache, model runner, metrics.
+
+One owner: only the thread that steps it calls its methods (the caller of LLMEngine, or the
+step thread of AsyncEngine, which applies other threads' adds and aborts between steps). Other
+threads read `stats`, a snapshot the owner publishes, and nothing else."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from replica_engine.config import EngineConfig
+from replica_engine.errors import StepFailedError
+from replica_engine.kv_cache_manager import KVCacheManager
+from replica_engine.model_runner import ModelRunner
+from replica_engine.outputs import CoreOutput
+from replica_engine.request import FinishReason, Request
+from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+from replica_engine.scheduler.plan import ScheduledBatch, StepSummary
+
+if TYPE_CHECKING:
+    from replica_engine.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_waiting_prompt_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+
+
+class EngineCore:
+    def __init__(
+        self, config: EngineConfig, runner: ModelRunner, num_kv_blocks: int, metrics: EngineMetrics | None
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        runner.allocate_kv_cache(num_kv_blocks + 1)  # + the null block
+        self.kv_cache = KVCacheManager(num_kv_blocks, config.block_size)
+        scheduler_config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = SCHEDULING_POLICIES[config.scheduling_policy](scheduler_config, self.kv_cache)
+        self.step_listeners: list[Callable[[StepSummary], None]] = []
+        self.metrics = metrics
+        self.stats = self._snapshot()
+        self.publish_stats()
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> CoreOutput | None:
+        """Finish a request now, freeing its blocks; None if it is not in flight."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish_request(request, reason)
+        if self.metrics is not None:
+            self.metrics.record_finished(request, time.monotonic())
+        return CoreOutput(request_id, [], request.num_prompt_tokens, reason.value)
+
+    def fail_all_requests(self) -> list[CoreOutput]:
+        """The engine cannot go on: finish every request with reason error."""
+        return [
+            self.abort_request(request_id, FinishReason.ERROR) for request_id in list(self.scheduler.requests)
+        ]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def publish_stats(self) -> None:
+        """Snapshot the gauges (queue depth, running, KV usage) for readers on any thread."""
+        self.stats = self._snapshot()
+        if self.metrics is not None:
+            self.metrics.record_stats(self.stats)
+
+    def _snapshot(self) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(
+            num_waiting=len(scheduler.waiting),
+            num_running=len(scheduler.running),
+            num_waiting_prompt_tokens=sum(r.num_owed_tokens for r in scheduler.waiting),
+            num_free_blocks=self.kv_cache.num_free_blocks,
+            num_total_blocks=self.kv_cache.num_blocks,
+            kv_cache_usage=self.kv_cache.usage,
+            num_preemptions=scheduler.num_preemptions,
+        )
+
+    def step(self) -> list[CoreOutput]:
+        """Schedule, execute, update: an output for every request that got a token or finished.
+        A request whose computation fails is finished with reason `error`; the others go on.
+        Raises StepFailedError (after finishing them) if every request of the step failed."""
+        started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        ran, sampled, failed_ids = self._execute(batch)
+        advanced = self.scheduler.update(ran, sampled)
+        now = time.monotonic()
+        outputs = [self._token_output(request, now) for request in advanced]
+        failed = [self.abort_request(request_id, FinishReason.ERROR) for request_id in failed_ids]
+        outputs += [output for output in failed if output is not None]
+        self.publish_stats()
+        if ran.is_empty:
+            raise StepFailedError(outputs)
+        summary = ran.summary(duration_s=time.perf_counter() - started)
+        for listener in self.step_listeners:
+            listener(summary)
+        if self.metrics is not None:
+            self.metrics.record_step(summary)
+        return outputs
+
+    def _execute(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[int], list[str]]:
+        """Run the batch. If it raises, run each request's rows alone to find the ones that fail
+        (the rest of the work is redone: K/V slots are simply written again). Returns the batch
+        of the requests that ran, their sampled tokens, and the ids of the failed requests."""
+        try:
+            return batch, self.runner.execute(batch), []
+        except Exception:
+            logger.exception("a step of %d requests failed", len(batch.rows))
+        if len(batch.rows) == 1:
+            return batch.only([]), [], [batch.rows[0].request_id]
+        tokens: dict[str, list[int]] = {}
+        failed: list[str] = []
+        for row in batch.rows:
+            try:
+                tokens[row.request_id] = self.runner.execute(batch.only([row.request_id]))
+            except Exception:
+                logger.exception("request %s fails on its own", row.request_id)
+                failed.append(row.request_id)
+        survivors = batch.only(tokens)
+        return survivors, [tokens[row.request_id][0] for row in survivors.sampling_rows], failed
+
+    def _token_output(self, request: Request, now: float) -> CoreOutput:
+        if self.metrics is not None:
+            self.metrics.record_token(request, now, request.last_token_time)
+            if request.is_finished:
+                self.metrics.record_finished(request, now)
+        request.last_token_time = now
+        reason = request.finish_reason.value if request.finish_reason is not None else None
+        return CoreOutput(
+            request.request_id, [request.output_token_ids[-1]], request.num_prompt_tokens, reason
+        )

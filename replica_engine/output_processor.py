@@ -1,0 +1,65 @@
+"""Output processing: the step thread's token deltas become text, off the step's critical path.
+
+Each request has a RequestState on the side that reads its outputs (the offline loop, or the
+event loop of an AsyncEngine stream): its detokenizer, stop strings and what it has delivered.
+A stop string found here finishes the request for its reader at once; the caller then tells the
+engine (LLMEngine directly, AsyncEngine through its input queue), which frees the blocks."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from replica_engine.detokenizer import IncrementalDetokenizer
+from replica_engine.outputs import CoreOutput, RequestOutput
+from replica_engine.request import FinishReason, Request
+
+
+class RequestState:
+    def __init__(self, request: Request, tokenizer: PreTrainedTokenizerBase | None) -> None:
+        self.request_id = request.request_id
+        self.num_prompt_tokens = request.num_prompt_tokens
+        self.detokenizer = (
+            IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.sampling_params.stop)
+            if tokenizer is not None
+            else None
+        )
+        self.num_output_tokens = 0
+        self.finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def process(self, output: CoreOutput) -> RequestOutput | None:
+        """The user's view of one step's output; None once this request has already finished
+        here (an abort or a stop string overtook what the engine was still computing). A
+        finished result for an unfinished `output` means a stop string: the engine must be told."""
+        if self.finished:
+            return None
+        new_token_ids: list[int] = []
+        finish_reason = output.finish_reason
+        for token_id in output.new_token_ids:
+            new_token_ids.append(token_id)
+            if self.detokenizer is not None and self.detokenizer.add_token(token_id):
+                finish_reason = FinishReason.STOP.value
+                break
+        return self._output(new_token_ids, finish_reason)
+
+    def finish(self, reason: FinishReason) -> RequestOutput | None:
+        """End the request here (abort, timeout): the last output, with any held-back text."""
+        return None if self.finished else self._output([], reason.value)
+
+    def _output(self, new_token_ids: list[int], finish_reason: str | None) -> RequestOutput:
+        self.num_output_tokens += len(new_token_ids)
+        self.finish_reason = finish_reason
+        finished = finish_reason is not None
+        delta = self.detokenizer.take_delta(finished) if self.detokenizer is not None else ""
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=new_token_ids,
+            text_delta=delta,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            finished=finished,
+            finish_reason=finish_reason,
+        )
