@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from replica_engine.attention.base import AttentionMetadata
-from replica_engine.kv_cache_manager import NULL_BLOCK_ID
+from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
 from replica_engine.scheduler.plan import ScheduledBatch
 
 
@@ -56,7 +56,9 @@ def build_flat_batch(batch: ScheduledBatch, block_size: int, pin_memory: bool = 
         if row.sampling is not None:
             logits_indices.append(len(input_ids) - 1)
 
-    max_blocks = max(len(row.block_ids) for row in batch.rows)
+    # Wide enough for every row's tokens: a table short of blocks (a bug) then points a token at
+    # the null block, which write_kv refuses, rather than at an index past the row.
+    max_blocks = max(blocks_for_tokens(row.end_position, block_size) for row in batch.rows)
     block_tables = torch.full((len(batch.rows), max_blocks), NULL_BLOCK_ID, dtype=torch.int32)
     for index, row in enumerate(batch.rows):
         block_tables[index, : len(row.block_ids)] = torch.tensor(row.block_ids, dtype=torch.int32)

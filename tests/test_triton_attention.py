@@ -5,6 +5,8 @@ kernel module is imported), at small shapes; with one, natively, in bfloat16 as 
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -28,7 +30,9 @@ SHAPES = {
 @pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (4, 1), (8, 1)])  # GQA ratios 1, 4, 8
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_triton_matches_the_reference(batch_kind: str, heads: int, kv_heads: int, head_dim: int):
-    seed = hash((batch_kind, heads, kv_heads, head_dim)) % 2**31  # fresh inputs per case
+    # Different inputs per case, the same on every run (str hashes are salted per process).
+    seed = zlib.crc32(repr((batch_kind, heads, kv_heads, head_dim)).encode())
+    print(f"seed {seed}")
     for block_size in (16, 32):
         batch = paged_batch(SHAPES[batch_kind], heads, kv_heads, head_dim, block_size, seed, device=DEVICE)
         args = (batch.query, batch.new_k, batch.new_v)
@@ -36,7 +40,7 @@ def test_triton_matches_the_reference(batch_kind: str, heads: int, kv_heads: int
         expected_cache = batch.k_cache.clone(), batch.v_cache.clone()
         expected = get_backend("torch").forward(*args, *expected_cache, batch.metadata, scale)
         out = TritonAttention().forward(*args, batch.k_cache, batch.v_cache, batch.metadata, scale)
-        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5, msg=lambda m: f"seed {seed}: {m}")
         torch.testing.assert_close(batch.k_cache, expected_cache[0])
 
 
