@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -98,6 +98,7 @@ class EngineReplica:
         if cpu_threads or not torch.cuda.is_available():
             torch.set_num_threads(cpu_threads or len(os.sched_getaffinity(0)))
         self.engine = AsyncEngine(engine_config, EngineMetrics(RayServeSink(), model_name))
+        self._report_seq = itertools.count()  # a new number per report: routers date it on arrival
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[list[ChoiceDelta] | GenerateError]:
         """Stream the choices' deltas; a refused request yields one GenerateError and nothing else,
@@ -164,7 +165,7 @@ class EngineReplica:
             "num_waiting": stats.num_waiting,
             "num_running": stats.num_running,
             "block_size": self.engine.inputs.config.block_size,
-            "reported_at": time.time(),
+            "report_seq": next(self._report_seq),
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -7,6 +7,7 @@ per rank, best first (router/pressure.py says how)."""
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 from ray.serve.request_router import (
@@ -55,6 +56,16 @@ class KVPressureRouter(FIFOMixin, RequestRouter):
         ranking = self.tracker.rank(by_id, stats, queue_lens)
         return [[by_id[replica_id]] for replica_id, _ in ranking]
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve calls this as new replica reports arrive: note when each was received."""
+        super().update_replicas(replicas)
+        now = time.monotonic()
+        for replica in replicas:
+            load = ReplicaLoad.parse(replica.routing_stats)
+            if load is not None:
+                self.tracker.observe(replica.replica_id, load, now)
+        self.tracker.keep_only(replica.replica_id for replica in replicas)
+
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
@@ -62,7 +73,9 @@ class KVPressureRouter(FIFOMixin, RequestRouter):
         # The reason follows from the chosen replica's report, so no per-request state is kept
         # (state per pending request would leak for requests cancelled before routing).
         replica = self.curr_replicas.get(replica_id)
-        reason = self.tracker.reason(ReplicaLoad.parse(replica.routing_stats if replica else None))
+        reason = self.tracker.reason(
+            replica_id, ReplicaLoad.parse(replica.routing_stats if replica else None)
+        )
         self.tracker.on_sent(request_id, replica_id, requested_tokens(pending_request))
         self._routed.inc(1, {"target_replica": replica_id.unique_id, "reason": reason})
 

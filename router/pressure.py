@@ -2,7 +2,11 @@
 
 A replica reports its KV blocks every ~0.5 s. Between reports this router corrects the report
 with what it sent there since (prompt + expected output, in blocks) and forgets a request once
-it finishes or once a newer report already counts it."""
+it finishes or once a newer report already counts it.
+
+Every time here is this router's own monotonic clock: a report is dated by when this router first
+saw it (a replica numbers its reports), never by the replica's clock, so clock skew between
+nodes cannot make fresh reports look stale or stale ones fresh."""
 
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ class ReplicaLoad:
     num_waiting: int
     num_running: int
     block_size: int
-    reported_at: float  # the replica's wall clock
+    report_seq: int  # counts the replica's reports: a new number is a new report
 
     @classmethod
     def parse(cls, stats: Mapping[str, Any] | None) -> ReplicaLoad | None:
@@ -53,16 +57,35 @@ class _Sent:
 
 
 @dataclass
+class _Received:
+    report_seq: int
+    received_at: float
+
+
+@dataclass
 class PressureTracker:
     """In-flight bookkeeping of one router (each Ingress replica has its own)."""
 
     stale_after_s: float = STALE_AFTER_S
     _sent: dict[Hashable, _Sent] = field(default_factory=dict)  # request id -> what it asks for
+    _received: dict[Hashable, _Received] = field(default_factory=dict)  # replica -> its latest report
+
+    def observe(self, replica: Hashable, load: ReplicaLoad, now: float | None = None) -> float:
+        """When this router first saw `load` (now, if it is a new report)."""
+        seen = self._received.get(replica)
+        if seen is None or seen.report_seq != load.report_seq:
+            seen = self._received[replica] = _Received(load.report_seq, _now(now))
+        return seen.received_at
+
+    def keep_only(self, replicas: Iterable[Hashable]) -> None:
+        """Forget the reports of replicas that are gone."""
+        current = set(replicas)
+        self._received = {r: seen for r, seen in self._received.items() if r in current}
 
     def on_sent(
         self, request_id: Hashable, replica: Hashable, num_tokens: int, now: float | None = None
     ) -> None:
-        self._sent[request_id] = _Sent(replica, num_tokens, time.time() if now is None else now)
+        self._sent[request_id] = _Sent(replica, num_tokens, _now(now))
 
     def on_finished(self, request_id: Hashable) -> None:
         self._sent.pop(request_id, None)
@@ -71,16 +94,17 @@ class PressureTracker:
         """Tokens sent to `replica` after its report at `since` (the report cannot know them)."""
         return sum(s.num_tokens for s in self._sent.values() if s.replica == replica and s.sent_at > since)
 
-    def pressure(self, replica: Hashable, load: ReplicaLoad) -> float:
-        in_flight_blocks = math.ceil(self.in_flight_tokens(replica, load.reported_at) / load.block_size)
+    def pressure(self, replica: Hashable, load: ReplicaLoad, now: float | None = None) -> float:
+        received_at = self.observe(replica, load, now)
+        in_flight_blocks = math.ceil(self.in_flight_tokens(replica, received_at) / load.block_size)
         return (load.used_blocks() + in_flight_blocks) / max(1, load.num_total_blocks)
 
-    def reason(self, load: ReplicaLoad | None, now: float | None = None) -> str:
+    def reason(self, replica: Hashable, load: ReplicaLoad | None, now: float | None = None) -> str:
         """How a replica with this report ranks: by KV pressure if it is fresh, else by queue."""
         if load is None:
             return NO_STATS
-        now = time.time() if now is None else now
-        return BY_KV if now - load.reported_at <= self.stale_after_s else BY_QUEUE
+        now = _now(now)
+        return BY_KV if now - self.observe(replica, load, now) <= self.stale_after_s else BY_QUEUE
 
     def rank(
         self,
@@ -91,16 +115,21 @@ class PressureTracker:
     ) -> list[tuple[Hashable, str]]:
         """Replicas best first, each with the reason for its place: fresh stats by predicted KV
         pressure (ties: shorter queue), then the rest by queue length (unknown: last)."""
-        now = time.time() if now is None else now
+        now = _now(now)
         fresh, fallback = [], []
         for replica in replicas:
             load = ReplicaLoad.parse(stats.get(replica))
             queue_len = queue_lens.get(replica, math.inf)
-            reason = self.reason(load, now)
+            reason = self.reason(replica, load, now)
             if reason == BY_KV:
-                fresh.append(((self.pressure(replica, load), queue_len), replica, reason))
+                assert load is not None
+                fresh.append(((self.pressure(replica, load, now), queue_len), replica, reason))
             else:
                 fallback.append(((queue_len,), replica, reason))
         fresh.sort(key=lambda entry: entry[0])
         fallback.sort(key=lambda entry: entry[0])
         return [(replica, reason) for _, replica, reason in fresh + fallback]
+
+
+def _now(now: float | None) -> float:
+    return time.monotonic() if now is None else now

@@ -30,6 +30,16 @@ def sample(registry, name: str, labels: dict[str, str] | None = None) -> float:
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "A poem about the sea:"]
 
 
+def test_counters_start_at_zero_before_anything_is_counted():
+    registry = prometheus_client.CollectorRegistry()
+    EngineMetrics(PrometheusSink(registry), "smollm2")
+    assert sample(registry, "stallfree_num_preemptions_total") == 0
+    for reason in ("stop", "length", "abort", "error"):
+        assert (
+            sample(registry, "stallfree_requests_finished_total", {**LABELS, "finished_reason": reason}) == 0
+        )
+
+
 def test_counts_add_up_after_a_run():
     engine, registry = run_engine({}, PROMPTS, max_tokens=6)
     num_requests, num_tokens = len(PROMPTS), len(PROMPTS) * 6

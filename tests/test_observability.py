@@ -9,7 +9,15 @@ import time
 
 import httpx
 
-from bench.serve_cluster import REPO, REPORT_WAIT_S, ServeCluster, post_concurrently, scrape, wait_for
+from bench.serve_cluster import (
+    REPO,
+    REPORT_WAIT_S,
+    ServeCluster,
+    post_concurrently,
+    scrape,
+    scrape_by_replica,
+    wait_for,
+)
 from tests import prometheus_server
 
 DASHBOARD = REPO / "dashboards" / "stallfree.json"
@@ -55,6 +63,22 @@ def test_replica_metrics_add_up_on_the_ray_endpoint(serve_cluster: ServeCluster)
     assert scrape(serve_cluster, "ray_stallfree_num_free_kv_blocks", MAIN_APP) > 0
     finished = {**MAIN_APP, "finished_reason": "length"}
     assert scrape(serve_cluster, "ray_stallfree_requests_finished_total", finished) >= num_requests
+
+
+def test_counters_the_dashboard_reads_are_exported_before_anything_is_counted(serve_cluster: ServeCluster):
+    # No request of the main app ends in error, and none may be preempted: those series must
+    # still exist (at 0), or a fresh deployment's panels say "No data" instead of 0.
+    def exported(name: str, labels: dict[str, str]) -> bool:
+        return bool(scrape_by_replica(serve_cluster, name, {**MAIN_APP, **labels}))
+
+    for reason in ("stop", "length", "abort", "error"):
+        wait_for(
+            lambda reason=reason: exported(
+                "ray_stallfree_requests_finished_total", {"finished_reason": reason}
+            ),
+            f"requests_finished_total{{finished_reason={reason}}} is exported",
+        )
+    wait_for(lambda: exported("ray_stallfree_num_preemptions_total", {}), "num_preemptions_total is exported")
 
 
 PREEMPTING = {"prompt": "Count to ten.", "max_tokens": 50, "n": 4, "ignore_eos": True}

@@ -12,9 +12,7 @@ from router.pressure import BY_KV, BY_QUEUE, NO_STATS, PressureTracker, ReplicaL
 NOW = 1000.0
 
 
-def report(
-    free: int, total: int = 100, waiting_tokens: int = 0, at: float = NOW, block_size: int = 16
-) -> dict:
+def report(free: int, total: int = 100, waiting_tokens: int = 0, seq: int = 0, block_size: int = 16) -> dict:
     return {
         "num_total_blocks": total,
         "num_free_blocks": free,
@@ -22,7 +20,7 @@ def report(
         "num_waiting": 0,
         "num_running": 1,
         "block_size": block_size,
-        "reported_at": at,
+        "report_seq": seq,
     }
 
 
@@ -37,15 +35,26 @@ def test_fresh_replicas_rank_by_kv_pressure_including_their_queues_prompts():
 
 
 def test_stale_and_missing_stats_rank_after_fresh_ones_by_queue_length():
-    stats = {
-        "fresh": report(free=1),
-        "stale": report(free=99, at=NOW - 10),
-        "old": report(free=99, at=NOW - 10),
-    }
-    ranking = PressureTracker().rank(
+    stats = {"fresh": report(free=1), "stale": report(free=99), "old": report(free=99)}
+    tracker = PressureTracker()
+    for replica in ("stale", "old"):  # last heard from 10 s ago
+        tracker.observe(replica, ReplicaLoad.parse(stats[replica]), now=NOW - 10)
+    ranking = tracker.rank(
         ["none", "stale", "fresh", "old"], stats, {"stale": 5, "old": 2, "none": 0}, now=NOW
     )
     assert ranking == [("fresh", BY_KV), ("none", NO_STATS), ("old", BY_QUEUE), ("stale", BY_QUEUE)]
+
+
+def test_a_report_is_dated_by_its_arrival_on_the_routers_clock():
+    # No replica clock is read: a report is fresh from when this router first saw its number,
+    # however far the replica's own clock is from this router's.
+    tracker = PressureTracker()
+    tracker.observe("a", ReplicaLoad.parse(report(free=50, seq=7)), now=NOW)
+    assert tracker.reason("a", ReplicaLoad.parse(report(free=50, seq=7)), now=NOW + 1.9) == BY_KV
+    assert tracker.reason("a", ReplicaLoad.parse(report(free=50, seq=7)), now=NOW + 2.1) == BY_QUEUE
+    assert tracker.reason("a", ReplicaLoad.parse(report(free=48, seq=8)), now=NOW + 2.2) == BY_KV  # a new one
+    tracker.keep_only(["b"])  # a is gone: its report is forgotten
+    assert tracker.reason("a", ReplicaLoad.parse(report(free=48, seq=8)), now=NOW + 9) == BY_KV
 
 
 def test_malformed_stats_count_as_missing():
@@ -60,14 +69,14 @@ def test_in_flight_requests_correct_the_last_report_until_a_newer_one_counts_the
     assert tracker.rank(["a", "b"], stats, {}, now=NOW)[0][0] == "a"
     tracker.on_sent("r1", "a", num_tokens=16 * 10, now=NOW + 0.1)  # 10 blocks: a is at 60 used
     assert tracker.rank(["a", "b"], stats, {}, now=NOW + 0.2)[0][0] == "b"
-    # a's next report already holds r1: it is not counted twice.
-    stats["a"] = report(free=40, at=NOW + 0.5)
-    assert tracker.pressure("a", ReplicaLoad.parse(stats["a"])) == pytest.approx(0.6)
+    # a's next report, arriving after r1 was sent, already holds r1: it is not counted twice.
+    stats["a"] = report(free=40, seq=1)
+    assert tracker.pressure("a", ReplicaLoad.parse(stats["a"]), now=NOW + 0.5) == pytest.approx(0.6)
     # A request sent after that report counts until it finishes.
     tracker.on_sent("r2", "a", num_tokens=16 * 20, now=NOW + 0.6)
-    assert tracker.pressure("a", ReplicaLoad.parse(stats["a"])) == pytest.approx(0.8)
+    assert tracker.pressure("a", ReplicaLoad.parse(stats["a"]), now=NOW + 0.7) == pytest.approx(0.8)
     tracker.on_finished("r2")
-    assert tracker.pressure("a", ReplicaLoad.parse(stats["a"])) == pytest.approx(0.6)
+    assert tracker.pressure("a", ReplicaLoad.parse(stats["a"]), now=NOW + 0.8) == pytest.approx(0.6)
 
 
 def test_equal_pressure_ties_go_to_the_shorter_queue():

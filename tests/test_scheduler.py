@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica_engine.kv_cache_manager import blocks_for_tokens
-from replica_engine.request import Request, RequestStatus
+from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
+from replica_engine.request import FinishReason, Request, RequestStatus
 from replica_engine.sampling_params import SamplingParams
 from replica_engine.scheduler import Scheduler
 from replica_engine.scheduler.plan import ScheduledBatch
@@ -77,8 +77,6 @@ def test_out_of_blocks_preempts_the_newest_keeps_its_tokens_and_admits_nothing()
 
 
 def test_abort_frees_blocks_at_once_wherever_the_request_is():
-    from replica_engine.request import FinishReason
-
     scheduler = make_scheduler("stall_free", budget=8, max_seqs=8, num_blocks=16, block_size=4)
     a = _add(scheduler, "a", 20)
     _step(scheduler)
@@ -175,3 +173,58 @@ def test_baseline_policies_finish_everything_in_fcfs_order(policy, arrivals, max
         assert all(
             not (b.summary().num_prefill_requests and b.summary().num_decode_requests) for b in run.batches
         )
+
+
+# -- block ownership under any interleaving of add, abort and step ------------------------------
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 60), st.integers(1, 20)),  # prompt, max_tokens
+        st.tuples(st.just("abort"), st.integers(0, 10_000)),  # which request added so far
+        st.tuples(st.just("step"), st.integers(0, 9)),  # the token every sampling row gets
+    ),
+    max_size=60,
+)
+
+
+def _check_ownership(scheduler: Scheduler, finished: list[Request]) -> None:
+    kv = scheduler.kv_cache
+    owned = [block for request in scheduler.requests.values() for block in request.block_ids]
+    free = kv.free_block_ids
+    assert len(owned) == len(set(owned)), "a block is owned twice"
+    assert not set(owned) & set(free), "a block is both free and owned"
+    assert NULL_BLOCK_ID not in owned and NULL_BLOCK_ID not in free
+    assert len(owned) + len(free) == kv.num_blocks, "a block was lost"
+    assert all(not request.block_ids for request in [*scheduler.waiting, *finished])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=operations,
+    budget=st.integers(1, 64),
+    max_seqs=st.integers(1, 8),
+    block_size=st.sampled_from([1, 4, 16]),
+    spare_blocks=st.integers(0, 20),
+)
+def test_blocks_are_owned_once_under_any_add_abort_step_interleaving(
+    ops, budget, max_seqs, block_size, spare_blocks
+):
+    # The engine's step thread applies adds and aborts between steps, in any order callers send them.
+    largest = blocks_for_tokens(60 + 20, block_size)  # the engine refuses anything larger
+    scheduler = make_scheduler("stall_free", budget, max_seqs, largest + spare_blocks, block_size)
+    added: list[Request] = []
+    for op in ops:
+        if op[0] == "add":
+            added.append(_add(scheduler, f"r{len(added)}", op[1], max_tokens=op[2]))
+        elif op[0] == "abort" and added:
+            request = added[op[1] % len(added)]
+            if not request.is_finished:
+                scheduler.finish_request(request, FinishReason.ABORT)
+        elif op[0] == "step":
+            batch = scheduler.schedule()
+            scheduler.update(batch, [op[1]] * len(batch.sampling_rows))
+        _check_ownership(scheduler, [r for r in added if r.is_finished])
+    while scheduler.has_unfinished_requests():  # drain
+        _step(scheduler)
+        _check_ownership(scheduler, [r for r in added if r.is_finished])
+    assert sorted(scheduler.kv_cache.free_block_ids) == list(range(1, scheduler.kv_cache.num_blocks + 1))

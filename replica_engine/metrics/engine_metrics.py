@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from replica_engine.metrics.sinks import MetricsSink
-from replica_engine.request import Request
+from replica_engine.request import FinishReason, Request
 from replica_engine.scheduler.plan import StepSummary
 
 if TYPE_CHECKING:
@@ -76,6 +76,10 @@ class EngineMetrics:
         self.generation_tokens = counter("generation_tokens", "Output tokens generated")
         self.requests_finished = counter("requests_finished", "Requests finished, by reason", (REASON_LABEL,))
         self.preemptions = counter("num_preemptions", "Requests preempted for want of KV blocks")
+        for zero_at_start in (self.prompt_tokens, self.generation_tokens, self.preemptions):
+            zero_at_start.initialize(self.labels)
+        for reason in FinishReason:
+            self.requests_finished.initialize({**self.labels, REASON_LABEL: reason.value})
 
     def record_stats(self, stats: EngineStats) -> None:
         self.num_requests_waiting.set(stats.num_waiting, self.labels)

@@ -14,6 +14,10 @@ Labels = dict[str, str]
 class Counter(Protocol):
     def inc(self, amount: float, labels: Labels) -> None: ...
 
+    def initialize(self, labels: Labels) -> None:
+        """Export this label set's series at 0 now, so a fresh deployment's panels show 0
+        rather than no data until the first count."""
+
 
 class Gauge(Protocol):
     def set(self, value: float, labels: Labels) -> None: ...
@@ -41,6 +45,9 @@ class _PrometheusInstrument:
 
     def inc(self, amount: float, labels: Labels) -> None:
         self._metric.labels(**labels).inc(amount)
+
+    def initialize(self, labels: Labels) -> None:
+        self._metric.labels(**labels)  # prometheus_client creates a labelled child at 0
 
     def set(self, value: float, labels: Labels) -> None:
         self._metric.labels(**labels).set(value)
@@ -84,6 +91,11 @@ class _RayInstrument:
 
     def inc(self, amount: float, labels: Labels) -> None:
         self._metric.inc(amount, tags=labels)
+
+    def initialize(self, labels: Labels) -> None:
+        # Ray's public inc() refuses 0 and no public call creates a series; _record is what inc
+        # calls after its check (ray/util/metrics.py, Ray 2.60), and records 0 as any other value.
+        self._metric._record(0, tags=labels)
 
     def set(self, value: float, labels: Labels) -> None:
         self._metric.set(value, tags=labels)
