@@ -4,8 +4,10 @@ EngineReplica killed mid-load, on a real local Ray cluster. Writes a JSON report
     python -m bench.soak [--requests 1000] [--concurrency 64] [--disconnect-fraction 0.1]
                          [--kill-after 0.5] [--model smollm2-135m-instruct] [--seed 0]
 
-Each request is a random-token prompt of 8-512 tokens (log-uniform) asking for 1-128 tokens
-(uniform) with ignore_eos, so a completed request must return exactly max_tokens tokens. A
+Each request is a random-token prompt of 8-512 tokens (log-uniform) asking for 1-128 greedy
+tokens (uniform) with ignore_eos, so a completed request must return exactly max_tokens tokens
+(and, where the expected outputs were computed offline, as tests/test_load.py does, exactly those
+tokens: a hang-up must have received a prefix of them). A
 client picked to hang up does so after a random number of chunks. Once `--kill-after` of the
 requests have ended, one of the app's two replicas is killed as a crash would (ray.kill); Serve
 starts another. The report: requests sent, each outcome (completed, disconnected, failed by
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -44,6 +47,22 @@ class SoakRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     disconnect_after_chunks: int | None = None  # the client hangs up after this many chunks
+    expected_token_ids: list[int] | None = None  # greedy output computed offline, where known
+
+
+def with_expected_outputs(requests: list[SoakRequest], model: str) -> list[SoakRequest]:
+    """The same requests, each knowing its greedy output from the offline engine (every request
+    is greedy; our CPU engine's rows do not depend on their batch mates)."""
+    from replica_engine import LLM, SamplingParams
+
+    outputs = LLM(model).generate(
+        [r.prompt_token_ids for r in requests],
+        [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests],
+    )
+    return [
+        dataclasses.replace(request, expected_token_ids=output.token_ids)
+        for request, output in zip(requests, outputs, strict=True)
+    ]
 
 
 def soak_workload(
@@ -72,11 +91,17 @@ def soak_workload(
 
 
 def outcome(request: SoakRequest, result: StreamResult) -> str:
+    """completed, disconnected, failed:<code>, or wrong_output: a count off, or (where the
+    expected output is known) a token that differs, even before a hang-up."""
+    expected = request.expected_token_ids
+    if expected is not None and result.token_ids != expected[: len(result.token_ids)]:
+        return "wrong_output"
     if result.disconnected:
         return "disconnected"
     if result.status != 200 or result.error_code is not None:
         return f"failed:{result.error_code}"
-    if result.completion_tokens == request.max_tokens and result.finish_reason == "length":
+    counted = result.completion_tokens == request.max_tokens and result.finish_reason == "length"
+    if counted and (expected is None or result.token_ids == expected):
         return "completed"
     return "wrong_output"
 
@@ -93,7 +118,13 @@ async def run_load(
 
     async def one(http: httpx.AsyncClient, request: SoakRequest) -> StreamResult:
         nonlocal num_finished
-        body = {"prompt": request.prompt_token_ids, "max_tokens": request.max_tokens, "ignore_eos": True}
+        body = {
+            "prompt": request.prompt_token_ids,
+            "max_tokens": request.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         async with semaphore:
             try:
                 result = await stream_completion(http, url, body, request.disconnect_after_chunks)

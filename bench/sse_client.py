@@ -17,6 +17,7 @@ class StreamResult:
     sent_at: float = field(default_factory=time.monotonic)
     chunk_times: list[float] = field(default_factory=list)  # monotonic, one per chunk with tokens
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # when the request asked return_token_ids
     completion_tokens: int | None = None  # from the usage chunk
     finish_reason: str | None = None
     disconnected: bool = False  # we hung up before the end
@@ -54,6 +55,7 @@ async def stream_completion(
             elif chunk["choices"]:
                 result.chunk_times.append(time.monotonic())
                 result.text += chunk["choices"][0]["text"]
+                result.token_ids += chunk["choices"][0].get("token_ids", [])
                 result.finish_reason = chunk["choices"][0]["finish_reason"] or result.finish_reason
                 hang_up = disconnect_after_chunks is not None and result.finish_reason is None
                 if hang_up and len(result.chunk_times) >= disconnect_after_chunks:

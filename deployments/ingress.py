@@ -204,7 +204,12 @@ class Ingress:
             _cancel(stream)
             raise
         writer = ResponseWriter(
-            endpoint, generate.request_id, self.model_name, Usage(generate.n), body.include_usage
+            endpoint,
+            generate.request_id,
+            self.model_name,
+            Usage(generate.n),
+            body.include_usage,
+            body.return_token_ids,
         )
         if body.stream:
             events = self._events(writer, first, replies, stream)

@@ -65,6 +65,7 @@ class SamplingRequest(BaseModel):
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    return_token_ids: bool = False  # vLLM's: each choice (and chunk) also carries its token ids
     n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -19,13 +19,15 @@ class Endpoint:
     chunk_object_name: str
     is_chat: bool
 
-    def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, object]:
+    def choice(
+        self, index: int, text: str, finish_reason: str | None, token_ids: list[int] | None
+    ) -> dict[str, object]:
         body: dict[str, object] = {"index": index}
         if self.is_chat:
             body["message"] = {"role": "assistant", "content": text}
         else:
             body["text"] = text
-        return {**body, "finish_reason": finish_reason, "logprobs": None}
+        return {**body, "finish_reason": finish_reason, "logprobs": None, **_token_ids(token_ids)}
 
     def sends(self, delta: ChoiceDelta, first: bool) -> bool:
         """Whether a delta gets a chunk. Completions send one per delta with tokens, even when
@@ -35,13 +37,18 @@ class Endpoint:
             return True
         return bool(delta.token_ids) and not self.is_chat
 
-    def chunk_choice(self, delta: ChoiceDelta, first: bool) -> dict[str, object]:
+    def chunk_choice(self, delta: ChoiceDelta, first: bool, with_token_ids: bool) -> dict[str, object]:
         body: dict[str, object] = {"index": delta.index}
         if self.is_chat:
             body["delta"] = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
         else:
             body["text"] = delta.text
-        return {**body, "finish_reason": delta.finish_reason, "logprobs": None}
+        token_ids = _token_ids(delta.token_ids if with_token_ids else None)
+        return {**body, "finish_reason": delta.finish_reason, "logprobs": None, **token_ids}
+
+
+def _token_ids(token_ids: list[int] | None) -> dict[str, object]:
+    return {} if token_ids is None else {"token_ids": token_ids}
 
 
 COMPLETIONS = Endpoint("cmpl", "text_completion", "text_completion", is_chat=False)
@@ -78,6 +85,7 @@ class ResponseWriter:
     model: str
     usage: Usage
     include_usage: bool = False
+    return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _envelope(self, object_name: str) -> dict[str, object]:
@@ -90,13 +98,20 @@ class ResponseWriter:
 
     async def whole(self, batches: AsyncIterator[list[ChoiceDelta]]) -> dict[str, object]:
         texts: dict[int, str] = {}
+        token_ids: dict[int, list[int]] = {}
         finish_reasons: dict[int, str | None] = {}
         async for batch in batches:
             for delta in batch:
                 self.usage.add(delta)
                 texts[delta.index] = texts.get(delta.index, "") + delta.text
+                token_ids[delta.index] = token_ids.get(delta.index, []) + delta.token_ids
                 finish_reasons[delta.index] = delta.finish_reason
-        choices = [self.endpoint.choice(i, texts[i], finish_reasons[i]) for i in sorted(texts)]
+        choices = [
+            self.endpoint.choice(
+                i, texts[i], finish_reasons[i], token_ids[i] if self.return_token_ids else None
+            )
+            for i in sorted(texts)
+        ]
         return {
             **self._envelope(self.endpoint.object_name),
             "choices": choices,
@@ -111,7 +126,7 @@ class ResponseWriter:
                 self.usage.add(delta)
                 first = delta.index not in started
                 if self.endpoint.sends(delta, first):
-                    choices.append(self.endpoint.chunk_choice(delta, first))
+                    choices.append(self.endpoint.chunk_choice(delta, first, self.return_token_ids))
                     started.add(delta.index)
             if choices:
                 yield self._event(choices)

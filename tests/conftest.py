@@ -18,6 +18,12 @@ from replica_engine import LLM
 from replica_engine.models.sources import DEFAULT_MODEL, resolve_model
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests with a Ray cluster of their own run first: their `ray stop` stops every Ray process
+    on the machine, which must not include the session's shared cluster (started later)."""
+    items.sort(key=lambda item: item.get_closest_marker("own_ray_cluster") is None)
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     return resolve_model(DEFAULT_MODEL).hf_dir
