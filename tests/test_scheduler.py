@@ -122,8 +122,7 @@ def _check_stall_free_step(scheduler: Scheduler, batch: ScheduledBatch, budget: 
     ]
     # Stall-free: a running request owing one token is never left out for a prefill.
     assert not (skipped_decodes and batch.summary().num_prefill_requests), (skipped_decodes, batch)
-    held = sum(len(r.block_ids) for r in scheduler.running)
-    assert held + scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks  # no leak
+    _check_ownership(scheduler, finished=[])  # no block lost, shared or null
 
 
 @settings(max_examples=150, deadline=None)
