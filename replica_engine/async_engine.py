@@ -177,10 +177,14 @@ class AsyncEngine:
                 try:
                     outputs = self.core.step()
                 except StepFailedError as failure:  # its requests are finished (reason error)
-                    self._deliver(failure.outputs)
                     consecutive_failures += 1
                     if consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        # Dead before these requests hear of it: a caller who retries at once
+                        # is refused (503), not queued on an engine about to stop.
+                        self.error = failure
+                        self._deliver(failure.outputs)
                         raise
+                    self._deliver(failure.outputs)
                     continue
                 consecutive_failures = 0
                 self._deliver(outputs)
