@@ -20,12 +20,11 @@ from dataclasses import dataclass
 
 from replica_engine.config import EngineConfig
 from replica_engine.engine import build_engine
-from replica_engine.engine_core import EngineStats
 from replica_engine.errors import EngineDeadError, InvalidRequestError, StepFailedError
 from replica_engine.input_processor import Prompt
 from replica_engine.metrics import EngineMetrics
 from replica_engine.output_processor import RequestState
-from replica_engine.outputs import CoreOutput, RequestOutput
+from replica_engine.outputs import CoreOutput, EngineStats, RequestOutput
 from replica_engine.request import FinishReason, Request
 from replica_engine.sampling_params import SamplingParams
 

@@ -12,14 +12,14 @@ import torch
 
 from replica_engine.attention import get_backend
 from replica_engine.config import EngineConfig
-from replica_engine.engine_core import EngineCore, EngineStats
+from replica_engine.engine_core import EngineCore
 from replica_engine.errors import InvalidRequestError, StepFailedError
 from replica_engine.input_processor import InputProcessor, Message, Prompt
 from replica_engine.model_runner import ModelRunner
 from replica_engine.models.loader import load_config, load_model
 from replica_engine.models.sources import resolve_model
 from replica_engine.output_processor import RequestState
-from replica_engine.outputs import CoreOutput, RequestOutput
+from replica_engine.outputs import CoreOutput, EngineStats, RequestOutput
 from replica_engine.request import FinishReason
 from replica_engine.sampling_params import SamplingParams
 from replica_engine.scheduler.plan import StepSummary

@@ -9,14 +9,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from replica_engine.config import EngineConfig
 from replica_engine.errors import StepFailedError
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.model_runner import ModelRunner
-from replica_engine.outputs import CoreOutput
+from replica_engine.outputs import CoreOutput, EngineStats
 from replica_engine.request import FinishReason, Request
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from replica_engine.scheduler.plan import ScheduledBatch, StepSummary
@@ -25,17 +24,6 @@ if TYPE_CHECKING:
     from replica_engine.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    num_waiting_prompt_tokens: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_cache_usage: float
-    num_preemptions: int
 
 
 class EngineCore:

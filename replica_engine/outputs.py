@@ -1,9 +1,23 @@
 """What the engine returns: the step thread's token deltas (CoreOutput), the same with text once
-detokenized (RequestOutput), and a whole completion offline (CompletionOutput)."""
+detokenized (RequestOutput), a whole completion offline (CompletionOutput), and the gauges it
+publishes after each step (EngineStats)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of one engine's queues and KV pool, readable from any thread."""
+
+    num_waiting: int
+    num_running: int
+    num_waiting_prompt_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
 
 
 @dataclass(frozen=True)

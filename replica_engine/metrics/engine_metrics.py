@@ -10,7 +10,7 @@ from replica_engine.request import FinishReason, Request
 from replica_engine.scheduler.plan import StepSummary
 
 if TYPE_CHECKING:
-    from replica_engine.engine import EngineStats
+    from replica_engine.outputs import EngineStats
 
 PREFIX = "stallfree_"
 # Fine enough to read SLO lines off: 0.1 / 0.25 / 0.5 / 1 / 2 / 5 s for latencies ...
