@@ -1,0 +1,231 @@
+"""`python -m bench.cpu`: engine steps on this CPU against the machine's own physical floors, both
+measured in the same run.
+
+1. Floors, measured first: memory read bandwidth (summing a 512 MiB tensor), copy bandwidth
+   (bytes copied per second), and the matmul rate of each dtype (the best of square sizes
+   1024, 2048 and 4096). This machine is shared: each is the best of 10 runs.
+2. Steps of the real SmolLM2 through LLMEngine, per dtype: decode at batch 1/8/32/64 with ~260
+   tokens of context per request, and one 512-token prefill step. Each: median step time, the
+   part spent inside the model runner (the rest is host work: scheduling, outputs), and the
+   floor: the bytes a step must read (weights, plus the KV cache it attends over) at the read
+   bandwidth, or its FLOPs at the dtype's matmul rate, whichever is larger.
+
+Goals (issue 13): decode <= 1.5x its floor at every batch; prefill <= 1.5x the dtype's matmul
+floor. The serving half of that issue (HTTP at c=1, c=16, Poisson) is not in this file yet."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from bench.workload import result_header
+from replica_engine import EngineConfig, LLMEngine, SamplingParams
+from replica_engine.scheduler.plan import ScheduledBatch
+
+GOAL_RATIO = 1.5
+DECODE_BATCHES = (1, 8, 32, 64)
+CONTEXT = 260  # tokens per request when a decode step is timed
+PREFILL_TOKENS = 512
+DTYPES = ("float32", "bfloat16")
+
+
+def _best_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def _bandwidths(repeats: int) -> dict[str, float]:
+    data = torch.randn(128 << 20)  # 512 MiB of float32
+    target = torch.empty_like(data)
+    num_bytes = data.numel() * data.element_size()
+    return {
+        "read_gb_per_s": num_bytes / _best_time(data.sum, repeats) / 1e9,
+        "copy_gb_per_s": num_bytes / _best_time(lambda: target.copy_(data), repeats) / 1e9,
+    }
+
+
+def _matmul_rate(dtype: str, repeats: int) -> float:
+    """GFLOP/s of the best square matmul size: the rate this CPU can reach in this dtype."""
+    rates = []
+    for size in (1024, 2048, 4096):
+        a = torch.randn(size, size).to(getattr(torch, dtype))
+        b = torch.randn(size, size).to(getattr(torch, dtype))
+        rates.append(2 * size**3 / _best_time(lambda a=a, b=b: a @ b, repeats) / 1e9)
+    return max(rates)
+
+
+def measure_floors(repeats: int = 10) -> dict[str, float]:
+    floors = _bandwidths(repeats)
+    for dtype in DTYPES:
+        floors[f"matmul_{dtype}_gflop_per_s"] = _matmul_rate(dtype, repeats)
+    return floors
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one step must move and compute, for its floor."""
+
+    bytes_read: float
+    flops: float
+
+
+def step_work(engine: LLMEngine, num_tokens: int, contexts: list[int], num_sampled: int) -> StepWork:
+    """Weights read once, the KV cache of every request's context, and the FLOPs of the linear
+    layers, attention (QK^T and PV) and the logits of the sampled rows."""
+    model = engine.core.runner.model
+    layers = model.model.layers
+    attention = layers[0].self_attn
+    itemsize = engine.config.torch_dtype.itemsize
+    linear_params = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
+    vocab_params = model.model.embed_tokens.weight.numel()  # the logits' matrix, tied or not
+    kv_per_token = len(layers) * 2 * attention.num_kv_heads * attention.head_dim * itemsize
+    num_query_tokens = [num_tokens // len(contexts)] * len(contexts)
+    attention_flops = sum(
+        4 * q * (ctx - q / 2) * attention.num_heads * attention.head_dim * len(layers)
+        for q, ctx in zip(num_query_tokens, contexts, strict=True)
+    )
+    return StepWork(
+        bytes_read=(linear_params + vocab_params) * itemsize + kv_per_token * sum(contexts),
+        flops=2 * num_tokens * linear_params + 2 * num_sampled * vocab_params + attention_flops,
+    )
+
+
+@dataclass(frozen=True)
+class StepResult:
+    dtype: str
+    case: str  # decode-b<B> or prefill-512
+    step_ms: float  # median wall time of the step
+    runner_ms: float  # of which inside the model runner
+    host_ms: float  # the rest: scheduling, sealing, outputs
+    floor_ms: float
+    floor_kind: str  # memory or compute
+    ratio: float  # step / floor
+    goal_met: bool
+
+
+class _RunnerTimer:
+    """Wraps the runner's execute to time the part of a step spent in the model."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.last_s = 0.0
+        self._execute = engine.core.runner.execute
+        engine.core.runner.execute = self  # type: ignore[method-assign]
+
+    def __call__(self, batch: ScheduledBatch) -> list[int]:
+        started = time.perf_counter()
+        try:
+            return self._execute(batch)
+        finally:
+            self.last_s = time.perf_counter() - started
+
+
+def _timed_steps(engine: LLMEngine, timer: _RunnerTimer, count: int) -> tuple[float, float]:
+    steps, runner = [], []
+    for _ in range(count):
+        started = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - started)
+        runner.append(timer.last_s)
+    return statistics.median(steps), statistics.median(runner)
+
+
+def _result(
+    dtype: str, case: str, timing: tuple[float, float], work: StepWork, floors: dict, memory_bound: bool
+) -> StepResult:
+    step_s, runner_s = timing
+    memory_s = work.bytes_read / (floors["read_gb_per_s"] * 1e9)
+    compute_s = work.flops / (floors[f"matmul_{dtype}_gflop_per_s"] * 1e9)
+    floor_s = max(memory_s, compute_s) if memory_bound else compute_s
+    kind = "memory" if memory_bound and memory_s >= compute_s else "compute"
+    ratio = step_s / floor_s
+    return StepResult(
+        dtype,
+        case,
+        step_s * 1e3,
+        runner_s * 1e3,
+        (step_s - runner_s) * 1e3,
+        floor_s * 1e3,
+        kind,
+        ratio,
+        ratio <= GOAL_RATIO,
+    )
+
+
+def measure_steps(dtype: str, floors: dict, decode_steps: int) -> list[StepResult]:
+    engine = LLMEngine(
+        EngineConfig(dtype=dtype, max_num_batched_tokens=64 * CONTEXT, max_num_seqs=128, num_kv_blocks=2048)
+    )
+    timer = _RunnerTimer(engine)
+    results = []
+    for batch in DECODE_BATCHES:
+        params = SamplingParams(max_tokens=decode_steps + 2, temperature=0, ignore_eos=True)
+        ids = [
+            engine.add_request([1000 + (7 * i + j) % 20000 for j in range(CONTEXT - 1)], params)
+            for i in range(batch)
+        ]
+        engine.step()  # every prompt in one step: from here on, each step decodes `batch` rows
+        timing = _timed_steps(engine, timer, decode_steps)
+        contexts = [CONTEXT + decode_steps // 2] * batch
+        work = step_work(engine, batch, contexts, num_sampled=batch)
+        results.append(_result(dtype, f"decode-b{batch}", timing, work, floors, memory_bound=True))
+        for request_id in ids:
+            engine.abort_request(request_id)
+    prefill_params = SamplingParams(max_tokens=1, temperature=0)
+    timings = []
+    for i in range(3):  # one prompt at a time: each step computes exactly 512 prompt tokens
+        engine.add_request([500 + (11 * i + j) % 20000 for j in range(PREFILL_TOKENS)], prefill_params)
+        timings.append(_timed_steps(engine, timer, 1))
+    timing = (statistics.median(t[0] for t in timings), statistics.median(t[1] for t in timings))
+    work = step_work(engine, PREFILL_TOKENS, [PREFILL_TOKENS], num_sampled=1)
+    results.append(_result(dtype, f"prefill-{PREFILL_TOKENS}", timing, work, floors, memory_bound=False))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--decode-steps", type=int, default=10, help="timed decode steps per batch")
+    parser.add_argument("--output", type=Path, default=Path("bench/results/cpu_steps.json"))
+    args = parser.parse_args()
+    started = time.monotonic()
+    floors = measure_floors()
+    print("floors: " + ", ".join(f"{k} {v:.1f}" for k, v in floors.items()))
+    results = [r for dtype in DTYPES for r in measure_steps(dtype, floors, args.decode_steps)]
+    columns = f"{'step ms':>10}{'runner ms':>11}{'host ms':>9}{'floor ms':>10}"
+    print(f"{'dtype':10}{'case':14}{columns}  bound   ratio")
+    for r in results:
+        verdict = "" if r.goal_met else f"  MISS (goal <= {GOAL_RATIO}x)"
+        print(
+            f"{r.dtype:10}{r.case:14}{r.step_ms:>10.1f}{r.runner_ms:>11.1f}{r.host_ms:>9.2f}"
+            f"{r.floor_ms:>10.1f}  {r.floor_kind:8}{r.ratio:>6.2f}x{verdict}"
+        )
+    goals_met = {f"{r.dtype}/{r.case} <= {GOAL_RATIO}x floor": r.goal_met for r in results}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        **result_header("cpu"),
+        "settings": {"decode_steps": args.decode_steps, "context": CONTEXT, "prefill_tokens": PREFILL_TOKENS},
+        "floor_definition": "max(bytes read / read bandwidth, FLOPs / matmul rate) for decode; FLOPs / "
+        "matmul rate for prefill; bytes = every weight once + the KV cache of every context",
+        "floors": floors,
+        "steps": [asdict(r) for r in results],
+        "goals": {"decode_ratio_max": GOAL_RATIO, "prefill_ratio_max": GOAL_RATIO},
+        "goals_met": goals_met,
+        "run_s": round(time.monotonic() - started, 1),
+    }
+    args.output.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.output} ({result['run_s']} s)")
+
+
+if __name__ == "__main__":
+    main()
