@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 
 from replica_engine.attention import ATTENTION_BACKENDS
 from replica_engine.errors import InvalidRequestError
+from replica_engine.kernels.cpu import cpu_ops
 from replica_engine.models.sources import DEFAULT_MODEL
 from replica_engine.scheduler import SCHEDULING_POLICIES
 
@@ -125,10 +126,13 @@ class EngineConfig:
         )
 
     def _attention_backend(self, on_gpu: bool) -> str:
-        """auto: our Triton kernels on a GPU (when triton imports), the torch reference otherwise."""
+        """auto: our Triton kernels on a GPU (when triton imports); on a CPU our CPU kernels where
+        they build (AVX-512, a C++ compiler); else the torch reference."""
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "triton" if on_gpu and importlib.util.find_spec("triton") is not None else "torch"
+        if on_gpu:
+            return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+        return "cpu" if cpu_ops() is not None else "torch"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -6,12 +6,19 @@ from replica_engine.attention.base import AttentionBackend, AttentionMetadata, N
 from replica_engine.attention.torch_ref import TorchAttention
 from replica_engine.errors import InvalidRequestError
 
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 
 
 def get_backend(name: str) -> AttentionBackend:
     if name == "torch":
         return TorchAttention()
+    if name == "cpu":
+        from replica_engine.attention.cpu_paged import CPUPagedAttention
+
+        try:
+            return CPUPagedAttention()
+        except RuntimeError as error:
+            raise InvalidRequestError("attention_backend", str(error)) from None
     if name == "triton":
         try:  # imported only when asked for: triton is optional off the GPU
             from replica_engine.attention.triton_paged import TritonAttention

@@ -55,6 +55,19 @@ def _batched_decode(
 class TorchAttention(AttentionBackend):
     name = "torch"
 
+    @staticmethod
+    def attend_decodes(
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_len: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Rows of one query each ([R, heads, d]) over their paged context -> [R, heads, d]."""
+        return _batched_decode(query, k_cache, v_cache, block_tables, seq_lens, max_len, scale)
+
     def attend(
         self,
         query: torch.Tensor,
@@ -69,7 +82,7 @@ class TorchAttention(AttentionBackend):
         decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
         if decode_rows:
             rows = torch.tensor(decode_rows, device=query.device)
-            output[starts[rows]] = _batched_decode(
+            output[starts[rows]] = self.attend_decodes(
                 query[starts[rows]],
                 k_cache,
                 v_cache,

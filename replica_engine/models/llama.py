@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replica_engine.attention.base import AttentionBackend, AttentionMetadata
+from replica_engine.kernels import cpu as cpu_kernels
 from replica_engine.models.rotary import RotaryEmbedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -27,7 +28,15 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear, with a few-row input (a decode step) through our CPU kernel where it is built."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = cpu_kernels.linear(x, self.weight)
+        return out if self.bias is None else out + self.bias
+
+
+class MergedLinear(Linear):
     """Several projections of one input stacked into one matmul (q/k/v, gate/up)."""
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool) -> None:
@@ -51,7 +60,7 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(
             config.hidden_size, [self.num_heads * self.head_dim, kv_size, kv_size], bias=qkv_bias
         )
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.has_qk_norm = config.model_type == "qwen3"
         if self.has_qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -82,7 +91,7 @@ class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -131,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_position)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
@@ -147,4 +156,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return cpu_kernels.linear(hidden, weight, float32_out=True)

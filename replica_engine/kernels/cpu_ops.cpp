@@ -1,0 +1,245 @@
+// CPU kernels for the decode-heavy part of a step, where torch's eager ops are far from this
+// machine's limits: small-M linear layers (matrix-vector products that must stream weights at
+// memory bandwidth) and paged decode attention that reads K/V blocks in place (no gather).
+// Built at first use by replica_engine/kernels/cpu.py with -march=native; float32 and bfloat16.
+// Work is split with at::parallel_for: torch's own thread pool, so torch.set_num_threads holds.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <limits>
+
+namespace {
+
+// 16 values as float32, from float32 or bfloat16 memory.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16_masked(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load16_masked(const at::BFloat16* p, __mmask16 mask) {
+  __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// y[M, N] = x[M, K] . w[N, K]^T. Threads split the rows of w; a block of 4 rows stays in L1
+// while every row of x passes over it, so w is read from memory once. Two rows of x at a time
+// give 8 independent accumulators: enough to keep the FMA units busy.
+template <typename T, typename Out>
+void linear_rows(const T* x, const T* w, Out* y, int64_t M, int64_t K, int64_t N) {
+  constexpr int64_t kRows = 4;
+  const int64_t num_blocks = (N + kRows - 1) / kRows;
+  const int64_t k_full = K / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K - k_full)) - 1);
+  at::parallel_for(0, num_blocks, 16, [&](int64_t first, int64_t last) {
+  for (int64_t block = first; block < last; ++block) {
+    const int64_t n0 = block * kRows;
+    const int64_t rows = std::min(kRows, N - n0);
+    for (int64_t m = 0; m < M; m += 2) {
+      const bool pair = m + 1 < M;
+      const T* x0 = x + m * K;
+      const T* x1 = pair ? x0 + K : x0;
+      __m512 acc0[kRows], acc1[kRows];
+      for (int64_t r = 0; r < kRows; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < k_full; k += 16) {
+        const __m512 xv0 = load16(x0 + k), xv1 = load16(x1 + k);
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 wv = load16(w + (n0 + r) * K + k);
+          acc0[r] = _mm512_fmadd_ps(wv, xv0, acc0[r]);
+          acc1[r] = _mm512_fmadd_ps(wv, xv1, acc1[r]);
+        }
+      }
+      if (tail) {
+        const __m512 xv0 = load16_masked(x0 + k_full, tail), xv1 = load16_masked(x1 + k_full, tail);
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 wv = load16_masked(w + (n0 + r) * K + k_full, tail);
+          acc0[r] = _mm512_fmadd_ps(wv, xv0, acc0[r]);
+          acc1[r] = _mm512_fmadd_ps(wv, xv1, acc1[r]);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        y[m * N + n0 + r] = static_cast<Out>(_mm512_reduce_add_ps(acc0[r]));
+        if (pair) y[(m + 1) * N + n0 + r] = static_cast<Out>(_mm512_reduce_add_ps(acc1[r]));
+      }
+    }
+  }
+  });
+}
+
+#ifdef __AVX512BF16__
+// The same for bfloat16 x and w, with the CPU's bf16 dot-product instruction (32 pairs a step,
+// float32 sums): half the instructions of converting to float32 first.
+template <typename Out>
+void linear_rows_bf16(const at::BFloat16* x, const at::BFloat16* w, Out* y, int64_t M, int64_t K, int64_t N) {
+  constexpr int64_t kRows = 4;
+  const int64_t num_blocks = (N + kRows - 1) / kRows;
+  const int64_t k_full = K / 32 * 32;
+  const __mmask32 tail = static_cast<__mmask32>((1ull << (K - k_full)) - 1);
+  auto load = [](const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  auto load_tail = [tail](const at::BFloat16* p) { return (__m512bh)_mm512_maskz_loadu_epi16(tail, p); };
+  at::parallel_for(0, num_blocks, 16, [&](int64_t first, int64_t last) {
+  for (int64_t block = first; block < last; ++block) {
+    const int64_t n0 = block * kRows;
+    const int64_t rows = std::min(kRows, N - n0);
+    for (int64_t m = 0; m < M; m += 2) {
+      const bool pair = m + 1 < M;
+      const at::BFloat16* x0 = x + m * K;
+      const at::BFloat16* x1 = pair ? x0 + K : x0;
+      __m512 acc0[kRows], acc1[kRows];
+      for (int64_t r = 0; r < kRows; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < k_full; k += 32) {
+        const __m512bh xv0 = load(x0 + k), xv1 = load(x1 + k);
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512bh wv = load(w + (n0 + r) * K + k);
+          acc0[r] = _mm512_dpbf16_ps(acc0[r], wv, xv0);
+          acc1[r] = _mm512_dpbf16_ps(acc1[r], wv, xv1);
+        }
+      }
+      if (tail) {
+        const __m512bh xv0 = load_tail(x0 + k_full), xv1 = load_tail(x1 + k_full);
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512bh wv = load_tail(w + (n0 + r) * K + k_full);
+          acc0[r] = _mm512_dpbf16_ps(acc0[r], wv, xv0);
+          acc1[r] = _mm512_dpbf16_ps(acc1[r], wv, xv1);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        y[m * N + n0 + r] = static_cast<Out>(_mm512_reduce_add_ps(acc0[r]));
+        if (pair) y[(m + 1) * N + n0 + r] = static_cast<Out>(_mm512_reduce_add_ps(acc1[r]));
+      }
+    }
+  }
+  });
+}
+#define LINEAR_BF16 linear_rows_bf16
+#else
+#define LINEAR_BF16 linear_rows
+#endif
+
+// One request's decode query (its G query heads of one KV head) against its paged K/V, block by
+// block, with an online softmax: running max, running sum, and the output rescaled as it goes.
+template <typename T>
+void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t seq_len,
+                int64_t block_size, int64_t kv_stride, int64_t G, int64_t D, float scale, T* out,
+                int64_t out_head_stride) {
+  constexpr int64_t kMaxG = 16, kMaxD = 256, kMaxBlock = 64;
+  float qf[kMaxG][kMaxD], acc[kMaxG][kMaxD], running_max[kMaxG], running_sum[kMaxG];
+  float scores[kMaxG][kMaxBlock];
+  for (int64_t h = 0; h < G; ++h) {
+    for (int64_t d = 0; d < D; ++d) {
+      qf[h][d] = static_cast<float>(q[h * out_head_stride + d]) * scale;
+      acc[h][d] = 0.f;
+    }
+    running_max[h] = -std::numeric_limits<float>::infinity();
+    running_sum[h] = 0.f;
+  }
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t tokens = std::min(block_size, seq_len - b * block_size);
+    const int64_t base = static_cast<int64_t>(table[b]) * block_size * kv_stride;
+    for (int64_t h = 0; h < G; ++h) {
+      float block_max = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < tokens; ++t) {
+        const T* k = k_cache + base + t * kv_stride;
+        __m512 dot = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) dot = _mm512_fmadd_ps(_mm512_loadu_ps(&qf[h][d]), load16(k + d), dot);
+        scores[h][t] = _mm512_reduce_add_ps(dot);
+        block_max = std::max(block_max, scores[h][t]);
+      }
+      const float new_max = std::max(running_max[h], block_max);
+      const float correction = std::exp(running_max[h] - new_max);
+      running_sum[h] *= correction;
+      const __m512 correction_v = _mm512_set1_ps(correction);
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(&acc[h][d], _mm512_mul_ps(_mm512_loadu_ps(&acc[h][d]), correction_v));
+      for (int64_t t = 0; t < tokens; ++t) {
+        const float p = std::exp(scores[h][t] - new_max);
+        running_sum[h] += p;
+        const T* v = v_cache + base + t * kv_stride;
+        const __m512 pv = _mm512_set1_ps(p);
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_storeu_ps(&acc[h][d], _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(&acc[h][d])));
+      }
+      running_max[h] = new_max;
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    const float inv = running_sum[h] > 0.f ? 1.f / running_sum[h] : 0.f;
+    for (int64_t d = 0; d < D; ++d) out[h * out_head_stride + d] = static_cast<T>(acc[h][d] * inv);
+  }
+}
+
+template <typename T>
+void paged_decode(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                  const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                  torch::Tensor& out) {
+  const int64_t R = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t G = H / KVH, kv_stride = KVH * D, max_blocks = block_tables.size(1);
+  const T* qp = query.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, R * KVH, 1, [&](int64_t first, int64_t last) {
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t r = task / KVH, g = task % KVH;
+      attend_one<T>(qp + (r * H + g * G) * D, kp + g * D, vp + g * D, tables + r * max_blocks, lens[r],
+                    block_size, kv_stride, G, D, static_cast<float>(scale), op + (r * H + g * G) * D, D);
+    }
+  });
+}
+
+}  // namespace
+
+// x [M, K] and weight [N, K], both float32 or both bfloat16 and contiguous; out_dtype float32,
+// or the input's dtype.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, bool float32_out) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear: shapes");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.dtype() == weight.dtype(), "linear: layout");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const auto out_dtype = float32_out ? torch::kFloat32 : x.scalar_type();
+  auto y = torch::empty({M, N}, x.options().dtype(out_dtype));
+  if (x.scalar_type() == torch::kFloat32) {
+    linear_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "linear: float32 or bfloat16");
+    const auto* xp = x.data_ptr<at::BFloat16>();
+    const auto* wp = weight.data_ptr<at::BFloat16>();
+    if (float32_out) LINEAR_BF16(xp, wp, y.data_ptr<float>(), M, K, N);
+    else LINEAR_BF16(xp, wp, y.data_ptr<at::BFloat16>(), M, K, N);
+  }
+  return y;
+}
+
+// query [R, H, D] (one decode token per request); caches [num_blocks, block_size, KVH, D];
+// block_tables [R, max_blocks] int32; seq_lens [R] int32 (keys per request, its new one included).
+torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                     const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "layout");
+  TORCH_CHECK(query.size(2) % 16 == 0 && query.size(2) <= 256, "head_dim must be a multiple of 16, <= 256");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0 && query.size(1) / k_cache.size(2) <= 16, "GQA group");
+  TORCH_CHECK(k_cache.size(1) <= 64, "block_size <= 64");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32, "int32");
+  auto out = torch::empty_like(query);
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  if (query.scalar_type() == torch::kFloat32) {
+    paged_decode<float>(query, k_cache, v_cache, tables, lens, scale, out);
+  } else {
+    TORCH_CHECK(query.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
+    paged_decode<at::BFloat16>(query, k_cache, v_cache, tables, lens, scale, out);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The GIL is released while a kernel runs, as torch's own ops do: the event loop goes on.
+  m.def("linear", &linear, "small-M linear: x @ weight.T", py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache",
+        py::call_guard<py::gil_scoped_release>());
+}

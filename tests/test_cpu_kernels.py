@@ -1,0 +1,77 @@
+"""Our CPU kernels (replica_engine/kernels/cpu_ops.cpp, built on first use) against torch: the
+small-M linear layer and paged decode attention, in float32 and bfloat16; and the fallback to
+torch's ops where the kernels cannot be had."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from replica_engine import EngineConfig
+from replica_engine.attention import get_backend
+from replica_engine.kernels import cpu as cpu_kernels
+from tests.attention_batches import paged_batch
+
+ops = cpu_kernels.cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="the CPU kernels need AVX-512 and a C++ compiler")
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (33, 577), (5, 40), (576, 1536)])
+def test_linear_matches_torch(dtype, num_rows, out_features, in_features):
+    generator = torch.Generator().manual_seed(num_rows * 1000 + in_features)
+    x = torch.randn(num_rows, in_features, generator=generator).to(dtype)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    expected = F.linear(x.float(), weight.float())
+    out = ops.linear(x, weight, False)
+    assert out.dtype == dtype and out.shape == expected.shape
+    torch.testing.assert_close(
+        out.float(), expected, atol=TOLERANCE[dtype] * in_features**0.5, rtol=TOLERANCE[dtype]
+    )
+    torch.testing.assert_close(ops.linear(x, weight, True), expected, atol=1e-3 * in_features**0.5, rtol=1e-4)
+
+
+def test_linear_uses_the_kernel_for_few_rows_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        cpu_kernels, "cpu_ops", lambda: type("Spy", (), {"linear": lambda *a: calls.append(a)})()
+    )
+    weight = torch.randn(8, 16)
+    cpu_kernels.linear(torch.randn(cpu_kernels.SMALL_M, 16), weight)
+    assert len(calls) == 1
+    many = torch.randn(cpu_kernels.SMALL_M + 1, 16)
+    torch.testing.assert_close(cpu_kernels.linear(many, weight), F.linear(many, weight))  # torch's
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 32), (8, 1, 64, 16)],
+)
+def test_paged_decode_attention_matches_the_reference(dtype, heads, kv_heads, head_dim, block_size):
+    # Decode rows with no context yet, part of a block, exactly one block, and several blocks,
+    # next to a prompt chunk (which the CPU backend leaves to the reference path).
+    shapes = [(0, 1), (5, 1), (block_size - 1, 1), (40, 1), (133, 1), (9, 7)]
+    batch = paged_batch(shapes, heads, kv_heads, head_dim, block_size, seed=heads + head_dim, dtype=dtype)
+    args = (batch.query, batch.new_k, batch.new_v)
+    scale = head_dim**-0.5
+    caches = batch.k_cache.clone(), batch.v_cache.clone()
+    expected = get_backend("torch").forward(*args, *caches, batch.metadata, scale)
+    out = get_backend("cpu").forward(*args, batch.k_cache, batch.v_cache, batch.metadata, scale)
+    atol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
+
+
+def test_without_the_kernels_everything_falls_back_to_torch(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "cpu_ops", lambda: None)
+    monkeypatch.setattr("replica_engine.config.cpu_ops", lambda: None)
+    x, weight = torch.randn(2, 16), torch.randn(8, 16)
+    torch.testing.assert_close(cpu_kernels.linear(x, weight), F.linear(x, weight))
+    from transformers import LlamaConfig
+
+    config = EngineConfig().resolve(LlamaConfig(max_position_embeddings=64))
+    assert config.attention_backend == "torch"
