@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -44,6 +45,7 @@ def _app_status(env: dict[str, str]) -> str | None:
 
 def test_the_documented_serve_deploy_steps_work_from_a_clean_state(tmp_path):
     env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))  # built kernels
     env.update(
         HOME=str(tmp_path),  # a new machine: no ~/.ray/auth_token yet
         STALLFREE_CACHE_DIR=str(cache_root()),  # the converted model, not a second conversion
