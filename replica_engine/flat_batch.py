@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from replica_engine.attention.base import AttentionMetadata
+from replica_engine.attention.base import AttentionMetadata, DecodeRows
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
 from replica_engine.scheduler.plan import ScheduledBatch
 
@@ -35,6 +35,7 @@ class FlatBatch:
                 max_query_len=meta.max_query_len,
                 query_lens_cpu=meta.query_lens_cpu,
                 seq_lens_kv_cpu=meta.seq_lens_kv_cpu,
+                decode=meta.decode.to(device) if meta.decode is not None else None,
             ),
             logits_indices=self.logits_indices.to(device, non_blocking=True),
         )
@@ -70,6 +71,8 @@ def build_flat_batch(batch: ScheduledBatch, block_size: int, pin_memory: bool = 
     )
     cu_seqlens_q = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     cu_seqlens_q[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+    seq_lens_kv_t = torch.tensor(seq_lens_kv, dtype=torch.int32)
+    decode = DecodeRows.pick(cu_seqlens_q, block_tables, seq_lens_kv_t, query_lens)
 
     def host(t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory() if pin_memory else t
@@ -79,12 +82,13 @@ def build_flat_batch(batch: ScheduledBatch, block_size: int, pin_memory: bool = 
         positions=host(positions_t),
         attention=AttentionMetadata(
             cu_seqlens_q=host(cu_seqlens_q),
-            seq_lens_kv=host(torch.tensor(seq_lens_kv, dtype=torch.int32)),
+            seq_lens_kv=host(seq_lens_kv_t),
             block_tables=host(block_tables),
             slot_mapping=host(slot_mapping),
             max_query_len=max(query_lens),
             query_lens_cpu=query_lens,
             seq_lens_kv_cpu=seq_lens_kv,
+            decode=decode,
         ),
         logits_indices=host(torch.tensor(logits_indices, dtype=torch.int64)),
     )

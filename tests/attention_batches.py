@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from replica_engine.attention import AttentionMetadata
+from replica_engine.attention.base import DecodeRows
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
 
 
@@ -67,6 +68,7 @@ def paged_batch(
         max_query_len=max(query_lens),
         query_lens_cpu=query_lens,
         seq_lens_kv_cpu=kv_lens,
+        decode=None,
     )
 
     def to(t: torch.Tensor) -> torch.Tensor:
@@ -74,6 +76,9 @@ def paged_batch(
 
     metadata.cu_seqlens_q, metadata.seq_lens_kv = to(metadata.cu_seqlens_q), to(metadata.seq_lens_kv)
     metadata.block_tables, metadata.slot_mapping = to(metadata.block_tables), to(metadata.slot_mapping)
+    metadata.decode = DecodeRows.pick(
+        metadata.cu_seqlens_q, metadata.block_tables, metadata.seq_lens_kv, query_lens
+    )
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes, strict=True)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes, strict=True)])
     return PagedBatch(

@@ -9,6 +9,41 @@ import torch
 
 
 @dataclass
+class DecodeRows:
+    """The batch's one-token rows (decodes), picked out once per step for backends that attend to
+    them together (not once per layer): where they sit in the flat batch, their block tables and
+    their context lengths."""
+
+    token_index: torch.Tensor  # [R] int64: row of each in the flat batch
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+    seq_lens: torch.Tensor  # [R] int32
+    max_seq_len: int
+
+    @classmethod
+    def pick(
+        cls,
+        cu_seqlens_q: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens_kv: torch.Tensor,
+        query_lens: list[int],
+    ) -> DecodeRows | None:
+        rows = [i for i, n in enumerate(query_lens) if n == 1]
+        if not rows:
+            return None
+        index = torch.tensor(rows, device=cu_seqlens_q.device)
+        seq_lens = seq_lens_kv[index]
+        return cls(cu_seqlens_q[index].long(), block_tables[index], seq_lens, int(seq_lens.max()))
+
+    def to(self, device: torch.device) -> DecodeRows:
+        return DecodeRows(
+            self.token_index.to(device, non_blocking=True),
+            self.block_tables.to(device, non_blocking=True),
+            self.seq_lens.to(device, non_blocking=True),
+            self.max_seq_len,
+        )
+
+
+@dataclass
 class AttentionMetadata:
     """Describes one flat varlen batch: request i owns query rows cu_seqlens_q[i]:cu_seqlens_q[i+1],
     and its keys are the first seq_lens_kv[i] tokens of its blocks (cached context + this step's)."""
@@ -21,6 +56,7 @@ class AttentionMetadata:
     # Host copies for backends that loop in Python (the reference); never read on the GPU path.
     query_lens_cpu: list[int]
     seq_lens_kv_cpu: list[int]
+    decode: DecodeRows | None  # None when the batch has no one-token rows
 
 
 class NullBlockWriteError(RuntimeError):

@@ -78,17 +78,15 @@ class TorchAttention(AttentionBackend):
     ) -> torch.Tensor:
         output = torch.empty_like(query)
         query_lens, kv_lens = metadata.query_lens_cpu, metadata.seq_lens_kv_cpu
-        starts = metadata.cu_seqlens_q[:-1].long()
-        decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
-        if decode_rows:
-            rows = torch.tensor(decode_rows, device=query.device)
-            output[starts[rows]] = self.attend_decodes(
-                query[starts[rows]],
+        decode = metadata.decode
+        if decode is not None:
+            output[decode.token_index] = self.attend_decodes(
+                query[decode.token_index],
                 k_cache,
                 v_cache,
-                metadata.block_tables[rows],
-                metadata.seq_lens_kv[rows],
-                max(kv_lens[i] for i in decode_rows),
+                decode.block_tables,
+                decode.seq_lens,
+                decode.max_seq_len,
                 scale,
             )
         start = 0

@@ -9,7 +9,9 @@ from torch import nn
 
 from replica_engine.attention.base import AttentionBackend, AttentionMetadata
 from replica_engine.kernels import cpu as cpu_kernels
-from replica_engine.models.rotary import RotaryEmbedding
+from replica_engine.models.rotary import RotaryEmbedding, apply_rotary
+
+CosSin = tuple[torch.Tensor, torch.Tensor]  # every token's rotary cos and sin, [T, 1, head_dim]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -21,11 +23,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same order of operations as Hugging Face's LlamaRMSNorm: normalise in float32.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # As Hugging Face's LlamaRMSNorm: normalise in float32 (one fused op here, not five),
+        # back to the model's dtype, then the weight.
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class Linear(nn.Linear):
@@ -69,9 +70,8 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        cos_sin: CosSin,
         hidden: torch.Tensor,
-        rotary: RotaryEmbedding,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -82,7 +82,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -108,13 +108,12 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        cos_sin: CosSin,
         hidden: torch.Tensor,
-        rotary: RotaryEmbedding,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary, kv_cache, metadata)
+        hidden = hidden + self.self_attn(cos_sin, self.input_layernorm(hidden), kv_cache, metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -150,8 +149,9 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, self.rotary, kv_cache, metadata)
+            hidden = layer(cos_sin, hidden, kv_cache, metadata)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
