@@ -18,105 +18,90 @@ inline __m512 load16(const at::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-inline __m512 load16_masked(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 inline __m512 load16_masked(const at::BFloat16* p, __mmask16 mask) {
   __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// y[M, N] = x[M, K] . w[N, K]^T. Threads split the rows of w; a block of 4 rows stays in L1
-// while every row of x passes over it, so w is read from memory once. Two rows of x at a time
-// give 8 independent accumulators: enough to keep the FMA units busy.
-template <typename T, typename Out>
-void linear_rows(const T* x, const T* w, Out* y, int64_t M, int64_t K, int64_t N) {
-  constexpr int64_t kRows = 4;
-  const int64_t num_blocks = (N + kRows - 1) / kRows;
-  const int64_t k_full = K / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (K - k_full)) - 1);
-  at::parallel_for(0, num_blocks, 16, [&](int64_t first, int64_t last) {
-  for (int64_t block = first; block < last; ++block) {
-    const int64_t n0 = block * kRows;
-    const int64_t rows = std::min(kRows, N - n0);
-    for (int64_t m = 0; m < M; m += 2) {
-      const bool pair = m + 1 < M;
-      const T* x0 = x + m * K;
-      const T* x1 = pair ? x0 + K : x0;
-      __m512 acc0[kRows], acc1[kRows];
-      for (int64_t r = 0; r < kRows; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-      for (int64_t k = 0; k < k_full; k += 16) {
-        const __m512 xv0 = load16(x0 + k), xv1 = load16(x1 + k);
-        for (int64_t r = 0; r < rows; ++r) {
-          const __m512 wv = load16(w + (n0 + r) * K + k);
-          acc0[r] = _mm512_fmadd_ps(wv, xv0, acc0[r]);
-          acc1[r] = _mm512_fmadd_ps(wv, xv1, acc1[r]);
-        }
-      }
-      if (tail) {
-        const __m512 xv0 = load16_masked(x0 + k_full, tail), xv1 = load16_masked(x1 + k_full, tail);
-        for (int64_t r = 0; r < rows; ++r) {
-          const __m512 wv = load16_masked(w + (n0 + r) * K + k_full, tail);
-          acc0[r] = _mm512_fmadd_ps(wv, xv0, acc0[r]);
-          acc1[r] = _mm512_fmadd_ps(wv, xv1, acc1[r]);
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        y[m * N + n0 + r] = static_cast<Out>(_mm512_reduce_add_ps(acc0[r]));
-        if (pair) y[(m + 1) * N + n0 + r] = static_cast<Out>(_mm512_reduce_add_ps(acc1[r]));
-      }
-    }
-  }
-  });
-}
+// How one row of w meets one row of x, 16 or 32 elements at a time, into float32 accumulators.
+struct F32Dot {
+  using T = float;
+  using Vec = __m512;
+  using Mask = __mmask16;
+  static constexpr int64_t kStep = 16;
+  static Vec load(const T* p) { return _mm512_loadu_ps(p); }
+  static Vec load_tail(const T* p, Mask mask) { return _mm512_maskz_loadu_ps(mask, p); }
+  static __m512 fma(__m512 acc, Vec w, Vec x) { return _mm512_fmadd_ps(w, x, acc); }
+  static Mask tail_mask(int64_t n) { return static_cast<Mask>((1u << n) - 1); }
+};
+
+struct BF16AsF32Dot {  // bfloat16 widened to float32: any AVX-512 CPU
+  using T = at::BFloat16;
+  using Vec = __m512;
+  using Mask = __mmask16;
+  static constexpr int64_t kStep = 16;
+  static Vec load(const T* p) { return load16(p); }
+  static Vec load_tail(const T* p, Mask mask) { return load16_masked(p, mask); }
+  static __m512 fma(__m512 acc, Vec w, Vec x) { return _mm512_fmadd_ps(w, x, acc); }
+  static Mask tail_mask(int64_t n) { return static_cast<Mask>((1u << n) - 1); }
+};
 
 #ifdef __AVX512BF16__
-// The same for bfloat16 x and w, with the CPU's bf16 dot-product instruction (32 pairs a step,
-// float32 sums): half the instructions of converting to float32 first.
-template <typename Out>
-void linear_rows_bf16(const at::BFloat16* x, const at::BFloat16* w, Out* y, int64_t M, int64_t K, int64_t N) {
-  constexpr int64_t kRows = 4;
-  const int64_t num_blocks = (N + kRows - 1) / kRows;
-  const int64_t k_full = K / 32 * 32;
-  const __mmask32 tail = static_cast<__mmask32>((1ull << (K - k_full)) - 1);
-  auto load = [](const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
-  auto load_tail = [tail](const at::BFloat16* p) { return (__m512bh)_mm512_maskz_loadu_epi16(tail, p); };
-  at::parallel_for(0, num_blocks, 16, [&](int64_t first, int64_t last) {
-  for (int64_t block = first; block < last; ++block) {
-    const int64_t n0 = block * kRows;
-    const int64_t rows = std::min(kRows, N - n0);
-    for (int64_t m = 0; m < M; m += 2) {
-      const bool pair = m + 1 < M;
-      const at::BFloat16* x0 = x + m * K;
-      const at::BFloat16* x1 = pair ? x0 + K : x0;
-      __m512 acc0[kRows], acc1[kRows];
-      for (int64_t r = 0; r < kRows; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-      for (int64_t k = 0; k < k_full; k += 32) {
-        const __m512bh xv0 = load(x0 + k), xv1 = load(x1 + k);
-        for (int64_t r = 0; r < rows; ++r) {
-          const __m512bh wv = load(w + (n0 + r) * K + k);
-          acc0[r] = _mm512_dpbf16_ps(acc0[r], wv, xv0);
-          acc1[r] = _mm512_dpbf16_ps(acc1[r], wv, xv1);
-        }
-      }
-      if (tail) {
-        const __m512bh xv0 = load_tail(x0 + k_full), xv1 = load_tail(x1 + k_full);
-        for (int64_t r = 0; r < rows; ++r) {
-          const __m512bh wv = load_tail(w + (n0 + r) * K + k_full);
-          acc0[r] = _mm512_dpbf16_ps(acc0[r], wv, xv0);
-          acc1[r] = _mm512_dpbf16_ps(acc1[r], wv, xv1);
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        y[m * N + n0 + r] = static_cast<Out>(_mm512_reduce_add_ps(acc0[r]));
-        if (pair) y[(m + 1) * N + n0 + r] = static_cast<Out>(_mm512_reduce_add_ps(acc1[r]));
-      }
+struct BF16Dot {  // the CPU's bf16 dot product: 32 pairs a step, summed in float32
+  using T = at::BFloat16;
+  using Vec = __m512bh;
+  using Mask = __mmask32;
+  static constexpr int64_t kStep = 32;
+  static Vec load(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static Vec load_tail(const T* p, Mask mask) { return (__m512bh)_mm512_maskz_loadu_epi16(mask, p); }
+  static __m512 fma(__m512 acc, Vec w, Vec x) { return _mm512_dpbf16_ps(acc, w, x); }
+  static Mask tail_mask(int64_t n) { return static_cast<Mask>((1ull << n) - 1); }
+};
+using BF16Linear = BF16Dot;
+#else
+using BF16Linear = BF16AsF32Dot;
+#endif
+
+// Rows n0.. n0+rows of y for kCols consecutive rows of x (from row m): kRows x kCols independent
+// accumulators, each w vector loaded once for all kCols rows of x.
+template <typename Dot, int64_t kRows, int64_t kCols, typename Out>
+void linear_tile(const typename Dot::T* x, const typename Dot::T* w, Out* y, int64_t m, int64_t K, int64_t N,
+                 int64_t n0, int64_t rows) {
+  const int64_t k_full = K / Dot::kStep * Dot::kStep;
+  const auto tail = Dot::tail_mask(K - k_full);
+  __m512 acc[kRows][kCols];
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t c = 0; c < kCols; ++c) acc[r][c] = _mm512_setzero_ps();
+  // One step of kStep elements; `load` is a full or a masked (tail) load.
+  auto step = [&](int64_t k, auto load) {
+    typename Dot::Vec xv[kCols];
+    for (int64_t c = 0; c < kCols; ++c) xv[c] = load(x + (m + c) * K + k);
+    for (int64_t r = 0; r < rows; ++r) {
+      const typename Dot::Vec wv = load(w + (n0 + r) * K + k);
+      for (int64_t c = 0; c < kCols; ++c) acc[r][c] = Dot::fma(acc[r][c], wv, xv[c]);
     }
-  }
+  };
+  for (int64_t k = 0; k < k_full; k += Dot::kStep) step(k, [](const typename Dot::T* p) { return Dot::load(p); });
+  if (k_full < K) step(k_full, [tail](const typename Dot::T* p) { return Dot::load_tail(p, tail); });
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < kCols; ++c) y[(m + c) * N + n0 + r] = static_cast<Out>(_mm512_reduce_add_ps(acc[r][c]));
+}
+
+// y[M, N] = x[M, K] . w[N, K]^T. Threads split the rows of w; a tile of 4 rows stays in L1 while
+// every row of x passes over it, two at a time, so w is read from memory once.
+template <typename Dot, typename Out>
+void linear_rows(const typename Dot::T* x, const typename Dot::T* w, Out* y, int64_t M, int64_t K, int64_t N) {
+  constexpr int64_t kRows = 4;
+  const int64_t num_tiles = (N + kRows - 1) / kRows;
+  at::parallel_for(0, num_tiles, 16, [&](int64_t first, int64_t last) {
+    for (int64_t tile = first; tile < last; ++tile) {
+      const int64_t n0 = tile * kRows, rows = std::min(kRows, N - n0);
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2) linear_tile<Dot, kRows, 2>(x, w, y, m, K, N, n0, rows);
+      if (m < M) linear_tile<Dot, kRows, 1>(x, w, y, m, K, N, n0, rows);
+    }
   });
 }
-#define LINEAR_BF16 linear_rows_bf16
-#else
-#define LINEAR_BF16 linear_rows
-#endif
 
 // One request's decode query (its G query heads of one KV head) against its paged K/V, block by
 // block, with an online softmax: running max, running sum, and the output rescaled as it goes.
@@ -204,13 +189,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, bool f
   const auto out_dtype = float32_out ? torch::kFloat32 : x.scalar_type();
   auto y = torch::empty({M, N}, x.options().dtype(out_dtype));
   if (x.scalar_type() == torch::kFloat32) {
-    linear_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
+    linear_rows<F32Dot>(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "linear: float32 or bfloat16");
     const auto* xp = x.data_ptr<at::BFloat16>();
     const auto* wp = weight.data_ptr<at::BFloat16>();
-    if (float32_out) LINEAR_BF16(xp, wp, y.data_ptr<float>(), M, K, N);
-    else LINEAR_BF16(xp, wp, y.data_ptr<at::BFloat16>(), M, K, N);
+    if (float32_out) linear_rows<BF16Linear>(xp, wp, y.data_ptr<float>(), M, K, N);
+    else linear_rows<BF16Linear>(xp, wp, y.data_ptr<at::BFloat16>(), M, K, N);
   }
   return y;
 }
