@@ -51,11 +51,12 @@ class SoakRequest:
 
 
 def with_expected_outputs(requests: list[SoakRequest], model: str) -> list[SoakRequest]:
-    """The same requests, each knowing its greedy output from the offline engine (every request
-    is greedy; our CPU engine's rows do not depend on their batch mates)."""
+    """The same requests, each knowing its greedy output from the offline engine in float32 (every
+    request is greedy; in fp32 our CPU engine's rows do not depend on their batch mates, so the
+    server must run float32 too)."""
     from replica_engine import LLM, SamplingParams
 
-    outputs = LLM(model).generate(
+    outputs = LLM(model, dtype="float32").generate(
         [r.prompt_token_ids for r in requests],
         [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests],
     )

@@ -31,6 +31,11 @@ _CPU_DEFAULTS = {
 _GPU_DEFAULTS = {"max_num_batched_tokens": 2048, "offline_max_num_batched_tokens": 8192, "max_num_seqs": 256}
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 dot products or AMX tiles: what oneDNN and our kernels multiply bf16 with."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def _positive_int(name: str, value: object) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise InvalidRequestError(name, f"must be a positive integer, got {value!r}")
@@ -50,7 +55,7 @@ def model_context_length(model_config: PretrainedConfig) -> int:
 class EngineConfig:
     model: str = DEFAULT_MODEL  # embedded SmolLM2, a HF directory, a .gguf file, or dummy:<shape>
     device: str = "auto"  # cuda when available, else cpu
-    dtype: str = "auto"  # float32 on cpu, bfloat16 on cuda
+    dtype: str = "auto"  # bfloat16 on cuda and on CPUs that multiply it natively, else float32
     max_num_batched_tokens: int | None = None  # the per-step token budget
     max_num_seqs: int | None = None  # most requests running at once
     block_size: int = 16  # tokens per KV block
@@ -116,7 +121,7 @@ class EngineConfig:
         return dataclasses.replace(
             self,
             device=device,
-            dtype=self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32"),
+            dtype=self._dtype(on_gpu),
             max_num_batched_tokens=self.max_num_batched_tokens
             or defaults["offline_max_num_batched_tokens" if self.offline else "max_num_batched_tokens"],
             max_num_seqs=self.max_num_seqs or defaults["max_num_seqs"],
@@ -124,6 +129,13 @@ class EngineConfig:
             max_model_len=self.max_model_len or model_max_len,
             attention_backend=self._attention_backend(on_gpu),
         )
+
+    def _dtype(self, on_gpu: bool) -> str:
+        """auto: bf16 where the hardware multiplies it natively (half the bytes per decode step,
+        twice the matmul rate); fp32 on CPUs that would emulate bf16 arithmetic."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if on_gpu or cpu_has_native_bf16() else "float32"
 
     def _attention_backend(self, on_gpu: bool) -> str:
         """auto: our Triton kernels on a GPU (when triton imports); on a CPU our CPU kernels where

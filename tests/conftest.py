@@ -31,8 +31,9 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def llm() -> LLM:
-    """The default engine (float32 CPU, default budget). Tests must leave it with no requests."""
-    return LLM()
+    """The default engine in float32 (the exactness guard: `auto` is bf16 on CPUs with native bf16),
+    default budget. Tests must leave it with no requests."""
+    return LLM(dtype="float32")
 
 
 @pytest.fixture(scope="session")
@@ -83,7 +84,7 @@ def small_app(serve_cluster):
         max_ongoing_requests=4,
         max_queued_requests=1,
         num_cpus=0,
-        engine={"num_kv_blocks": 8, "max_model_len": 160},
+        engine={"num_kv_blocks": 8, "max_model_len": 160, "dtype": "float32"},
         sampling_defaults={"max_tokens": 256},
     )
     serve.run(build_app(args), name="small", route_prefix="/small")

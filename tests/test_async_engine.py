@@ -13,7 +13,7 @@ from tests.engine_idle import is_idle, wait_idle
 
 @pytest.fixture(scope="module")
 def async_engine():
-    engine = AsyncEngine(EngineConfig())
+    engine = AsyncEngine(EngineConfig(dtype="float32"))
     yield engine
     engine.shutdown()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -166,4 +168,8 @@ def test_engine_config_is_resolved_for_cpu(llm):
     kernels = "cpu" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "torch"
     assert (config.device, config.dtype, config.attention_backend) == ("cpu", "float32", kernels)
     assert config.max_model_len == 8192 and config.max_num_batched_tokens == 2048  # offline default
-    assert EngineConfig().resolve(llm.engine.model_config).max_num_batched_tokens == 512  # serving
+    serving = EngineConfig().resolve(llm.engine.model_config)
+    assert serving.max_num_batched_tokens == 512
+    # dtype auto: bf16 where the CPU has native bf16 dot products or AMX (as /proc/cpuinfo says).
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    assert serving.dtype == ("bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32")

@@ -100,7 +100,7 @@ def test_an_abort_landing_mid_step_never_touches_another_requests_kv(llm, tokeni
     keeper_prompt = story_ids(tokenizer, 96)  # 6 full blocks
     keeper_params = SamplingParams(max_tokens=12, **GREEDY)
     expected = llm.generate([keeper_prompt], keeper_params)[0].token_ids
-    engine = AsyncEngine(EngineConfig(num_kv_blocks=num_blocks, max_num_batched_tokens=32))
+    engine = AsyncEngine(EngineConfig(num_kv_blocks=num_blocks, max_num_batched_tokens=32, dtype="float32"))
     real_execute = engine.core.runner.execute
     seen: dict[str, object] = {}
 
@@ -163,7 +163,7 @@ def test_keepers_tokens_survive_a_storm_of_adds_and_aborts_from_other_threads(ll
         )
         for _ in range(64)
     ]
-    engine = AsyncEngine(EngineConfig(num_kv_blocks=32, max_num_batched_tokens=64, max_num_seqs=16))
+    engine = AsyncEngine(EngineConfig(num_kv_blocks=32, max_num_batched_tokens=64, max_num_seqs=16, dtype="float32"))
     abortable: list[str] = []  # running victims fated to be aborted: changed on the loop only
     done = threading.Event()
 

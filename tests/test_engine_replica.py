@@ -16,7 +16,7 @@ from tests.engine_idle import is_idle, wait_idle
 
 @pytest.fixture
 def replica():
-    replica = EngineReplica.func_or_class(EngineConfig(kv_cache_bytes=32 << 20), "smollm2")
+    replica = EngineReplica.func_or_class(EngineConfig(kv_cache_bytes=32 << 20, dtype="float32"), "smollm2")
     yield replica
     replica.engine.shutdown()
 

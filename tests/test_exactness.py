@@ -52,7 +52,7 @@ def _top2_gap(hf_model, token_ids: list[int]) -> float:
 
 @pytest.mark.parametrize("config_name", list(CONFIGS))
 def test_greedy_outputs_match_transformers(config_name, hf_model, tokenizer, hf_outputs):
-    llm = LLM(**CONFIGS[config_name])
+    llm = LLM(dtype="float32", **CONFIGS[config_name])
     steps = []
     llm.engine.step_listeners.append(steps.append)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))

@@ -43,7 +43,7 @@ def fleet(serve_cluster: ServeCluster) -> str:
         num_replicas=2,
         num_cpus=0,
         cpu_threads=1,
-        engine={"num_kv_blocks": 24, "max_model_len": 384, "max_num_batched_tokens": 256},
+        engine={"num_kv_blocks": 24, "max_model_len": 384, "max_num_batched_tokens": 256, "dtype": "float32"},
     )
     deploy("fleet", args)
     yield f"{serve_cluster.base_url}/fleet"
@@ -126,7 +126,7 @@ def test_kv_pressure_scales_up_under_load_and_back_down_when_idle(serve_cluster:
         },
         target_kv_cache_usage=0.3,
         target_waiting_requests=8,
-        engine={"num_kv_blocks": 24, "max_model_len": 384},
+        engine={"num_kv_blocks": 24, "max_model_len": 384, "dtype": "float32"},
     )
     deploy("autoscale", args)
     try:

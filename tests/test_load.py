@@ -27,7 +27,7 @@ def load_app(serve_cluster: ServeCluster) -> str:
         num_replicas=2,
         num_cpus=0,
         cpu_threads=1,
-        engine={"num_kv_blocks": 256, "max_num_seqs": 64},
+        engine={"num_kv_blocks": 256, "max_num_seqs": 64, "dtype": "float32"},
     )
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     yield f"{serve_cluster.base_url}/{APP}/v1/completions"

@@ -58,7 +58,7 @@ def test_architecture_matches_transformers(architecture, tmp_path: Path, model_d
         shutil.copy(model_dir / name, tmp_path / name)
 
     prompts = ["The capital of France is", "Once upon a time there was a " * 5]
-    llm = LLM(str(tmp_path), max_num_batched_tokens=16)  # chunked prefill
+    llm = LLM(str(tmp_path), max_num_batched_tokens=16, dtype="float32")  # chunked prefill
     ours = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, ours, strict=True):
         ids = tokenizer(prompt, return_tensors="pt").input_ids

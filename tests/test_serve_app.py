@@ -42,7 +42,15 @@ def test_the_readme_request_answers_paris(serve_cluster: ServeCluster):
     assert response.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
 
 
-def test_chat_and_completion_match_the_offline_engine(client: openai.OpenAI, llm: LLM):
+@pytest.fixture(scope="module")
+def served_llm() -> LLM:
+    """An offline engine with serve_config.yaml's engine settings that decide outputs: the default
+    dtype (`auto`: bf16 on CPUs with native bf16, as this project's machines have)."""
+    return LLM(num_kv_blocks=64)
+
+
+def test_chat_and_completion_match_the_offline_engine(client: openai.OpenAI, served_llm: LLM):
+    llm = served_llm
     params = SamplingParams(max_tokens=24, temperature=0.0)
     offline_chat = llm.chat(QUESTION, params)[0]
     chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
