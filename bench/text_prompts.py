@@ -35,9 +35,11 @@ def _docstrings(module_name: str) -> list[str]:
 def _is_prose(paragraph: str) -> bool:
     words = paragraph.split()
     code_marks = (">>>", "...", "::", "{", "}", "=", "(", ")")
-    return len(words) >= 12 and not any(mark in paragraph for mark in code_marks[:3]) and sum(
-        any(mark in word for mark in code_marks) for word in words
-    ) < len(words) / 10
+    return (
+        len(words) >= 12
+        and not any(mark in paragraph for mark in code_marks[:3])
+        and sum(any(mark in word for mark in code_marks) for word in words) < len(words) / 10
+    )
 
 
 @functools.cache

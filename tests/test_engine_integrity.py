@@ -163,7 +163,9 @@ def test_keepers_tokens_survive_a_storm_of_adds_and_aborts_from_other_threads(ll
         )
         for _ in range(64)
     ]
-    engine = AsyncEngine(EngineConfig(num_kv_blocks=32, max_num_batched_tokens=64, max_num_seqs=16, dtype="float32"))
+    engine = AsyncEngine(
+        EngineConfig(num_kv_blocks=32, max_num_batched_tokens=64, max_num_seqs=16, dtype="float32")
+    )
     abortable: list[str] = []  # running victims fated to be aborted: changed on the loop only
     done = threading.Event()
 
