@@ -16,15 +16,14 @@ import json
 import random
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-import httpx
 import yaml
 
-from bench import serve_cluster
-from bench.sse_client import stream_completion
-from bench.workload import percentile, result_header
+from bench import http_load, serve_cluster
+from bench.http_load import Arrival, StreamTiming
+from bench.workload import result_header
 
 ROUTERS = ("kv_pressure", "power_of_two", "round_robin")
 BLOCK_SIZE = 16
@@ -42,22 +41,6 @@ APP_ARGS = {
 }
 
 
-@dataclass(frozen=True)
-class Arrival:
-    at_s: float
-    prompt: list[int]
-    max_tokens: int
-
-
-@dataclass
-class StreamTiming:
-    prompt_len: int
-    output_len: int
-    ttft_s: float  # from its own arrival
-    e2e_s: float
-    token_intervals_s: list[float]
-
-
 def workload(kind: str, num_requests: int, seed: int, mean_gap_s: float) -> list[Arrival]:
     rng = random.Random(seed)
     arrivals, now = [], 0.0
@@ -71,40 +54,8 @@ def workload(kind: str, num_requests: int, seed: int, mean_gap_s: float) -> list
     return arrivals
 
 
-async def _one(http: httpx.AsyncClient, url: str, arrival: Arrival, start: float) -> StreamTiming:
-    await asyncio.sleep(max(0.0, start + arrival.at_s - time.monotonic()))
-    body = {"prompt": arrival.prompt, "max_tokens": arrival.max_tokens, "ignore_eos": True}
-    result = await stream_completion(http, url, body)
-    if result.status != 200 or result.error_code is not None:
-        raise RuntimeError(f"request failed: HTTP {result.status}, {result.error_code}")
-    return StreamTiming(
-        len(arrival.prompt),
-        result.completion_tokens,
-        result.ttft_s,
-        result.done_at - result.sent_at,
-        result.chunk_gaps_s,
-    )
-
-
-async def run(url: str, arrivals: list[Arrival]) -> tuple[float, list[StreamTiming]]:
-    async with httpx.AsyncClient(timeout=600) as http:
-        start = time.monotonic()
-        timings = await asyncio.gather(*(_one(http, url, a, start) for a in arrivals))
-        return time.monotonic() - start, list(timings)
-
-
 def summarize(wall_s: float, timings: list[StreamTiming], preemptions: float) -> dict[str, float]:
-    ttft = [t.ttft_s for t in timings]
-    intervals = [i for t in timings for i in t.token_intervals_s]
-    return {
-        "wall_s": wall_s,
-        "output_tok_per_s": sum(t.output_len for t in timings) / wall_s,
-        "ttft_p50_s": percentile(ttft, 0.5),
-        "ttft_p99_s": percentile(ttft, 0.99),
-        "tbt_p99_s": percentile(intervals, 0.99),
-        "e2e_p99_s": percentile([t.e2e_s for t in timings], 0.99),
-        "preemptions": preemptions,
-    }
+    return {**http_load.summarize(wall_s, timings), "preemptions": preemptions}
 
 
 def _plot(path: Path, timings: dict[str, list[StreamTiming]]) -> None:
@@ -165,7 +116,8 @@ def main() -> None:
             for router in ROUTERS:
                 labels = {"application": router}
                 before = serve_cluster.scrape(cluster, "ray_stallfree_num_preemptions_total", labels)
-                wall, timings = asyncio.run(run(f"{cluster.base_url}/{router}/v1/completions", arrivals))
+                url = f"{cluster.base_url}/{router}/v1/completions"
+                wall, timings = asyncio.run(http_load.open_loop(url, arrivals))
                 time.sleep(3)  # replicas report metrics every second
                 preemptions = (
                     serve_cluster.scrape(cluster, "ray_stallfree_num_preemptions_total", labels) - before
