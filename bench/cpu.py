@@ -11,7 +11,10 @@ measured in the same run.
    bandwidth, or its FLOPs at the dtype's matmul rate, whichever is larger.
 
 Goals (issue 13): decode <= 1.5x its floor at every batch; prefill <= 1.5x the dtype's matmul
-floor. The serving half of that issue (HTTP at c=1, c=16, Poisson) is not in this file yet."""
+floor.
+
+Then, unless --parts says otherwise, bench.dtype_agreement (bf16 vs fp32 outputs) and
+bench.cpu_serving (issue 13's HTTP workload next to llama.cpp's figures): about 25 minutes in all."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from bench import cpu_serving, dtype_agreement
 from bench.workload import result_header
 from replica_engine import EngineConfig, LLMEngine, SamplingParams
 from replica_engine.scheduler.plan import ScheduledBatch
@@ -34,6 +38,7 @@ DECODE_BATCHES = (1, 8, 32, 64)
 CONTEXT = 260  # tokens per request when a decode step is timed
 PREFILL_TOKENS = 512
 DTYPES = ("float32", "bfloat16")
+PARTS = ("steps", "agreement", "serving")
 
 
 def _best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -195,13 +200,24 @@ def measure_steps(dtype: str, floors: dict, decode_steps: int) -> list[StepResul
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"which of {PARTS} to run")
     parser.add_argument("--decode-steps", type=int, default=10, help="timed decode steps per batch")
     parser.add_argument("--output", type=Path, default=Path("bench/results/cpu_steps.json"))
     args = parser.parse_args()
+    parts = args.parts.split(",")
+    if "steps" in parts:
+        run_steps(args.decode_steps, args.output)
+    if "agreement" in parts:
+        dtype_agreement.main([])
+    if "serving" in parts:
+        cpu_serving.main([])
+
+
+def run_steps(decode_steps: int, output: Path) -> None:
     started = time.monotonic()
     floors = measure_floors()
     print("floors: " + ", ".join(f"{k} {v:.1f}" for k, v in floors.items()))
-    results = [r for dtype in DTYPES for r in measure_steps(dtype, floors, args.decode_steps)]
+    results = [r for dtype in DTYPES for r in measure_steps(dtype, floors, decode_steps)]
     columns = f"{'step ms':>10}{'runner ms':>11}{'host ms':>9}{'floor ms':>10}"
     print(f"{'dtype':10}{'case':14}{columns}  bound   ratio")
     for r in results:
@@ -211,10 +227,10 @@ def main() -> None:
             f"{r.floor_ms:>10.1f}  {r.floor_kind:8}{r.ratio:>6.2f}x{verdict}"
         )
     goals_met = {f"{r.dtype}/{r.case} <= {GOAL_RATIO}x floor": r.goal_met for r in results}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
+    output.parent.mkdir(parents=True, exist_ok=True)
     result = {
         **result_header("cpu"),
-        "settings": {"decode_steps": args.decode_steps, "context": CONTEXT, "prefill_tokens": PREFILL_TOKENS},
+        "settings": {"decode_steps": decode_steps, "context": CONTEXT, "prefill_tokens": PREFILL_TOKENS},
         "floor_definition": "max(bytes read / read bandwidth, FLOPs / matmul rate) for decode; FLOPs / "
         "matmul rate for prefill; bytes = every weight once + the KV cache of every context",
         "floors": floors,
@@ -223,8 +239,8 @@ def main() -> None:
         "goals_met": goals_met,
         "run_s": round(time.monotonic() - started, 1),
     }
-    args.output.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.output} ({result['run_s']} s)")
+    output.write_text(json.dumps(result, indent=2))
+    print(f"wrote {output} ({result['run_s']} s)")
 
 
 if __name__ == "__main__":

@@ -229,11 +229,11 @@ def _without_timings(result: dict) -> dict:
     return {key: value for key, value in result.items() if key != "timings"}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--seed", type=int, default=0, help="workload seed (prompts, lengths)")
     parser.add_argument("--output", type=Path, default=Path("bench/results/cpu_serving.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     started = time.monotonic()
     arrivals = workload(args.seed)
     alone = engine_alone_c1(arrivals, SYSTEMS["auto"])  # before Ray starts: nothing else running

@@ -63,13 +63,13 @@ def report(result: dict) -> str:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=Path("bench/results/dtype_agreement.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     started = time.monotonic()
     result = measure(args.num_prompts, args.max_tokens, args.seed)
     print(report(result))

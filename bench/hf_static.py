@@ -25,8 +25,8 @@ class _FirstTokenClock(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def load(hf_dir: Path):
-    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+def load(hf_dir: Path, dtype: torch.dtype):
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
 
 
 @torch.inference_mode()

@@ -78,15 +78,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-batch-sizes", default="8,32", help="static batch sizes to run the baseline at")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--dtype", default="auto", help="ours and the baseline's (auto: the engine's default)"
+    )
     parser.add_argument("--output", type=Path, default=Path("bench/results/offline_cpu.json"))
     args = parser.parse_args()
 
-    llm = LLM(DEFAULT_MODEL, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(DEFAULT_MODEL, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
     tokenizer = llm.tokenizer
     workload = uniform_workload(
         args.num_requests, (16, 512), (16, 128), (100, len(tokenizer) - 100), args.seed
     )
-    hf_model = hf_static.load(resolve_model(DEFAULT_MODEL).hf_dir)
+    hf_model = hf_static.load(
+        resolve_model(DEFAULT_MODEL).hf_dir, llm.engine.config.torch_dtype
+    )  # same dtype
     warm = Workload([workload.prompts[0][:16]], [2])
     run_engine(llm, warm)
     hf_static.run(hf_model, tokenizer.pad_token_id, warm, 1)
@@ -140,7 +145,7 @@ def main() -> None:
             "block_size": config.block_size,
             "scheduling_policy": config.scheduling_policy,
         },
-        "baseline": "transformers generate on static batches in arrival order, left-padded",
+        "baseline": "transformers generate on static batches in arrival order, left-padded, same dtype",
         "summaries": summaries,
         "ratios": ratios,
         "goals": GOALS,

@@ -169,7 +169,7 @@ def test_engine_config_is_resolved_for_cpu(llm):
     assert (config.device, config.dtype, config.attention_backend) == ("cpu", "float32", kernels)
     assert config.max_model_len == 8192 and config.max_num_batched_tokens == 2048  # offline default
     serving = EngineConfig().resolve(llm.engine.model_config)
-    assert serving.max_num_batched_tokens == 512
+    assert serving.max_num_batched_tokens == 256
     # dtype auto: bf16 where the CPU has native bf16 dot products or AMX (as /proc/cpuinfo says).
     flags = set(Path("/proc/cpuinfo").read_text().split())
     assert serving.dtype == ("bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32")
