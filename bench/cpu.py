@@ -19,7 +19,6 @@ bench.cpu_serving (issue 13's HTTP workload next to llama.cpp's figures): about 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 from bench import cpu_serving, dtype_agreement
-from bench.workload import result_header
+from bench.workload import result_header, write_result
 from replica_engine import EngineConfig, LLMEngine, SamplingParams
 from replica_engine.scheduler.plan import ScheduledBatch
 
@@ -227,7 +226,6 @@ def run_steps(decode_steps: int, output: Path) -> None:
             f"{r.floor_ms:>10.1f}  {r.floor_kind:8}{r.ratio:>6.2f}x{verdict}"
         )
     goals_met = {f"{r.dtype}/{r.case} <= {GOAL_RATIO}x floor": r.goal_met for r in results}
-    output.parent.mkdir(parents=True, exist_ok=True)
     result = {
         **result_header("cpu"),
         "settings": {"decode_steps": decode_steps, "context": CONTEXT, "prefill_tokens": PREFILL_TOKENS},
@@ -239,8 +237,7 @@ def run_steps(decode_steps: int, output: Path) -> None:
         "goals_met": goals_met,
         "run_s": round(time.monotonic() - started, 1),
     }
-    output.write_text(json.dumps(result, indent=2))
-    print(f"wrote {output} ({result['run_s']} s)")
+    write_result(output, result)
 
 
 if __name__ == "__main__":

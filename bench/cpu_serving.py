@@ -30,7 +30,7 @@ import yaml
 from bench import http_load, serve_cluster
 from bench.http_load import Arrival, StreamTiming
 from bench.text_prompts import log_uniform, text_prompts
-from bench.workload import result_header
+from bench.workload import result_header, write_result
 
 METRIC = "ray_stallfree_"
 NUM_REQUESTS = 32
@@ -67,23 +67,6 @@ def poisson(arrivals: list[Arrival], seed: int) -> list[Arrival]:
         now += rng.expovariate(POISSON_RATE)
         timed.append(Arrival(now, arrival.prompt, arrival.max_tokens))
     return timed
-
-
-def _config(path: Path) -> Path:
-    """serve_config.yaml with one app per system, at /<system>."""
-    config = yaml.safe_load((serve_cluster.REPO / "serve_config.yaml").read_text())
-    base = config["applications"][0]
-    config["applications"] = [
-        {
-            **base,
-            "name": system,
-            "route_prefix": f"/{system}",
-            "args": {**base["args"], "engine": {**base["args"]["engine"], **engine}},
-        }
-        for system, engine in SYSTEMS.items()
-    ]
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 def engine_alone_c1(arrivals: list[Arrival], engine_settings: dict) -> dict[str, float]:
@@ -239,7 +222,12 @@ def main(argv: list[str] | None = None) -> None:
     alone = engine_alone_c1(arrivals, SYSTEMS["auto"])  # before Ray starts: nothing else running
     print("engine alone, c=1:", json.dumps(alone), flush=True)
     work_dir = Path(tempfile.mkdtemp(prefix="bench-cpu-serving-"))
-    cluster = serve_cluster.start(_config(work_dir / "serve_config.yaml"), work_dir)
+    cluster = serve_cluster.start(
+        serve_cluster.config_with_apps(
+            work_dir / "serve_config.yaml", {s: {"engine": e} for s, e in SYSTEMS.items()}
+        ),
+        work_dir,
+    )
     results = {}
     try:
         for system in SYSTEMS:
@@ -280,8 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         "goals_met": met,
         "run_s": round(time.monotonic() - started, 1),
     }
-    args.output.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.output} ({result['run_s']} s)")
+    write_result(args.output, result)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,13 @@ Also asks the README's chat question in bf16. Writes bench/results/dtype_agreeme
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from pathlib import Path
 
 from bench.text_prompts import log_uniform, text_prompts
-from bench.workload import result_header
+from bench.workload import result_header, write_result
 from replica_engine import LLM, SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -74,7 +73,6 @@ def main(argv: list[str] | None = None) -> None:
     result = measure(args.num_prompts, args.max_tokens, args.seed)
     print(report(result))
     goals_met = {"bf16 answers the README's chat question": result["bf16_chat_answer_correct"]}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     full = {
         **result_header("dtype_agreement"),
         **result,
@@ -82,8 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         "goals_met": goals_met,
         "run_s": round(time.monotonic() - started, 1),
     }
-    args.output.write_text(json.dumps(full, indent=2))
-    print(f"wrote {args.output} ({full['run_s']} s)")
+    write_result(args.output, full)
 
 
 if __name__ == "__main__":

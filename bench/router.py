@@ -19,8 +19,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import yaml
-
 from bench import http_load, serve_cluster
 from bench.http_load import Arrival, StreamTiming
 from bench.workload import result_header
@@ -76,23 +74,6 @@ def _plot(path: Path, timings: dict[str, list[StreamTiming]]) -> None:
     figure.savefig(path, dpi=120)
 
 
-def _config(path: Path) -> Path:
-    """serve_config.yaml with one 2-replica app per router, at /<router>."""
-    config = yaml.safe_load((serve_cluster.REPO / "serve_config.yaml").read_text())
-    base = config["applications"][0]
-    config["applications"] = [
-        {
-            **base,
-            "name": router,
-            "route_prefix": f"/{router}",
-            "args": {**base["args"], **APP_ARGS, "request_router": router},
-        }
-        for router in ROUTERS
-    ]
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--num-requests", type=int, default=30)
@@ -102,7 +83,12 @@ def main() -> None:
     args = parser.parse_args()
 
     work_dir = Path(tempfile.mkdtemp(prefix="bench-router-"))
-    cluster = serve_cluster.start(_config(work_dir / "serve_config.yaml"), work_dir)
+    cluster = serve_cluster.start(
+        serve_cluster.config_with_apps(
+            work_dir / "serve_config.yaml", {r: {**APP_ARGS, "request_router": r} for r in ROUTERS}
+        ),
+        work_dir,
+    )
     summaries: dict[str, dict[str, dict[str, float]]] = {}
     skewed_timings: dict[str, list[StreamTiming]] = {}
     try:

@@ -26,6 +26,28 @@ START_TIMEOUT_S = 300
 REPORT_WAIT_S = 20  # Ray's workers report metrics every second in the test cluster; leave slack
 
 
+def config_with_apps(path: Path, app_args: dict[str, dict]) -> Path:
+    """serve_config.yaml with its app once per name, at /<name>, each with its own args over the
+    shipped ones (`engine` merged setting by setting). Written to `path`, which is returned."""
+    config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+    base = config["applications"][0]
+    config["applications"] = [
+        {
+            **base,
+            "name": name,
+            "route_prefix": f"/{name}",
+            "args": {
+                **base["args"],
+                **args,
+                "engine": {**base["args"]["engine"], **args.get("engine", {})},
+            },
+        }
+        for name, args in app_args.items()
+    ]
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

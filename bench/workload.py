@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import random
 import statistics
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,12 @@ def uniform_workload(
         prompts=[[rng.randrange(*token_range) for _ in range(n)] for n in prompt_lens],
         output_lens=[rng.randint(*output_range) for _ in range(num_requests)],
     )
+
+
+def write_result(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path} ({result['run_s']} s)")
 
 
 def percentile(values: list[float], q: float) -> float:
