@@ -1,6 +1,7 @@
-"""Our CPU kernels (replica_engine/kernels/cpu_ops.cpp, built on first use) against torch: the
-small-M linear layer and paged decode attention, in float32 and bfloat16; and the fallback to
-torch's ops where the kernels cannot be had."""
+"""Our CPU kernels (replica_engine/kernels/cpu_ops.cpp and cpu_pointwise.cpp, built on first use)
+against torch: the small-M linear layer, paged decode attention, and the fused RMSNorm (with the
+residual add), SiLU-mul and rotary, in float32 and bfloat16; and the fallback to torch's ops
+where the kernels cannot be had."""
 
 from __future__ import annotations
 
@@ -47,6 +48,62 @@ def test_linear_uses_the_kernel_for_few_rows_only(monkeypatch):
     assert len(calls) == 1
 
 
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm, op by op."""
+    hidden = x.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(x.dtype)
+
+
+# One unit of the dtype's last place: the kernels round once where torch's ops round each step.
+ROUNDING = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [1, 5, 40])
+def test_rms_norm_and_its_fused_residual_add_match_torch(dtype, num_rows):
+    generator = torch.Generator().manual_seed(num_rows)
+    x, residual = (torch.randn(num_rows, 576, generator=generator).to(dtype) for _ in range(2))
+    weight = torch.rand(576, generator=generator).to(dtype) + 0.5
+    expected_sum = residual + x
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5, None), _torch_rms_norm(x, weight, 1e-5))
+    out = ops.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(residual, expected_sum)  # updated in place, rounded as torch's add rounds
+    atol = ROUNDING[dtype] * 4
+    torch.testing.assert_close(
+        out, _torch_rms_norm(expected_sum, weight, 1e-5), atol=atol, rtol=ROUNDING[dtype]
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [1, 3, 40])
+def test_silu_mul_matches_torch(dtype, num_rows):
+    gate_up = (torch.randn(num_rows, 2 * 1536, generator=torch.Generator().manual_seed(num_rows)) * 4).to(
+        dtype
+    )
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    torch.testing.assert_close(
+        ops.silu_mul(gate_up), expected, atol=ROUNDING[dtype] * 8, rtol=ROUNDING[dtype]
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_matches_the_torch_rotation_on_strided_views(dtype):
+    from replica_engine.models.rotary import _rotate_half
+
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(7, (9 + 3 + 3) * 64, generator=generator).to(dtype)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k = q.view(7, 9, 64), k.view(7, 3, 64)  # strided rows: views of the fused projection
+    angles = torch.rand(7, 1, 32, generator=generator) * 6
+    cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    expected = [t.float() * cos.float() + _rotate_half(t.float()) * sin.float() for t in (q, k)]
+    assert cpu_kernels.rotary_(q, k, cos, sin)
+    for rotated, want in zip((q, k), expected, strict=True):
+        torch.testing.assert_close(rotated.float(), want, atol=ROUNDING[dtype] * 4, rtol=ROUNDING[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
@@ -71,6 +128,15 @@ def test_without_the_kernels_everything_falls_back_to_torch(monkeypatch):
     monkeypatch.setattr("replica_engine.config.cpu_ops", lambda: None)
     x, weight = torch.randn(2, 16), torch.randn(8, 16)
     torch.testing.assert_close(cpu_kernels.linear(x, weight), F.linear(x, weight))
+    residual, norm_weight = torch.randn(2, 16), torch.rand(16)
+    expected_sum = residual + x
+    normed, summed = cpu_kernels.rms_norm(x, norm_weight, 1e-5, residual)
+    assert summed is residual and torch.equal(summed, expected_sum)
+    torch.testing.assert_close(normed, _torch_rms_norm(expected_sum, norm_weight, 1e-5))
+    gate_up = torch.randn(2, 64)
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), F.silu(gate_up[:, :32]) * gate_up[:, 32:])
+    q = torch.randn(2, 1, 64)
+    assert not cpu_kernels.rotary_(q, q, torch.ones(2, 1, 64), torch.zeros(2, 1, 64))
     from transformers import LlamaConfig
 
     config = EngineConfig().resolve(LlamaConfig(max_position_embeddings=64))

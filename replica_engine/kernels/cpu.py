@@ -1,10 +1,12 @@
-"""The CPU kernels of cpu_ops.cpp, built on first use for this machine (-march=native) by torch's
-C++ extension loader and cached by it (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions).
-Where they cannot be built (no compiler, no AVX-512), callers fall back to torch's own ops."""
+"""The CPU kernels of cpu_ops.cpp and cpu_pointwise.cpp, built on first use for this machine
+(-march=native) by torch's C++ extension loader and cached by it (TORCH_EXTENSIONS_DIR, default
+~/.cache/torch_extensions). Where they cannot be built (no compiler, no AVX-512), callers fall
+back to torch's own ops."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 from types import ModuleType
@@ -13,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+KERNEL_DIR = Path(__file__).parent
+SOURCES = [str(KERNEL_DIR / name) for name in ("cpu_ops.cpp", "cpu_pointwise.cpp")]
+HEADERS = ("simd.h", "cpu_pointwise.h")
 # Up to this many rows, a linear layer is a few matrix-vector products: memory-bound, where our
 # kernel streams the weights faster than torch's (MKL/oneDNN) small-M paths on this hardware.
 SMALL_M = 16
@@ -32,11 +36,18 @@ def cpu_ops() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
+        # torch rebuilds when the sources or flags change; the headers' hash, as a flag, counts too.
+        headers = hashlib.sha256(b"".join((KERNEL_DIR / name).read_bytes() for name in HEADERS))
         return load(
             name="stallfree_cpu_ops",
-            sources=[str(SOURCE)],
+            sources=SOURCES,
             # OpenMP only as ATen's parallel_for needs it: the process's libgomp is torch's.
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                "-fopenmp",
+                f"-DSTALLFREE_HEADERS={headers.hexdigest()[:16]}",
+            ],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as error:  # no compiler, no ninja, a failed build: torch's ops still work
@@ -44,16 +55,52 @@ def cpu_ops() -> ModuleType | None:
         return None
 
 
+def _ops_for(*tensors: torch.Tensor) -> ModuleType | None:
+    """The kernels, if built and every tensor is on the CPU in one kernel dtype; else None."""
+    first = tensors[0]
+    if first.device.type != "cpu" or first.dtype not in KERNEL_DTYPES:
+        return None
+    if any(t.device != first.device or t.dtype != first.dtype for t in tensors):
+        return None
+    return cpu_ops()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, float32_out: bool = False) -> torch.Tensor:
     """x @ weight.T (no bias); our kernel for a few rows on the CPU, torch's otherwise."""
-    if (
-        x.device.type == "cpu"
-        and x.shape[0] <= SMALL_M
-        and x.dtype in KERNEL_DTYPES
-        and x.dtype == weight.dtype
-    ):
-        ops = cpu_ops()
-        if ops is not None:
-            return ops.linear(x.contiguous(), weight, float32_out)
+    ops = _ops_for(x, weight) if x.shape[0] <= SMALL_M else None
+    if ops is not None:
+        return ops.linear(x.contiguous(), weight, float32_out)
     out = F.linear(x, weight)
     return out.float() if float32_out else out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of x + residual, x + residual), or of x alone when there is no residual: the
+    residual stream's add fused into the norm (the residual is updated in place)."""
+    ops = _ops_for(x, weight) if x.dim() == 2 and x.shape[-1] % 16 == 0 else None
+    if ops is not None and x.is_contiguous():
+        return ops.rms_norm(x, weight, eps, residual), x if residual is None else residual
+    summed = x if residual is None else residual.add_(x)
+    # As Hugging Face's LlamaRMSNorm: normalise in float32, back to the dtype, then the weight.
+    return weight * F.rms_norm(summed.float(), weight.shape, eps=eps).to(x.dtype), summed
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
+    ops = _ops_for(gate_up) if gate_up.dim() == 2 and gate_up.shape[-1] % 32 == 0 else None
+    if ops is not None and gate_up.is_contiguous():
+        return ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate q [T, H, d] and k [T, KVH, d] in place by cos and sin ([T, 1, d]) where the kernel
+    applies; False (nothing done) where it does not."""
+    ops = _ops_for(q, k, cos, sin) if q.dim() == 3 and q.shape[-1] % 32 == 0 else None
+    if ops is None or q.stride(-1) != 1 or k.stride(-1) != 1:
+        return False
+    ops.rotary_(q, k, cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1))
+    return True

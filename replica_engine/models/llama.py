@@ -4,7 +4,6 @@ where T is all scheduled tokens of all requests; attention goes through the back
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from replica_engine.attention.base import AttentionBackend, AttentionMetadata
@@ -23,10 +22,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As Hugging Face's LlamaRMSNorm: normalise in float32 (one fused op here, not five),
-        # back to the model's dtype, then the weight.
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return cpu_kernels.rms_norm(x, self.weight, self.eps)[0]
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); the residual stream starts as x (residual None)."""
+        return cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Linear(nn.Linear):
@@ -94,8 +96,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -110,11 +111,16 @@ class DecoderLayer(nn.Module):
         self,
         cos_sin: CosSin,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(cos_sin, self.input_layernorm(hidden), kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the last sublayer's output, not yet added to the residual stream (the first
+        layer: the embeddings, residual None). Each add is fused into the norm that follows it."""
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(cos_sin, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -150,9 +156,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(cos_sin, hidden, kv_cache, metadata)
-        return self.model.norm(hidden)
+            hidden, residual = layer(cos_sin, hidden, residual, kv_cache, metadata)
+        return self.model.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

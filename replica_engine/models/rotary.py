@@ -7,6 +7,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from replica_engine.kernels import cpu as cpu_kernels
+
 
 def _inv_freq(config) -> tuple[torch.Tensor, float]:
     rope = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
@@ -42,6 +44,9 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, heads, d], k [T, kv_heads, d]; returns both rotated by their tokens' positions."""
+    """q [T, heads, d], k [T, kv_heads, d]; returns both rotated by their tokens' positions (in
+    place, by the CPU kernel, where it applies)."""
     cos, sin = cos_sin
+    if cpu_kernels.rotary_(q, k, cos, sin):
+        return q, k
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

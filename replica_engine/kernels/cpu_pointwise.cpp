@@ -1,0 +1,140 @@
+// See cpu_pointwise.h. Rows are split across torch's threads when there are enough of them.
+#include "cpu_pointwise.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kRowsPerTask = 16;
+
+template <typename T>
+void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t D, float eps) {
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      const T* src = x + t * D;
+      if (residual != nullptr) {  // residual += x, stored (and normalised) in the dtype
+        T* res = residual + t * D;
+        for (int64_t d = 0; d < D; d += 16) store16(res + d, _mm512_add_ps(load16(res + d), load16(src + d)));
+        src = res;
+      }
+      __m512 squares = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 v = load16(src + d);
+        squares = _mm512_fmadd_ps(v, v, squares);
+      }
+      const __m512 inv_rms = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / D + eps));
+      T* dst = out + t * D;
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 normed = round_to(dst, _mm512_mul_ps(load16(src + d), inv_rms));
+        store16(dst + d, _mm512_mul_ps(load16(weight + d), normed));
+      }
+    }
+  });
+}
+
+// exp for silu: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p a degree-6 Taylor polynomial
+// (relative error ~2e-7, about float32's rounding).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      const T* gate = gate_up + t * 2 * I;
+      const T* up = gate + I;
+      T* dst = out + t * I;
+      for (int64_t i = 0; i < I; i += 16) {
+        const __m512 g = load16(gate + i);
+        const __m512 one = _mm512_set1_ps(1.f);
+        const __m512 silu = round_to(dst, _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        store16(dst + i, _mm512_mul_ps(silu, load16(up + i)));
+      }
+    }
+  });
+}
+
+// One head of one token: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] (cos and sin repeat per half).
+template <typename T>
+inline void rotate_head(T* x, const T* cos, const T* sin, int64_t half) {
+  for (int64_t d = 0; d < half; d += 16) {
+    const __m512 x1 = load16(x + d), x2 = load16(x + half + d);
+    const __m512 c1 = load16(cos + d), s1 = load16(sin + d);
+    const __m512 c2 = load16(cos + half + d), s2 = load16(sin + half + d);
+    store16(x + d, _mm512_sub_ps(_mm512_mul_ps(x1, c1), _mm512_mul_ps(x2, s1)));
+    store16(x + half + d, _mm512_add_ps(_mm512_mul_ps(x2, c2), _mm512_mul_ps(x1, s2)));
+  }
+}
+
+template <typename T>
+void rotary_rows(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t rows = q.size(0), D = q.size(2), half = D / 2;
+  T* qp = q.data_ptr<T>();
+  T* kp = k.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      for (int64_t h = 0; h < q.size(1); ++h) rotate_head(qp + t * q.stride(0) + h * q.stride(1), cp + t * D, sp + t * D, half);
+      for (int64_t h = 0; h < k.size(1); ++h) rotate_head(kp + t * k.stride(0) + h * k.stride(1), cp + t * D, sp + t * D, half);
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                       const std::optional<torch::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && x.size(1) % 16 == 0, "rms_norm: layout");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: dtypes");
+  if (residual) TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "rms_norm: residual");
+  auto out = torch::empty_like(x);
+  const int64_t rows = x.size(0), D = x.size(1);
+  if (x.scalar_type() == torch::kFloat32) {
+    rms_norm_rows<float>(x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr,
+                         weight.data_ptr<float>(), out.data_ptr<float>(), rows, D, static_cast<float>(eps));
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "rms_norm: float32 or bfloat16");
+    using BF = at::BFloat16;
+    rms_norm_rows<BF>(x.data_ptr<BF>(), residual ? residual->data_ptr<BF>() : nullptr, weight.data_ptr<BF>(),
+                      out.data_ptr<BF>(), rows, D, static_cast<float>(eps));
+  }
+  return out;
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 32 == 0, "silu_mul: layout");
+  const int64_t rows = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, I}, gate_up.options());
+  if (gate_up.scalar_type() == torch::kFloat32) {
+    silu_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, I);
+  } else {
+    TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16, "silu_mul: float32 or bfloat16");
+    silu_mul_rows<at::BFloat16>(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, I);
+  }
+  return out;
+}
+
+void rotary_(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1, "rotary_: q, k layout");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == q.size(2), "rotary_: cos, sin");
+  TORCH_CHECK(q.size(2) % 32 == 0 && k.size(2) == q.size(2), "rotary_: head_dim");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type(), "rotary_: dtypes");
+  if (q.scalar_type() == torch::kFloat32) {
+    rotary_rows<float>(q, k, cos, sin);
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "rotary_: float32 or bfloat16");
+    rotary_rows<at::BFloat16>(q, k, cos, sin);
+  }
+}

@@ -1,0 +1,20 @@
+// The element-wise ops between a decoder layer's matmuls, each one pass over memory instead of
+// torch's several ops (and as many allocations): at a decode step's few rows, per-op overhead is
+// what they cost. Every dimension must be a multiple of 16 (callers check; torch otherwise).
+#pragma once
+#include <torch/extension.h>
+
+#include <optional>
+
+// x [T, D]. With a residual [T, D]: residual += x first (in place, rounded to its dtype, as the
+// model's add is), and the residual is normalised. Returns the normalised rows times weight, in
+// Hugging Face's order: in float32, rounded to the dtype, then the weight.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                       const std::optional<torch::Tensor>& residual);
+
+// gate_up [T, 2I] -> silu(gate) * up [T, I]; silu rounded to the dtype before the product, as torch.
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+
+// Rotate-half rotary embedding, in place: q [T, H, D] and k [T, KVH, D] (rows may be strided, as
+// views of the fused qkv projection), cos and sin [T, D] contiguous.
+void rotary_(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const torch::Tensor& sin);

@@ -1,0 +1,32 @@
+// AVX-512 loads and stores of 16 values as float32, from and to float32 or bfloat16 memory.
+#pragma once
+#include <ATen/core/ATen_fwd.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16_masked(const at::BFloat16* p, __mmask16 mask) {
+  __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// Rounded to nearest even, as torch converts float32 to bfloat16.
+inline void store16(at::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// v as the storage type T would hold it (bfloat16 rounding; float32 unchanged).
+inline __m512 round_to(const float*, __m512 v) { return v; }
+inline __m512 round_to(const at::BFloat16*, __m512 v) {
+  alignas(64) at::BFloat16 tmp[16];
+  store16(tmp, v);
+  return load16(tmp);
+}
