@@ -37,17 +37,6 @@ void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t row
   });
 }
 
-// exp for silu: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p a degree-6 Taylor polynomial
-// (relative error ~2e-7, about float32's rounding).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-
 template <typename T>
 void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t first, int64_t last) {
