@@ -133,14 +133,24 @@ def test_kv_pressure_scales_up_under_load_and_back_down_when_idle(serve_cluster:
         assert replica_count("autoscale") == 1
         url = f"{serve_cluster.base_url}/autoscale/v1/completions"
         load = {"prompt": LONG_PROMPT, "max_tokens": 200, "ignore_eos": True}
-        # ~12 of 24 blocks held for tens of seconds: usage 0.5 against a target of 0.3.
-        hog = threading.Thread(target=httpx.post, args=(url,), kwargs={"json": load, "timeout": 600})
-        hog.start()
+        scaled_up = threading.Event()
+
+        def hog() -> None:
+            """~9 to 21 of 24 blocks held, one request after another, until the fleet grows:
+            usage 0.4-0.9 against a target of 0.3, however fast a request runs."""
+            while not scaled_up.is_set():
+                httpx.post(url, json=load, timeout=600)
+
+        hog_thread = threading.Thread(target=hog)
+        hog_thread.start()
         deadline = time.monotonic() + 90
-        while replica_count("autoscale") < 2:
-            assert time.monotonic() < deadline, "did not scale up to 2 replicas under KV pressure"
-            time.sleep(1)
-        hog.join()
+        try:
+            while replica_count("autoscale") < 2:
+                assert time.monotonic() < deadline, "did not scale up to 2 replicas under KV pressure"
+                time.sleep(1)
+        finally:
+            scaled_up.set()
+            hog_thread.join()
         deadline = time.monotonic() + 90
         while replica_count("autoscale") > 1:
             assert time.monotonic() < deadline, "did not scale back to 1 replica when idle"
