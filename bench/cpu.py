@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -27,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-from bench import cpu_serving, dtype_agreement
 from bench.workload import result_header, write_result
 from replica_engine import EngineConfig, LLMEngine, SamplingParams
 from replica_engine.scheduler.plan import ScheduledBatch
@@ -206,10 +207,12 @@ def main() -> None:
     parts = args.parts.split(",")
     if "steps" in parts:
         run_steps(args.decode_steps, args.output)
-    if "agreement" in parts:
-        dtype_agreement.main([])
-    if "serving" in parts:
-        cpu_serving.main([])
+    # Each in a fresh process: an engine stepped on a thread of a process whose main thread has
+    # already run torch's OpenMP regions is ~30% slower (see AsyncEngine), which would skew the
+    # serving benchmark's engine-alone figure.
+    for part, module in (("agreement", "bench.dtype_agreement"), ("serving", "bench.cpu_serving")):
+        if part in parts:
+            subprocess.run([sys.executable, "-m", module], check=True)
 
 
 def run_steps(decode_steps: int, output: Path) -> None:

@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     started = time.monotonic()
     arrivals = workload(args.seed)
-    alone = engine_alone_c1(arrivals, SYSTEMS["auto"])  # before Ray starts: nothing else running
+    # First, before Ray starts and before this process runs any other torch work (see AsyncEngine).
+    alone = engine_alone_c1(arrivals, SYSTEMS["auto"])
     print("engine alone, c=1:", json.dumps(alone), flush=True)
     work_dir = Path(tempfile.mkdtemp(prefix="bench-cpu-serving-"))
     cluster = serve_cluster.start(
