@@ -54,6 +54,11 @@ class KVPressureRouter(FIFOMixin, RequestRouter):
         }
         stats = {replica_id: replica.routing_stats for replica_id, replica in by_id.items()}
         ranking = self.tracker.rank(by_id, stats, queue_lens)
+        if pending_request is not None and ranking:
+            # Count it on its likeliest replica now; on_request_routed corrects the guess.
+            self.tracker.on_sent(
+                pending_request.metadata.internal_request_id, ranking[0][0], requested_tokens(pending_request)
+            )
         return [[by_id[replica_id]] for replica_id, _ in ranking]
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:

@@ -2,7 +2,9 @@
 
 A replica reports its KV blocks every ~0.5 s. Between reports this router corrects the report
 with what it sent there since (prompt + expected output, in blocks) and forgets a request once
-it finishes or once a newer report already counts it.
+it finishes or once a newer report already counts it. A request counts from the moment it is
+ranked onto a replica, not from when the replica accepts it: Serve routes a burst concurrently,
+and every choice made before the first acceptance would otherwise see the same pressures.
 
 Every time here is this router's own monotonic clock: a report is dated by when this router first
 saw it (a replica numbers its reports), never by the replica's clock, so clock skew between
@@ -75,6 +77,13 @@ class PressureTracker:
         seen = self._received.get(replica)
         if seen is None or seen.report_seq != load.report_seq:
             seen = self._received[replica] = _Received(load.report_seq, _now(now))
+            # The new report counts what was sent before it, so those sends need no memory (a
+            # request cancelled before it was accepted is never reported finished).
+            self._sent = {
+                request_id: sent
+                for request_id, sent in self._sent.items()
+                if sent.replica != replica or sent.sent_at > seen.received_at
+            }
         return seen.received_at
 
     def keep_only(self, replicas: Iterable[Hashable]) -> None:

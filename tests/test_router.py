@@ -3,10 +3,18 @@
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
+import prometheus_client
 import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve.request_router import PendingRequest
 
 from deployments.messages import GenerateRequest
+from replica_engine.metrics.sinks import PrometheusSink
 from router.autoscaling import KVPressurePolicy
+from router.kv_router import KVPressureRouter
 from router.pressure import BY_KV, BY_QUEUE, NO_STATS, PressureTracker, ReplicaLoad
 
 NOW = 1000.0
@@ -77,6 +85,39 @@ def test_in_flight_requests_correct_the_last_report_until_a_newer_one_counts_the
     assert tracker.pressure("a", ReplicaLoad.parse(stats["a"]), now=NOW + 0.7) == pytest.approx(0.8)
     tracker.on_finished("r2")
     assert tracker.pressure("a", ReplicaLoad.parse(stats["a"]), now=NOW + 0.8) == pytest.approx(0.6)
+
+
+def test_the_router_counts_a_burst_on_the_replicas_it_ranks_first_before_any_acceptance():
+    # Serve ranks a burst's requests concurrently and reports acceptances later: each choice must
+    # see the ones before it, though b's report says it holds one block more than a.
+    router = KVPressureRouter(DeploymentID("EngineReplica", "app"), DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(sink=PrometheusSink(prometheus_client.CollectorRegistry()))
+    # Stand-ins for Serve's RunningReplica: the router reads only these two attributes.
+    replicas = [
+        SimpleNamespace(replica_id="a", routing_stats=report(free=24, total=24)),
+        SimpleNamespace(replica_id="b", routing_stats=report(free=23, total=24)),
+    ]
+
+    async def choose_for_burst() -> list[str]:
+        chosen = []
+        for i in range(6):
+            request = GenerateRequest(f"r{i}", prompts=[[1] * 10], sampling={"max_tokens": 100})
+            metadata = RequestMetadata(request_id=f"r{i}", internal_request_id=f"r{i}")
+            ranks = await router.choose_replicas(replicas, PendingRequest([request], {}, metadata))
+            chosen.append(ranks[0][0].replica_id)
+        return chosen
+
+    assert asyncio.run(choose_for_burst()) == ["a", "b", "a", "b", "a", "b"]
+
+
+def test_a_newer_report_forgets_the_sends_it_already_counts():
+    tracker = PressureTracker()
+    tracker.observe("a", ReplicaLoad.parse(report(free=50, seq=0)), now=NOW)
+    tracker.on_sent("cancelled-before-accepted", "a", num_tokens=16 * 10, now=NOW + 0.1)
+    tracker.on_sent("to-b", "b", num_tokens=16, now=NOW + 0.1)
+    tracker.observe("a", ReplicaLoad.parse(report(free=50, seq=1)), now=NOW + 0.5)
+    assert tracker.in_flight_tokens("a", since=0) == 0
+    assert tracker.in_flight_tokens("b", since=0) == 16
 
 
 def test_equal_pressure_ties_go_to_the_shorter_queue():
