@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from replica_engine.attention.base import AttentionMetadata, DecodeRows
+from replica_engine.attention.base import AttentionMetadata, DecodeRows, NullBlockWriteError
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
 from replica_engine.scheduler.plan import ScheduledBatch
 
@@ -69,6 +69,11 @@ def build_flat_batch(batch: ScheduledBatch, block_size: int, pin_memory: bool = 
     slot_mapping = (
         block_tables[rows_t, positions_t // block_size].long() * block_size + positions_t % block_size
     )
+    # Every slot is a real token's: one in the null block fails the step here, on the host, once,
+    # instead of the write landing in scratch space (or, with other padding, in another
+    # request's block) in every layer.
+    if int(slot_mapping.min()) < block_size:
+        raise NullBlockWriteError(f"slot {int(slot_mapping.min())} is in the null block")
     cu_seqlens_q = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     cu_seqlens_q[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
     seq_lens_kv_t = torch.tensor(seq_lens_kv, dtype=torch.int32)

@@ -74,14 +74,9 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Store this step's keys/values ([T, kv_heads, head_dim]) into their cache slots. Every
-        slot here is a real token's, so none may point into the null block (block 0): on the CPU,
-        where the check costs no device sync, a bad table fails the step instead of the write
-        landing in scratch space or, with any other padding, in another request's block."""
+        """Store this step's keys/values ([T, kv_heads, head_dim]) into their cache slots (none
+        in the null block: build_flat_batch checks that once per step)."""
         num_kv_heads, head_dim = key.shape[1:]
-        block_size = k_cache.shape[1]
-        if slot_mapping.device.type == "cpu" and int(slot_mapping.min()) < block_size:
-            raise NullBlockWriteError(f"slot {int(slot_mapping.min())} is in the null block")
         k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = key
         v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value
 
