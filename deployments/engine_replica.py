@@ -82,7 +82,12 @@ def _coalesce(batch: list[tuple[int, RequestOutput]]) -> list[ChoiceDelta]:
         delta = deltas.get(index)
         if delta is None:
             deltas[index] = ChoiceDelta(
-                index, out.text_delta, list(out.new_token_ids), out.num_prompt_tokens, out.finish_reason
+                index,
+                out.text_delta,
+                list(out.new_token_ids),
+                out.num_prompt_tokens,
+                out.finish_reason,
+                out.num_cached_tokens,
             )
         else:
             delta.text += out.text_delta
@@ -160,7 +165,8 @@ class EngineReplica:
         stats = self.engine.stats()
         return {
             "num_total_blocks": stats.num_total_blocks,
-            "num_free_blocks": stats.num_free_blocks,
+            "num_free_blocks": stats.num_free_blocks,  # cached but unheld blocks count as free
+            "num_cached_free_blocks": stats.num_cached_free_blocks,
             "num_waiting_prompt_tokens": stats.num_waiting_prompt_tokens,
             "num_waiting": stats.num_waiting,
             "num_running": stats.num_running,

@@ -52,6 +52,7 @@ class ChoiceDelta:
     token_ids: list[int]
     num_prompt_tokens: int
     finish_reason: str | None = None
+    num_cached_tokens: int = 0  # of the prompt, found in the replica's prefix cache
 
 
 @dataclass

@@ -70,6 +70,7 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: a tenant's own prefix cache
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -91,6 +92,7 @@ class SamplingRequest(BaseModel):
             "seed": self.seed,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
+            "cache_salt": self.cache_salt,
         }
         # None means "the default": the server's, else SamplingParams'. max_tokens stays None: the
         # replica fits it (and the server's default) to the context the prompt leaves.

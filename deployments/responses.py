@@ -61,18 +61,24 @@ class Usage:
 
     n: int
     prompt_tokens_by_input: dict[int, int] = field(default_factory=dict)
+    # Of each prompt, the tokens every one of its choices found cached (OpenAI's cached_tokens).
+    cached_tokens_by_input: dict[int, int] = field(default_factory=dict)
     completion_tokens: int = 0
 
     def add(self, delta: ChoiceDelta) -> None:
-        self.prompt_tokens_by_input[delta.index // self.n] = delta.num_prompt_tokens
+        prompt_index = delta.index // self.n
+        self.prompt_tokens_by_input[prompt_index] = delta.num_prompt_tokens
+        cached = self.cached_tokens_by_input.get(prompt_index, delta.num_cached_tokens)
+        self.cached_tokens_by_input[prompt_index] = min(cached, delta.num_cached_tokens)
         self.completion_tokens += len(delta.token_ids)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, object]:
         prompt_tokens = sum(self.prompt_tokens_by_input.values())
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens_by_input.values())},
         }
 
 

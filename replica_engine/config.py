@@ -69,6 +69,7 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output cap; default: the model's context
     attention_backend: str = "auto"
     scheduling_policy: str = "stall_free"  # or prefill_first, static (benchmark baselines)
+    enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes already computed
     seed: int = 0  # for dummy weights and unseeded sampling
     offline: bool = False  # set by LLM: throughput over latency when choosing defaults
 
@@ -82,6 +83,10 @@ class EngineConfig:
             "max_model_len",
         ):
             _positive_int(name, getattr(self, name))
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise InvalidRequestError(
+                "enable_prefix_caching", f"must be true or false, got {self.enable_prefix_caching!r}"
+            )
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise InvalidRequestError(
                 "dtype", f"must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}"

@@ -33,7 +33,9 @@ class EngineCore:
         self.config = config
         self.runner = runner
         runner.allocate_kv_cache(num_kv_blocks + 1)  # + the null block
-        self.kv_cache = KVCacheManager(num_kv_blocks, config.block_size)
+        self.kv_cache = KVCacheManager(
+            num_kv_blocks, config.block_size, config.enable_prefix_caching, model=config.model
+        )
         scheduler_config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)
         self.scheduler = SCHEDULING_POLICIES[config.scheduling_policy](scheduler_config, self.kv_cache)
         self.step_listeners: list[Callable[[StepSummary], None]] = []
@@ -52,7 +54,9 @@ class EngineCore:
         self.scheduler.finish_request(request, reason)
         if self.metrics is not None:
             self.metrics.record_finished(request, time.monotonic())
-        return CoreOutput(request_id, [], request.num_prompt_tokens, reason.value)
+        return CoreOutput(
+            request_id, [], request.num_prompt_tokens, reason.value, request.num_cached_tokens or 0
+        )
 
     def fail_all_requests(self) -> list[CoreOutput]:
         """The engine cannot go on: finish every request with reason error."""
@@ -78,6 +82,7 @@ class EngineCore:
             num_free_blocks=self.kv_cache.num_free_blocks,
             num_total_blocks=self.kv_cache.num_blocks,
             kv_cache_usage=self.kv_cache.usage,
+            num_cached_free_blocks=self.kv_cache.num_free_cached_blocks,
             num_preemptions=scheduler.num_preemptions,
         )
 
@@ -134,5 +139,9 @@ class EngineCore:
         request.last_token_time = now
         reason = request.finish_reason.value if request.finish_reason is not None else None
         return CoreOutput(
-            request.request_id, [request.output_token_ids[-1]], request.num_prompt_tokens, reason
+            request.request_id,
+            [request.output_token_ids[-1]],
+            request.num_prompt_tokens,
+            reason,
+            request.num_cached_tokens or 0,
         )

@@ -1,12 +1,23 @@
-"""The paged KV cache's bookkeeping: a pool of fixed-size blocks and each request's block table.
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks, each request's block table, and
+the prefix cache (full blocks kept, by content hash, after their requests let go of them).
 
 Block 0 is the null block (vLLM's `null_block`): never given to a request, it pads block tables,
-so a padded entry can only ever point at scratch space, never at another request's K/V."""
+so a padded entry can only ever point at scratch space, never at another request's K/V.
+
+A block is held (ref count > 0) by every running request whose table lists it, or free. Free
+blocks wait in one LRU queue, head first to be reused. A full block whose K/V has been computed
+gets its content hash (block_hash.py) and stays findable by it while free, until allocation
+takes it from the head and drops the hash. Identical blocks are never merged: a hash maps to one
+block, and a second block computed with the same content simply stays unhashed. No step ever
+writes into a hashed block: a request's new tokens always land past its full, cached ones."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+from replica_engine.block_hash import BlockHash, next_block_hash, root_hash
 from replica_engine.request import Request
 
 NULL_BLOCK_ID = 0
@@ -16,17 +27,32 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+
+
 class KVCacheManager:
     """Allocates blocks for exactly the tokens scheduled; a request's blocks go back on finish,
     abort or preemption. Block ids index the cache tensors that the model runner owns, which
-    hold `pool_size` = `num_blocks` + 1 blocks (the null block first)."""
+    hold `pool_size` = `num_blocks` + 1 blocks (the null block first). With
+    `enable_prefix_caching`, admission reuses the longest run of cached blocks of a prompt."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, model: str = ""
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks  # blocks requests can hold
         self.block_size = block_size
-        self._free_block_ids: deque[int] = deque(range(NULL_BLOCK_ID + 1, num_blocks + 1))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.model = model  # part of every block's hash
+        self.blocks = [Block(block_id) for block_id in range(num_blocks + 1)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(NULL_BLOCK_ID + 1, num_blocks + 1))
+        self._cached: dict[BlockHash, int] = {}  # hash -> the one block holding that content
+        self.num_free_cached_blocks = 0  # free blocks that still hold a hash (evictable)
 
     @property
     def pool_size(self) -> int:
@@ -34,29 +60,110 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_block_ids)
+        """Blocks no running request holds (cached ones included: they are evictable)."""
+        return len(self._free)
 
     @property
     def free_block_ids(self) -> tuple[int, ...]:
-        return tuple(self._free_block_ids)
+        """In eviction order: the first is the next to be reused."""
+        return tuple(self._free)
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0..1 (vLLM's kv_cache_usage_perc)."""
-        return 1.0 - len(self._free_block_ids) / self.num_blocks
+        """Fraction of blocks held by requests, 0..1 (vLLM's kv_cache_usage_perc)."""
+        return 1.0 - len(self._free) / self.num_blocks
 
+    # -- the prefix cache ---------------------------------------------------------------
+    def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The keys of the request's first `num_blocks` full blocks (computed once, kept on it)."""
+        hashes = request.block_hashes
+        num_blocks = min(num_blocks, request.num_tokens // self.block_size)
+        for index in range(len(hashes), num_blocks):
+            parent = hashes[-1] if hashes else root_hash(self.model, request.sampling_params.cache_salt)
+            start = index * self.block_size
+            hashes.append(next_block_hash(parent, request.token_ids(start, start + self.block_size)))
+        return hashes[:num_blocks]
+
+    def find_cached_blocks(self, request: Request) -> list[int]:
+        """The longest run of the request's leading full blocks that the cache holds, leaving at
+        least its last token to compute (the step must produce logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for block_hash in self.block_hashes(request, (request.num_tokens - 1) // self.block_size):
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Give every full block whose K/V the request has computed its hash, so later requests
+        can find it. Only computed blocks: a hash never points at K/V still to be written."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= request.num_hashed_blocks:
+            return
+        hashes = self.block_hashes(request, num_full)
+        for index in range(request.num_hashed_blocks, num_full):
+            block = self.blocks[request.block_ids[index]]
+            if block.block_hash is None and hashes[index] not in self._cached:
+                block.block_hash = hashes[index]
+                self._cached[hashes[index]] = block.block_id
+        request.num_hashed_blocks = num_full
+
+    # -- allocation ---------------------------------------------------------------------
     def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
         needed = blocks_for_tokens(request.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, needed - len(request.block_ids))
 
-    def allocate(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow the request's block table to hold `num_new_tokens` more tokens; False if the pool is short."""
-        num_new = self.num_new_blocks(request, num_new_tokens)
-        if num_new > len(self._free_block_ids):
+    def allocate(self, request: Request, num_new_tokens: int, cached_block_ids: Sequence[int] = ()) -> bool:
+        """Grow the request's block table to hold `num_new_tokens` more tokens, after first
+        taking `cached_block_ids` (prefix-cache hits for a request holding nothing yet, whose
+        tokens then count as computed). False, changing nothing, if the pool is short."""
+        hits = [self.blocks[block_id] for block_id in cached_block_ids]
+        num_hit_tokens = len(hits) * self.block_size
+        needed = blocks_for_tokens(
+            request.num_computed_tokens + num_hit_tokens + num_new_tokens, self.block_size
+        )
+        num_new = max(0, needed - len(request.block_ids) - len(hits))
+        if num_new > len(self._free) - sum(block.ref_count == 0 for block in hits):
             return False
-        request.block_ids.extend(self._free_block_ids.popleft() for _ in range(num_new))
+        for block in hits:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+                self.num_free_cached_blocks -= 1
+            block.ref_count += 1
+            request.block_ids.append(block.block_id)
+        request.num_computed_tokens += num_hit_tokens
+        request.num_hashed_blocks += len(hits)
+        request.block_ids.extend(self._take_free_block() for _ in range(num_new))
         return True
 
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evicted: its content is about to be overwritten
+            del self._cached[block.block_hash]
+            block.block_hash = None
+            self.num_free_cached_blocks -= 1
+        block.ref_count = 1
+        return block_id
+
     def free(self, request: Request) -> None:
-        self._free_block_ids.extend(request.block_ids)
+        """Let go of the request's blocks. Cached ones join the LRU tail in reverse, so its last
+        blocks are evicted first (a shared prefix outlives its suffixes); blocks without a hash
+        hold nothing reusable and go to the head, to be reused before any cached one."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count > 0:
+                continue
+            self._free[block_id] = None
+            if block.block_hash is None:
+                self._free.move_to_end(block_id, last=False)
+            else:
+                self.num_free_cached_blocks += 1
         request.block_ids = []
+        request.num_hashed_blocks = 0

@@ -24,6 +24,7 @@ class RequestState:
             else None
         )
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0
         self.finish_reason: str | None = None
 
     @property
@@ -36,6 +37,7 @@ class RequestState:
         finished result for an unfinished `output` means a stop string: the engine must be told."""
         if self.finished:
             return None
+        self.num_cached_tokens = output.num_cached_tokens
         new_token_ids: list[int] = []
         finish_reason = output.finish_reason
         for token_id in output.new_token_ids:
@@ -62,4 +64,5 @@ class RequestState:
             num_output_tokens=self.num_output_tokens,
             finished=finished,
             finish_reason=finish_reason,
+            num_cached_tokens=self.num_cached_tokens,
         )

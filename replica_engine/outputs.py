@@ -16,8 +16,9 @@ class EngineStats:
     num_waiting_prompt_tokens: int
     num_free_blocks: int
     num_total_blocks: int
-    kv_cache_usage: float
+    kv_cache_usage: float  # held by requests; cached free blocks are not counted (evictable)
     num_preemptions: int
+    num_cached_free_blocks: int  # free blocks the prefix cache still holds content in
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class CoreOutput:
     new_token_ids: list[int]
     num_prompt_tokens: int
     finish_reason: str | None = None  # stop | length | abort | error, once finished
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -46,6 +48,7 @@ class RequestOutput:
     num_output_tokens: int  # so far, including new_token_ids
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error, once finished
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache (OpenAI cached_tokens)
 
 
 @dataclass
@@ -57,8 +60,10 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
 
     def add(self, output: RequestOutput) -> None:
+        self.num_cached_tokens = output.num_cached_tokens
         self.text += output.text_delta
         self.token_ids.extend(output.new_token_ids)
         if output.finished:

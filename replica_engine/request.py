@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from replica_engine.block_hash import BlockHash
 from replica_engine.sampling_params import SamplingParams
 
 
@@ -40,6 +41,9 @@ class Request:
     first_scheduled_time: float | None = None
     last_token_time: float | None = None  # of the latest output token (TBT metrics)
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
+    block_hashes: list[BlockHash] = field(default_factory=list)  # keys of its first full blocks
+    num_hashed_blocks: int = 0  # of its blocks, how many leading ones the prefix cache knows
+    num_cached_tokens: int | None = None  # prompt tokens found cached when first admitted
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -31,6 +31,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Not sampling, but per request all the same: requests share prefix-cache blocks only with
+    # requests of the same salt (vLLM's cache_salt), so tenants cannot read each other's TTFT.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +56,8 @@ class SamplingParams:
             raise InvalidRequestError("seed", f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop", "must be a non-empty string or a list of non-empty strings")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise InvalidRequestError("cache_salt", "must be a non-empty string")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", "must be a list of non-negative integers")
 

@@ -1,15 +1,12 @@
-"""Greedy outputs of our engine against Hugging Face `generate` on the same fp32 weights.
-
-A flat batch sums in a different order than Hugging Face's layout, so a token may differ where
-the two best logits are within 1e-4 of each other; the test allows that case alone, prints it,
-and stops comparing that prompt there (the continuations then legitimately diverge)."""
+"""Greedy outputs of our engine against Hugging Face `generate` on the same fp32 weights, up to
+near-ties (tests/hf_reference.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from replica_engine import LLM, SamplingParams
+from tests.hf_reference import assert_matches_up_to_ties, hf_greedy
 
 PROMPTS = [
     "The capital of France is",
@@ -23,7 +20,6 @@ PROMPTS = [
     "a lower temperature because the air pressure is lower. Explain why, in simple terms:",
 ]
 MAX_TOKENS = 24
-TIE_TOLERANCE = 1e-4
 
 CONFIGS = {
     "large_budget": {},
@@ -34,20 +30,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def hf_outputs(hf_model, tokenizer) -> list[list[int]]:
-    outputs = []
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = hf_model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
-        outputs.append(out[0, ids.shape[1] :].tolist())
-    return outputs
-
-
-def _top2_gap(hf_model, token_ids: list[int]) -> float:
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([token_ids])).logits[0, -1]
-    top2 = logits.topk(2).values
-    return (top2[0] - top2[1]).item()
+    return [hf_greedy(hf_model, tokenizer(prompt).input_ids, MAX_TOKENS) for prompt in PROMPTS]
 
 
 @pytest.mark.parametrize("config_name", list(CONFIGS))
@@ -58,18 +41,7 @@ def test_greedy_outputs_match_transformers(config_name, hf_model, tokenizer, hf_
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
 
     for prompt, ours, theirs in zip(PROMPTS, outs, hf_outputs, strict=True):
-        if ours.token_ids == theirs:
-            continue
-        position = next(
-            (i for i, (a, b) in enumerate(zip(ours.token_ids, theirs, strict=False)) if a != b),
-            min(len(ours.token_ids), len(theirs)),
-        )
-        context = tokenizer(prompt).input_ids + theirs[:position]
-        gap = _top2_gap(hf_model, context)
-        print(
-            f"[{config_name}] divergence at output {position} of {prompt[:30]!r}: top-2 logit gap {gap:.2e}"
-        )
-        assert gap < TIE_TOLERANCE, (prompt, position, ours.token_ids, theirs)
+        assert_matches_up_to_ties(hf_model, tokenizer(prompt).input_ids, ours.token_ids, theirs, config_name)
 
     assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.kv_cache.num_blocks
     if config_name == "budget_16":

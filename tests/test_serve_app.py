@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+import uuid
 
 import httpx
 import openai
 import pytest
 from ray import serve
 
-from bench.serve_cluster import ServeCluster, post_concurrently
+from bench.serve_cluster import ServeCluster, post_concurrently, scrape, wait_for
 from replica_engine import LLM, EngineStats, SamplingParams
 from tests.engine_idle import wait_idle
 
@@ -210,3 +212,37 @@ def test_full_queue_gets_503_with_retry_after(small_app: str):
         assert int(response.headers["retry-after"]) >= 1
         assert response.json()["error"]["code"] == "overloaded"
         assert response.elapsed.total_seconds() < 5  # refused at once, not after waiting
+
+
+def test_a_repeated_chat_reuses_its_prompt_from_the_prefix_cache(serve_cluster: ServeCluster, client):
+    hits = "ray_stallfree_prefix_cache_hits_total"
+    hits_before = scrape(serve_cluster, hits, {"application": serve_cluster.app_name})
+    # A system prompt of ~600 tokens no other test sends (the nonce comes first).
+    system = f"Session {uuid.uuid4().hex}. " + "You answer questions about lighthouses, briefly. " * 60
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Who keeps the lamp?"}]
+
+    def stream_once() -> tuple[float, openai.types.CompletionUsage]:
+        started = time.monotonic()
+        ttft, usage = None, None
+        for chunk in client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, stream=True, stream_options={"include_usage": True}
+        ):
+            if ttft is None and chunk.choices and chunk.choices[0].delta.content:
+                ttft = time.monotonic() - started
+            usage = chunk.usage or usage
+        return ttft, usage
+
+    first_ttft, first = stream_once()
+    second_ttft, second = stream_once()
+    assert first.prompt_tokens_details.cached_tokens == 0
+    cached = second.prompt_tokens_details.cached_tokens
+    assert first.prompt_tokens - 16 <= cached < first.prompt_tokens and cached % 16 == 0
+    assert second_ttft < first_ttft, (first_ttft, second_ttft)
+    unstreamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4).usage
+    assert unstreamed.prompt_tokens_details.cached_tokens == cached
+    wait_for(
+        lambda: (
+            scrape(serve_cluster, hits, {"application": serve_cluster.app_name}) >= hits_before + 2 * cached
+        ),
+        "prefix cache hits counted",
+    )

@@ -72,11 +72,24 @@ class EngineMetrics:
             "request_generation_tokens", "Output length of a finished request", TOKEN_COUNT_BUCKETS
         )
 
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (recomputation not counted)")
+        self.prompt_tokens = counter(
+            "prompt_tokens", "Prompt tokens of requests (cached ones included; recomputation not counted)"
+        )
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (once per request)"
+        )
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.generation_tokens = counter("generation_tokens", "Output tokens generated")
         self.requests_finished = counter("requests_finished", "Requests finished, by reason", (REASON_LABEL,))
         self.preemptions = counter("num_preemptions", "Requests preempted for want of KV blocks")
-        for zero_at_start in (self.prompt_tokens, self.generation_tokens, self.preemptions):
+        zero_at_start_counters = (
+            self.prompt_tokens,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.generation_tokens,
+            self.preemptions,
+        )
+        for zero_at_start in zero_at_start_counters:
             zero_at_start.initialize(self.labels)
         for reason in FinishReason:
             self.requests_finished.initialize({**self.labels, REASON_LABEL: reason.value})
@@ -100,6 +113,8 @@ class EngineMetrics:
         if previous_token_time is None:
             self.time_to_first_token.observe(now - request.arrival_time, self.labels)
             self.prompt_tokens.inc(request.num_prompt_tokens, self.labels)
+            self.prefix_cache_queries.inc(request.num_prompt_tokens, self.labels)
+            self.prefix_cache_hits.inc(request.num_cached_tokens or 0, self.labels)
         else:
             self.inter_token_latency.observe(now - previous_token_time, self.labels)
 

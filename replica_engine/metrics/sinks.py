@@ -90,7 +90,8 @@ class _RayInstrument:
         self._metric = metric
 
     def inc(self, amount: float, labels: Labels) -> None:
-        self._metric.inc(amount, tags=labels)
+        if amount:  # Ray refuses 0, which counts nothing anyway
+            self._metric.inc(amount, tags=labels)
 
     def initialize(self, labels: Labels) -> None:
         # Ray's public inc() refuses 0 and no public call creates a series; _record is what inc

@@ -67,7 +67,9 @@ class Scheduler:
         """Advance the requests a step computed; `sampled_token_ids` follows `batch.sampling_rows`.
         Returns the requests that got a token (some may now be finished)."""
         for row in batch.rows:
-            self.requests[row.request_id].num_computed_tokens += row.num_tokens
+            request = self.requests[row.request_id]
+            request.num_computed_tokens += row.num_tokens
+            self.kv_cache.cache_computed_blocks(request)
         advanced = []
         for row, token_id in zip(batch.sampling_rows, sampled_token_ids, strict=True):
             request = self.requests[row.request_id]
@@ -99,13 +101,15 @@ class Scheduler:
                 plan.num_scheduled_tokens[request] = num_tokens
 
     def _admit_waiting(self, plan: StepPlan, chunked: bool) -> None:
-        """Admit waiting requests in FCFS order while budget, width and blocks last. Nothing new
-        is admitted in a step that had to preempt: the pool is already short."""
+        """Admit waiting requests in FCFS order while budget, width and blocks last. A request
+        starts from its prompt's longest cached prefix: only the rest is charged to the budget
+        and the pool. Nothing new is admitted in a step that had to preempt: the pool is short."""
         if plan.preempted:
             return
         while self.waiting and len(self.running) < self.config.max_num_seqs and plan.budget_left > 0:
             request = self.waiting[0]
-            owed = request.num_owed_tokens
+            cached_block_ids = self.kv_cache.find_cached_blocks(request)
+            owed = request.num_owed_tokens - len(cached_block_ids) * self.kv_cache.block_size
             if chunked:
                 num_tokens = min(owed, plan.budget_left)
             elif owed <= plan.budget_left or plan.is_empty:
@@ -113,12 +117,13 @@ class Scheduler:
                 num_tokens = owed
             else:
                 return
-            if not self.kv_cache.allocate(request, num_tokens):
+            if not self.kv_cache.allocate(request, num_tokens, cached_block_ids):
                 return
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = request.num_computed_tokens
             self.running.append(request)
             plan.num_scheduled_tokens[request] = num_tokens
 

@@ -1,0 +1,178 @@
+"""The prefix cache's bookkeeping, without a model: hashing, hits, ref counts, LRU eviction, and
+the scheduler admitting requests from their cached prefixes (random operation sequences)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replica_engine.block_hash import next_block_hash, root_hash
+from replica_engine.kv_cache_manager import KVCacheManager
+from replica_engine.request import FinishReason, Request, RequestStatus
+from replica_engine.sampling_params import SamplingParams
+from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+
+BLOCK = 4
+
+
+def _request(request_id: str, prompt: list[int], salt: str | None = None, max_tokens: int = 4) -> Request:
+    return Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, cache_salt=salt))
+
+
+def _compute_prompt(kv: KVCacheManager, request: Request) -> list[int]:
+    """Admit the request as the scheduler does and mark its whole prompt computed; its hits."""
+    hits = kv.find_cached_blocks(request)
+    assert kv.allocate(request, request.num_tokens - len(hits) * BLOCK, hits)
+    request.num_computed_tokens = request.num_tokens
+    kv.cache_computed_blocks(request)
+    return hits
+
+
+def test_block_hashes_chain_over_every_earlier_token_and_the_salt():
+    root = root_hash("m", None)
+    first = next_block_hash(root, [1, 2, 3, 4])
+    assert next_block_hash(first, [5, 6, 7, 8]) != next_block_hash(
+        next_block_hash(root, [9, 2, 3, 4]), [5, 6, 7, 8]
+    )
+    assert root_hash("m", "tenant-a") != root_hash("m", "tenant-b") != root
+    assert root_hash("other-model", None) != root
+    assert next_block_hash(root, [1, 2, 3, 4]) == first  # stable: the router can compute it too
+
+
+def test_a_second_request_reuses_the_full_blocks_and_recomputes_at_least_its_last_token():
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True)
+    first = _request("a", list(range(1, 11)))  # 10 tokens: blocks 0, 1 full, block 2 partial
+    _compute_prompt(kv, first)
+    kv.free(first)
+    same = _request("b", list(range(1, 11)))
+    hits = kv.find_cached_blocks(same)
+    assert len(hits) == 2  # the partial block is never cached
+    exact = _request("c", list(range(1, 9)))  # 8 tokens = 2 full blocks: the last is recomputed
+    assert len(kv.find_cached_blocks(exact)) == 1
+    diverging = _request("d", [1, 2, 3, 4, 5, 6, 0, 8, 9])
+    assert len(kv.find_cached_blocks(diverging)) == 1
+
+
+def test_admission_charges_only_uncached_tokens_and_shares_blocks_by_reference():
+    kv = KVCacheManager(num_blocks=6, block_size=BLOCK, enable_prefix_caching=True)
+    a = _request("a", list(range(1, 18)))  # 17 tokens: 5 blocks
+    _compute_prompt(kv, a)
+    b = _request("b", [*range(1, 17), 99])  # same first 16 tokens
+    hits = kv.find_cached_blocks(b)
+    assert hits == a.block_ids[:4]
+    assert kv.allocate(b, 1, hits)  # one new block for token 17: the pool has exactly one left
+    assert b.num_computed_tokens == 16 and kv.num_free_blocks == 0
+    assert all(kv.blocks[block_id].ref_count == 2 for block_id in hits)
+    kv.free(a)
+    assert all(kv.blocks[block_id].ref_count == 1 for block_id in hits)
+    assert kv.num_free_blocks == 1  # a's own last block only
+
+
+def test_freed_blocks_are_evicted_lru_with_a_requests_tail_first_and_lose_their_hash():
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK, enable_prefix_caching=True)
+    a = _request("a", list(range(1, 14)))  # 13 tokens: 3 full blocks + 1 partial
+    _compute_prompt(kv, a)
+    full, partial = a.block_ids[:3], a.block_ids[3]
+    kv.free(a)
+    order = kv.free_block_ids
+    assert order[0] == partial  # holds nothing reusable: reused first
+    assert list(order[-3:]) == full[::-1]  # cached: the tail, last block nearest the head
+    newcomer = _request("n", [50 + i for i in range(4 * 6)])  # needs 6 of 8 free blocks
+    assert kv.allocate(newcomer, newcomer.num_tokens)
+    assert kv.blocks[full[2]].block_hash is None and kv.blocks[full[0]].block_hash is not None
+    again = _request("b", list(range(1, 14)))
+    assert kv.find_cached_blocks(again) == full[:2]  # block 2 was evicted, so the chain ends there
+
+
+def test_identical_blocks_computed_twice_are_not_merged():
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK, enable_prefix_caching=True)
+    a, b = _request("a", list(range(1, 10))), _request("b", list(range(1, 10)))
+    for request in (a, b):  # admitted in the same step: neither finds the other's blocks
+        assert kv.allocate(request, request.num_tokens)
+    for request in (a, b):
+        request.num_computed_tokens = request.num_tokens
+        kv.cache_computed_blocks(request)
+    hashed = [bid for bid in a.block_ids + b.block_ids if kv.blocks[bid].block_hash is not None]
+    assert hashed == a.block_ids[:2]  # b's copies stay unhashed
+
+
+def test_different_salts_share_nothing_and_no_salt_is_its_own_tenant():
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True)
+    prompt = list(range(1, 14))
+    _compute_prompt(kv, _request("a", prompt, salt="tenant-a"))
+    assert kv.find_cached_blocks(_request("b", prompt, salt="tenant-b")) == []
+    assert kv.find_cached_blocks(_request("c", prompt)) == []
+    assert len(kv.find_cached_blocks(_request("d", prompt, salt="tenant-a"))) == 3
+
+
+def test_with_caching_off_nothing_is_found():
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=False)
+    _compute_prompt(kv, _request("a", list(range(1, 14))))
+    assert kv.find_cached_blocks(_request("b", list(range(1, 14)))) == []
+    assert not any(block.block_hash for block in kv.blocks)
+
+
+# -- random operation sequences through the scheduler ------------------------------------------
+
+PREFIXES = [[7] * 8, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], list(range(20, 40))]
+
+
+def _check_invariants(kv: KVCacheManager, live: list[Request]) -> None:
+    holders: dict[int, int] = {}
+    for request in live:
+        for block_id in request.block_ids:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    for block in kv.blocks[1:]:
+        assert block.ref_count == holders.get(block.block_id, 0), block
+        assert (block.block_id in kv.free_block_ids) == (block.ref_count == 0), block
+    hashed = [block.block_hash for block in kv.blocks if block.block_hash is not None]
+    assert len(hashed) == len(set(hashed)), "a hash maps to two blocks"
+    assert kv.num_free_cached_blocks == sum(
+        1 for block_id in kv.free_block_ids if kv.blocks[block_id].block_hash is not None
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "add", "add", "step", "step", "step", "abort"]),
+            st.integers(0, len(PREFIXES) - 1),
+            st.lists(st.integers(100, 120), min_size=1, max_size=10),  # the suffix
+            st.integers(1, 6),  # max_tokens
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    st.integers(6, 24),  # pool size: small enough to preempt and evict
+    st.sampled_from([4, 8, 64]),  # token budget: chunks fill blocks mid-prefill
+)
+def test_random_operations_keep_the_pool_consistent(operations, num_blocks, budget):
+    kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=True)
+    scheduler = SCHEDULING_POLICIES["stall_free"](SchedulerConfig(budget, 8), kv)
+    requests: list[Request] = []
+    for index, (operation, prefix, suffix, max_tokens) in enumerate(operations):
+        if operation == "add":
+            prompt = PREFIXES[prefix] + suffix
+            if len(prompt) + max_tokens <= num_blocks * BLOCK:
+                request = _request(f"r{index}", prompt, max_tokens=max_tokens)
+                scheduler.add_request(request)
+                requests.append(request)
+        elif operation == "abort" and scheduler.requests:
+            victim = scheduler.requests[sorted(scheduler.requests)[prefix % len(scheduler.requests)]]
+            scheduler.finish_request(victim, FinishReason.ABORT)
+        else:
+            batch = scheduler.schedule()
+            scheduler.update(batch, [5] * len(batch.sampling_rows))
+        for request in requests:
+            if request.num_cached_tokens is not None:
+                assert request.num_cached_tokens % BLOCK == 0
+                assert request.num_cached_tokens < request.num_prompt_tokens
+        _check_invariants(kv, list(scheduler.running))
+    while scheduler.has_unfinished_requests():
+        scheduler.update(batch := scheduler.schedule(), [5] * len(batch.sampling_rows))
+        _check_invariants(kv, list(scheduler.running))
+    assert all(request.status is RequestStatus.FINISHED for request in requests)
+    assert kv.num_free_blocks == kv.num_blocks
+    whole_pool = _request("whole", [200 + i % 50 for i in range(num_blocks * BLOCK)], max_tokens=1)
+    assert kv.allocate(whole_pool, whole_pool.num_tokens)  # every block usable again
