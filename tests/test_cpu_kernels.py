@@ -1,7 +1,7 @@
-"""Our CPU kernels (replica_engine/kernels/cpu_ops.cpp and cpu_pointwise.cpp, built on first use)
-against torch: the small-M linear layer, paged decode attention, and the fused RMSNorm (with the
-residual add), SiLU-mul and rotary, in float32 and bfloat16; and the fallback to torch's ops
-where the kernels cannot be had."""
+"""Our CPU kernels (replica_engine/kernels/*.cpp, built on first use) against torch: the small-M
+linear layer, paged decode and prompt-chunk attention, and the fused RMSNorm (with the residual
+add), SiLU-mul and rotary, in float32 and bfloat16; and the fallback to torch's ops where the
+kernels cannot be had."""
 
 from __future__ import annotations
 
@@ -111,9 +111,28 @@ def test_rotary_in_place_matches_the_torch_rotation_on_strided_views(dtype):
 )
 def test_paged_decode_attention_matches_the_reference(dtype, heads, kv_heads, head_dim, block_size):
     # Decode rows with no context yet, part of a block, exactly one block, and several blocks,
-    # next to a prompt chunk (which the CPU backend leaves to the reference path).
+    # next to a prompt chunk.
     shapes = [(0, 1), (5, 1), (block_size - 1, 1), (40, 1), (133, 1), (9, 7)]
     batch = paged_batch(shapes, heads, kv_heads, head_dim, block_size, seed=heads + head_dim, dtype=dtype)
+    args = (batch.query, batch.new_k, batch.new_v)
+    scale = head_dim**-0.5
+    caches = batch.k_cache.clone(), batch.v_cache.clone()
+    expected = get_backend("torch").forward(*args, *caches, batch.metadata, scale)
+    out = get_backend("cpu").forward(*args, batch.k_cache, batch.v_cache, batch.metadata, scale)
+    atol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 32), (8, 1, 32, 16)],
+)
+def test_paged_prompt_attention_matches_the_reference(dtype, heads, kv_heads, head_dim, block_size):
+    # Fresh prompts shorter than, equal to and longer than a 16-row tile, chunks after a cached
+    # prefix (tiles that start mid-block and keys far before them), and decode rows beside them.
+    shapes = [(0, 2), (0, 16), (0, 37), (5, 1), (50, 23), (64, 16), (3, 100), (130, 1)]
+    batch = paged_batch(shapes, heads, kv_heads, head_dim, block_size, seed=heads * head_dim, dtype=dtype)
     args = (batch.query, batch.new_k, batch.new_v)
     scale = head_dim**-0.5
     caches = batch.k_cache.clone(), batch.v_cache.clone()

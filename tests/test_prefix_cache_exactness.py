@@ -97,3 +97,14 @@ def test_blocks_filled_mid_prefill_are_found_by_the_next_request(prompts, hf_mod
     _check(hf_model, reference, llm, [prompts["shared_0"]], "budget 16")
     (later,) = _check(hf_model, reference, llm, [prompts["shared_1"]], "budget 16")
     assert later.num_cached_tokens == 592
+
+
+def test_requests_with_different_salts_share_nothing(prompts, llm):
+    def cached_tokens(salt: str | None) -> int:
+        params = SamplingParams(max_tokens=2, temperature=0, cache_salt=salt)
+        return llm.generate([prompts["twice"][:100]], params)[0].num_cached_tokens
+
+    assert cached_tokens("tenant-a") == 0
+    assert cached_tokens("tenant-b") == 0
+    assert cached_tokens(None) == 0
+    assert cached_tokens("tenant-a") == 96

@@ -1,11 +1,12 @@
-"""The CPU backend: the reference's prompt-chunk path, with decode rows attended by a compiled
-kernel that reads each request's K/V blocks where they lie in the paged cache (an online
-softmax block by block) instead of gathering them into a padded copy every layer."""
+"""The CPU backend: compiled kernels that read each request's K/V blocks where they lie in the
+paged cache (an online softmax, 16 keys at a time) instead of gathering them into a copy every
+layer: one for decode rows, one for prompt chunks (tiled as flash attention is)."""
 
 from __future__ import annotations
 
 import torch
 
+from replica_engine.attention.base import AttentionMetadata
 from replica_engine.attention.torch_ref import TorchAttention
 from replica_engine.kernels.cpu import cpu_ops
 
@@ -31,4 +32,24 @@ class CPUPagedAttention(TorchAttention):
     ) -> torch.Tensor:
         return self._ops.paged_decode_attention(
             query.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale
+        )
+
+    def attend_prompts(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        output: torch.Tensor,
+    ) -> None:
+        self._ops.paged_prefill_attention_(
+            output,
+            query.contiguous(),
+            k_cache,
+            v_cache,
+            metadata.block_tables,
+            metadata.cu_seqlens_q,
+            metadata.seq_lens_kv,
+            scale,
         )

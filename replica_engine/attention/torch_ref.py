@@ -77,7 +77,6 @@ class TorchAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         output = torch.empty_like(query)
-        query_lens, kv_lens = metadata.query_lens_cpu, metadata.seq_lens_kv_cpu
         decode = metadata.decode
         if decode is not None:
             output[decode.token_index] = self.attend_decodes(
@@ -89,8 +88,24 @@ class TorchAttention(AttentionBackend):
                 decode.max_seq_len,
                 scale,
             )
+        if metadata.max_query_len > 1:
+            self.attend_prompts(query, k_cache, v_cache, metadata, scale, output)
+        return output
+
+    def attend_prompts(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        output: torch.Tensor,
+    ) -> None:
+        """Into `output`: the rows of every request with more than one query row (prompt chunks)."""
         start = 0
-        for i, (query_len, kv_len) in enumerate(zip(query_lens, kv_lens, strict=True)):
+        for i, (query_len, kv_len) in enumerate(
+            zip(metadata.query_lens_cpu, metadata.seq_lens_kv_cpu, strict=True)
+        ):
             end = start + query_len
             if query_len > 1:
                 keys = gather_kv(k_cache, metadata.block_tables[i], kv_len)
@@ -107,4 +122,3 @@ class TorchAttention(AttentionBackend):
                 )
                 output[start:end] = out[0].transpose(0, 1)
             start = end
-        return output

@@ -1,7 +1,7 @@
-"""The CPU kernels of cpu_ops.cpp and cpu_pointwise.cpp, built on first use for this machine
-(-march=native) by torch's C++ extension loader and cached by it (TORCH_EXTENSIONS_DIR, default
-~/.cache/torch_extensions). Where they cannot be built (no compiler, no AVX-512), callers fall
-back to torch's own ops."""
+"""The CPU kernels of cpu_ops.cpp, cpu_pointwise.cpp and cpu_prefill_attention.cpp, built on first
+use for this machine (-march=native) by torch's C++ extension loader and cached by it
+(TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where they cannot be built (no
+compiler, no AVX-512), callers fall back to torch's own ops."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 KERNEL_DIR = Path(__file__).parent
-SOURCES = [str(KERNEL_DIR / name) for name in ("cpu_ops.cpp", "cpu_pointwise.cpp")]
-HEADERS = ("simd.h", "cpu_pointwise.h")
+SOURCES = [
+    str(KERNEL_DIR / name) for name in ("cpu_ops.cpp", "cpu_pointwise.cpp", "cpu_prefill_attention.cpp")
+]
+HEADERS = ("simd.h", "cpu_pointwise.h", "cpu_attention.h")
 # Up to this many rows, a linear layer is a few matrix-vector products: memory-bound, where our
 # kernel streams the weights faster than torch's (MKL/oneDNN) small-M paths on this hardware.
 SMALL_M = 16

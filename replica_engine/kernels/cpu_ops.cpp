@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 
+#include "cpu_attention.h"
 #include "cpu_pointwise.h"
 #include "simd.h"
 
@@ -242,6 +243,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "small-M linear: x @ weight.T", py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache",
         py::call_guard<py::gil_scoped_release>());
+  m.def("paged_prefill_attention_", &paged_prefill_attention_,
+        "prompt-chunk attention over a paged KV cache, into out", py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm, after adding x into the residual when one is given",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", py::call_guard<py::gil_scoped_release>());

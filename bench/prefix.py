@@ -1,0 +1,319 @@
+"""`python -m bench.prefix`: prefix caching on vs off, on the real SmolLM2 in one process
+(AsyncEngine as serve_config.yaml builds it, no Ray: the engine is what is measured).
+
+Workloads (random token ids; greedy, ignore_eos, exact output lengths):
+- shared_prefix: SGLang's generated-shared-prefix shape, G=4 groups x P=8 prompts, a 512-token
+  system prompt per group + a 32-token question, 32 output tokens.
+- multi_turn: 8 conversations of 4-8 turns (a 128-token system prompt each; every turn a
+  32-64-token user message and a 32-token answer, the next turn resending the whole history
+  0.5 s after the answer).
+- no_shared: 32 prompts of 64-512 tokens (log-uniform) with nothing in common, 32 output tokens:
+  what caching costs when it cannot help (hashing every block).
+
+TTFT: Poisson arrivals (shared_prefix 1 request/s, multi_turn 0.5 conversations/s), 3 arrival
+seeds, median and spread. Throughput: every request at once (a burst; multi_turn: every
+conversation at once), output tokens / makespan; no_shared's burst runs 3 times per system,
+alternating, and the median counts. One engine serves every run, its prefix caching switched on
+or off between runs while idle; each run has its own cache_salt, so no run finds another's blocks.
+Writes bench/results/prefix_cpu.json and .png."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.text_prompts import log_uniform
+from bench.workload import percentile, result_header, write_result
+
+SEEDS = (0, 1, 2)
+TOKENS = (1000, 40000)  # random prompt ids from the ordinary vocabulary
+OUTPUT_TOKENS = 32
+GOALS = {
+    "shared_prefix_ttft_p50_ratio_max": 0.3,
+    "shared_prefix_throughput_ratio_min": 1.5,
+    "no_shared_throughput_ratio_min": 0.97,
+}
+
+
+@dataclass
+class Turn:
+    prompt: list[int]
+    arrival_s: float  # from the run's start
+
+
+@dataclass
+class Conversation:
+    system: list[int]
+    messages: list[list[int]]  # the user's, one per turn; each turn resends the whole history
+    arrival_s: float
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*TOKENS) for _ in range(n)]
+
+
+def _arrivals(rng: random.Random, n: int, rate: float | None) -> list[float]:
+    if rate is None:
+        return [0.0] * n
+    times, now = [], 0.0
+    for _ in range(n):
+        now += rng.expovariate(rate)
+        times.append(now)
+    return times
+
+
+def shared_prefix(seed: int, rate: float | None) -> list[Turn]:
+    rng = random.Random(seed)
+    systems = [_tokens(rng, 512) for _ in range(4)]
+    prompts = [system + _tokens(rng, 32) for system in systems for _ in range(8)]
+    rng.shuffle(prompts)
+    return [Turn(p, t) for p, t in zip(prompts, _arrivals(rng, len(prompts), rate), strict=True)]
+
+
+def no_shared(seed: int) -> list[Turn]:
+    rng = random.Random(seed)
+    return [Turn(_tokens(rng, log_uniform(rng, 64, 512)), 0.0) for _ in range(32)]
+
+
+def conversations(seed: int, rate: float | None) -> list[Conversation]:
+    rng = random.Random(seed)
+    return [
+        Conversation(
+            _tokens(rng, 128), [_tokens(rng, rng.randint(32, 64)) for _ in range(rng.randint(4, 8))], start
+        )
+        for start in _arrivals(rng, 8, rate)
+    ]
+
+
+@dataclass
+class Served:
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output: list[int]
+
+
+class Runner:
+    def __init__(self) -> None:
+        import torch
+        import yaml
+
+        from deployments.app import AppArgs
+        from replica_engine import AsyncEngine
+
+        base = yaml.safe_load(Path("serve_config.yaml").read_text())["applications"][0]["args"]
+        self.config = AppArgs.model_validate(base).engine_config()
+        torch.set_num_threads(len(os.sched_getaffinity(0)))  # as the replica sets it
+        self.engine = AsyncEngine(self.config)
+        self.salt = 0
+
+    def set_caching(self, enabled: bool) -> None:
+        """Between runs, while the engine is idle: the step thread reads the flag only in a step."""
+        self.engine.core.kv_cache.enable_prefix_caching = enabled
+
+    async def serve(self, prompt: list[int], salt: str, arrived: float) -> Served:
+        from replica_engine import SamplingParams
+
+        params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True, cache_salt=salt)
+        ttft, output, cached = math.nan, [], 0
+        async for out in await self.engine.add_request(prompt, params):
+            if not output:
+                ttft = time.monotonic() - arrived
+            output += out.new_token_ids
+            cached = out.num_cached_tokens
+        return Served(ttft, len(prompt), cached, output)
+
+    def run(self, workload: list[Turn] | list[Conversation], enabled: bool) -> dict:
+        """Serve a workload (single turns, or conversations); its summary."""
+        self.set_caching(enabled)
+        self.salt += 1
+        salt = f"run-{self.salt}"
+
+        async def one(turn: Turn, start: float) -> list[Served]:
+            await asyncio.sleep(max(0.0, start + turn.arrival_s - time.monotonic()))
+            return [await self.serve(turn.prompt, salt, start + turn.arrival_s)]
+
+        async def conversation(chat: Conversation, start: float) -> list[Served]:
+            await asyncio.sleep(max(0.0, start + chat.arrival_s - time.monotonic()))
+            history, served = list(chat.system), []
+            for index, message in enumerate(chat.messages):
+                if index:
+                    await asyncio.sleep(0.5)  # the user reads, then writes the next message
+                history += message
+                served.append(await self.serve(list(history), salt, time.monotonic()))
+                history += served[-1].output
+            return served
+
+        async def everything() -> tuple[float, list[Served]]:
+            start = time.monotonic()
+            tasks = [
+                conversation(w, start) if isinstance(w, Conversation) else one(w, start) for w in workload
+            ]
+            results = await asyncio.gather(*tasks)
+            return time.monotonic() - start, [served for result in results for served in result]
+
+        wall, served = asyncio.run(everything())
+        ttft = [s.ttft_s for s in served]
+        return {
+            "requests": len(served),
+            "wall_s": wall,
+            "output_tok_per_s": sum(len(s.output) for s in served) / wall,
+            "ttft_p50_s": percentile(ttft, 0.5),
+            "ttft_p99_s": percentile(ttft, 0.99),
+            "hit_rate": sum(s.cached_tokens for s in served) / sum(s.prompt_tokens for s in served),
+            "prompt_tokens": sum(s.prompt_tokens for s in served),
+        }
+
+
+SYSTEMS = {"caching on": True, "caching off": False}
+
+
+def measure(runner: Runner) -> dict:
+    results: dict = {"poisson": {}, "burst": {}}
+    for workload, make, rate in (("shared_prefix", shared_prefix, 1.0), ("multi_turn", conversations, 0.5)):
+        results["poisson"][workload] = {
+            system: [runner.run(make(seed, rate), enabled) for seed in SEEDS]
+            for system, enabled in SYSTEMS.items()
+        }
+        results["burst"][workload] = {system: [runner.run(make(0, None), e)] for system, e in SYSTEMS.items()}
+        _progress(workload, results)
+    alternating = [(system, enabled) for _ in range(3) for system, enabled in SYSTEMS.items()]
+    results["burst"]["no_shared"] = {system: [] for system in SYSTEMS}
+    for system, enabled in alternating:
+        results["burst"]["no_shared"][system].append(runner.run(no_shared(0), enabled))
+    _progress("no_shared", results)
+    return results
+
+
+def _progress(workload: str, results: dict) -> None:
+    for kind in ("poisson", "burst"):
+        for system, runs in results[kind].get(workload, {}).items():
+            print(kind, workload, system, [round(r["ttft_p50_s"], 3) for r in runs],
+                  [round(r["output_tok_per_s"], 1) for r in runs], flush=True)  # fmt: skip
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _row(workload: str, system: str, poisson: list[dict], burst: list[dict]) -> dict:
+    row = {"workload": workload, "system": system, "ttft_p50_s": None, "ttft_p50_spread_s": None}
+    row["ttft_p99_s"] = None
+    if poisson:
+        p50s = [run["ttft_p50_s"] for run in poisson]
+        row.update(ttft_p50_s=statistics.median(p50s), ttft_p50_spread_s=[min(p50s), max(p50s)])
+        row["ttft_p99_s"] = _median(poisson, "ttft_p99_s")
+    row["burst_output_tok_per_s"] = _median(burst, "output_tok_per_s")
+    row["hit_rate"] = _median(poisson or burst, "hit_rate")
+    return row
+
+
+def summarize(results: dict) -> tuple[list[dict], dict[str, float]]:
+    rows = [
+        _row(workload, system, results["poisson"].get(workload, {}).get(system, []), burst)
+        for workload, by_system in results["burst"].items()
+        for system, burst in by_system.items()
+    ]
+    on = {row["workload"]: row for row in rows if row["system"] == "caching on"}
+    off = {row["workload"]: row for row in rows if row["system"] == "caching off"}
+
+    def ratio(workload: str, key: str) -> float:
+        return on[workload][key] / off[workload][key]
+
+    ratios = {
+        "shared_prefix_ttft_p50_ratio": ratio("shared_prefix", "ttft_p50_s"),
+        "shared_prefix_throughput_ratio": ratio("shared_prefix", "burst_output_tok_per_s"),
+        "multi_turn_ttft_p50_ratio": ratio("multi_turn", "ttft_p50_s"),
+        "no_shared_throughput_ratio": ratio("no_shared", "burst_output_tok_per_s"),
+    }
+    return rows, ratios
+
+
+def print_table(rows: list[dict], ratios: dict[str, float]) -> None:
+    header = ("workload", 14), ("system", 12), ("TTFT p50 (spread)", 24), ("TTFT p99", 9)
+    header += ("burst tok/s", 12), ("hit rate", 9)
+    print(" ".join(f"{name:<{width}}" for name, width in header))
+    for row in rows:
+        p50, p99 = "-", "-"
+        if row["ttft_p50_s"] is not None:
+            low, high = row["ttft_p50_spread_s"]
+            p50, p99 = f"{row['ttft_p50_s']:.3f} ({low:.3f}-{high:.3f})", f"{row['ttft_p99_s']:.3f}"
+        print(f"{row['workload']:<14} {row['system']:<12} {p50:<24} {p99:<9} "
+              f"{row['burst_output_tok_per_s']:<12.1f} {row['hit_rate']:<9.2f}")  # fmt: skip
+    for name, value in ratios.items():
+        print(f"{name}: {value:.2f}x")
+
+
+def goals_met(ratios: dict[str, float]) -> dict[str, bool]:
+    return {
+        "shared_prefix_ttft_p50_ratio_max": ratios["shared_prefix_ttft_p50_ratio"]
+        <= GOALS["shared_prefix_ttft_p50_ratio_max"],
+        "shared_prefix_throughput_ratio_min": ratios["shared_prefix_throughput_ratio"]
+        >= GOALS["shared_prefix_throughput_ratio_min"],
+        "no_shared_throughput_ratio_min": ratios["no_shared_throughput_ratio"]
+        >= GOALS["no_shared_throughput_ratio_min"],
+    }
+
+
+def plot(path: Path, results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for axis, workload in zip(axes, ("shared_prefix", "multi_turn"), strict=True):
+        for system, runs in results["poisson"][workload].items():
+            seeds = [r["ttft_p50_s"] for r in runs]
+            axis.plot(list(SEEDS), seeds, marker="o", label=f"{system} p50")
+            axis.plot(
+                list(SEEDS), [r["ttft_p99_s"] for r in runs], marker="x", linestyle=":", label=f"{system} p99"
+            )
+        axis.set_yscale("log")
+        axis.set_xlabel("arrival seed")
+        axis.set_ylabel("TTFT (s)")
+        axis.set_title(f"{workload}, Poisson arrivals")
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--output", type=Path, default=Path("bench/results/prefix_cpu.json"))
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    runner = Runner()
+    try:
+        runner.run(no_shared(99)[:4], True)  # warm: kernels, first steps
+        results = measure(runner)
+    finally:
+        runner.engine.shutdown()
+    rows, ratios = summarize(results)
+    print_table(rows, ratios)
+    met = goals_met(ratios)
+    for goal, ok in met.items():
+        print(f"{goal}: {'PASS' if ok else 'MISS'}")
+    plot(args.output.with_suffix(".png"), results)
+    write_result(args.output, {
+        **result_header("prefix"),
+        "engine": {key: str(value) for key, value in vars(runner.config).items()},
+        "workloads": __doc__,
+        "summary": rows,
+        "ratios": ratios,
+        "runs": results,
+        "goals": GOALS,
+        "goals_met": met,
+        "run_s": round(time.monotonic() - started, 1),
+    })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
