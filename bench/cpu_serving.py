@@ -7,6 +7,8 @@ greedy, streamed over /v1/completions; fixed seed. Runs: closed loop with 1 and 
 and Poisson arrivals at 0.5/s (3 arrival seeds: median and spread). Two apps side by side on one
 local Ray cluster, one replica each, run one at a time: serve_config.yaml as shipped (dtype auto:
 bf16 on CPUs with native bf16) and the same with dtype float32 (the baseline in this run).
+Prefix caching stays on, as shipped, but every run (and the warm-up) sends its own cache_salt, so
+no run finds the prompts another left cached: llama.cpp ran with its prompt cache off.
 
 Serving overhead: the client's mean time between tokens and mean TTFT at c=1 over HTTP, minus
 the same c=1 run straight into an AsyncEngine in this process (no Ray, no HTTP), for dtype auto.

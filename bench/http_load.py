@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass
 
 import httpx
@@ -30,9 +31,17 @@ class StreamTiming:
     token_intervals_s: list[float]
 
 
-async def _stream(http: httpx.AsyncClient, url: str, arrival: Arrival) -> StreamTiming:
-    # Greedy with exact lengths: every system under comparison does the same work.
-    body = {"prompt": arrival.prompt, "max_tokens": arrival.max_tokens, "ignore_eos": True, "temperature": 0}
+async def _stream(http: httpx.AsyncClient, url: str, arrival: Arrival, cache_salt: str) -> StreamTiming:
+    # Greedy with exact lengths: every system under comparison does the same work. The run's own
+    # cache_salt: a run never finds the prompts an earlier run (or a warm-up) left in the prefix
+    # cache, as a peer with its prompt cache off would not.
+    body = {
+        "prompt": arrival.prompt,
+        "max_tokens": arrival.max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "cache_salt": cache_salt,
+    }
     result = await stream_completion(http, url, body)
     if result.status != 200 or result.error_code is not None:
         raise RuntimeError(f"request failed: HTTP {result.status}, {result.error_code}")
@@ -45,12 +54,17 @@ async def _stream(http: httpx.AsyncClient, url: str, arrival: Arrival) -> Stream
     )
 
 
+def _new_salt() -> str:
+    return f"run-{uuid.uuid4().hex}"
+
+
 async def open_loop(url: str, arrivals: list[Arrival]) -> tuple[float, list[StreamTiming]]:
     """Each request sent at its arrival time, whatever the server is doing."""
+    salt = _new_salt()
 
     async def at_its_time(http: httpx.AsyncClient, arrival: Arrival, start: float) -> StreamTiming:
         await asyncio.sleep(max(0.0, start + arrival.at_s - time.monotonic()))
-        return await _stream(http, url, arrival)
+        return await _stream(http, url, arrival, salt)
 
     async with httpx.AsyncClient(timeout=600) as http:
         start = time.monotonic()
@@ -64,10 +78,11 @@ async def closed_loop(
     """`concurrency` clients take the requests in order, each sending the next as its last ends."""
     pending = list(reversed(arrivals))
     timings: list[StreamTiming] = []
+    salt = _new_salt()
 
     async def client(http: httpx.AsyncClient) -> None:
         while pending:
-            timings.append(await _stream(http, url, pending.pop()))
+            timings.append(await _stream(http, url, pending.pop(), salt))
 
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
