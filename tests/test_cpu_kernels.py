@@ -104,34 +104,25 @@ def test_rotary_in_place_matches_the_torch_rotation_on_strided_views(dtype):
         torch.testing.assert_close(rotated.float(), want, atol=ROUNDING[dtype] * 4, rtol=ROUNDING[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 32), (8, 1, 64, 16)],
-)
-def test_paged_decode_attention_matches_the_reference(dtype, heads, kv_heads, head_dim, block_size):
-    # Decode rows with no context yet, part of a block, exactly one block, and several blocks,
-    # next to a prompt chunk.
-    shapes = [(0, 1), (5, 1), (block_size - 1, 1), (40, 1), (133, 1), (9, 7)]
-    batch = paged_batch(shapes, heads, kv_heads, head_dim, block_size, seed=heads + head_dim, dtype=dtype)
-    args = (batch.query, batch.new_k, batch.new_v)
-    scale = head_dim**-0.5
-    caches = batch.k_cache.clone(), batch.v_cache.clone()
-    expected = get_backend("torch").forward(*args, *caches, batch.metadata, scale)
-    out = get_backend("cpu").forward(*args, batch.k_cache, batch.v_cache, batch.metadata, scale)
-    atol = 1e-5 if dtype == torch.float32 else 1.6e-2
-    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
+# (cached tokens, new tokens) per request.
+BATCHES = {
+    # Decode rows with no context yet, part of a block, exactly one block, several blocks, next to
+    # a prompt chunk.
+    "decodes": lambda block_size: [(0, 1), (5, 1), (block_size - 1, 1), (40, 1), (133, 1), (9, 7)],
+    # Fresh prompts shorter than, equal to and longer than a 16-row tile, chunks after a cached
+    # prefix (tiles that start mid-block and keys far before them), and decode rows beside them.
+    "prompts": lambda block_size: [(0, 2), (0, 16), (0, 37), (5, 1), (50, 23), (64, 16), (3, 100), (130, 1)],
+}
 
 
+@pytest.mark.parametrize("batch_name", list(BATCHES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 32), (8, 1, 32, 16)],
 )
-def test_paged_prompt_attention_matches_the_reference(dtype, heads, kv_heads, head_dim, block_size):
-    # Fresh prompts shorter than, equal to and longer than a 16-row tile, chunks after a cached
-    # prefix (tiles that start mid-block and keys far before them), and decode rows beside them.
-    shapes = [(0, 2), (0, 16), (0, 37), (5, 1), (50, 23), (64, 16), (3, 100), (130, 1)]
+def test_paged_attention_matches_the_reference(batch_name, dtype, heads, kv_heads, head_dim, block_size):
+    shapes = BATCHES[batch_name](block_size)
     batch = paged_batch(shapes, heads, kv_heads, head_dim, block_size, seed=heads * head_dim, dtype=dtype)
     args = (batch.query, batch.new_k, batch.new_v)
     scale = head_dim**-0.5
