@@ -54,9 +54,7 @@ class EngineCore:
         self.scheduler.finish_request(request, reason)
         if self.metrics is not None:
             self.metrics.record_finished(request, time.monotonic())
-        return CoreOutput(
-            request_id, [], request.num_prompt_tokens, reason.value, request.num_cached_tokens or 0
-        )
+        return CoreOutput(request_id, [], request.num_prompt_tokens, reason.value, request.num_cached_tokens)
 
     def fail_all_requests(self) -> list[CoreOutput]:
         """The engine cannot go on: finish every request with reason error."""
@@ -143,5 +141,5 @@ class EngineCore:
             [request.output_token_ids[-1]],
             request.num_prompt_tokens,
             reason,
-            request.num_cached_tokens or 0,
+            request.num_cached_tokens,
         )

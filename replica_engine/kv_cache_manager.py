@@ -124,10 +124,7 @@ class KVCacheManager:
         tokens then count as computed). False, changing nothing, if the pool is short."""
         hits = [self.blocks[block_id] for block_id in cached_block_ids]
         num_hit_tokens = len(hits) * self.block_size
-        needed = blocks_for_tokens(
-            request.num_computed_tokens + num_hit_tokens + num_new_tokens, self.block_size
-        )
-        num_new = max(0, needed - len(request.block_ids) - len(hits))
+        num_new = self.num_new_blocks(request, num_hit_tokens + num_new_tokens) - len(hits)
         if num_new > len(self._free) - sum(block.ref_count == 0 for block in hits):
             return False
         for block in hits:

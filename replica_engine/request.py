@@ -43,7 +43,7 @@ class Request:
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     block_hashes: list[BlockHash] = field(default_factory=list)  # keys of its first full blocks
     num_hashed_blocks: int = 0  # of its blocks, how many leading ones the prefix cache knows
-    num_cached_tokens: int | None = None  # prompt tokens found cached when first admitted
+    num_cached_tokens: int = 0  # prompt tokens found cached when first admitted
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -165,7 +165,7 @@ def test_random_operations_keep_the_pool_consistent(operations, num_blocks, budg
             batch = scheduler.schedule()
             scheduler.update(batch, [5] * len(batch.sampling_rows))
         for request in requests:
-            if request.num_cached_tokens is not None:
+            if request.first_scheduled_time is not None:  # admitted: its hit is known
                 assert request.num_cached_tokens % BLOCK == 0
                 assert request.num_cached_tokens < request.num_prompt_tokens
         _check_invariants(kv, list(scheduler.running))

@@ -114,7 +114,7 @@ class EngineMetrics:
             self.time_to_first_token.observe(now - request.arrival_time, self.labels)
             self.prompt_tokens.inc(request.num_prompt_tokens, self.labels)
             self.prefix_cache_queries.inc(request.num_prompt_tokens, self.labels)
-            self.prefix_cache_hits.inc(request.num_cached_tokens or 0, self.labels)
+            self.prefix_cache_hits.inc(request.num_cached_tokens, self.labels)
         else:
             self.inter_token_latency.observe(now - previous_token_time, self.labels)
 
