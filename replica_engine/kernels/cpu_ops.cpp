@@ -141,12 +141,9 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
         for (int64_t v = 0; v < kDV; ++v) dot = _mm512_fmadd_ps(qv[v], load16(k_rows[t] + v * 16), dot);
         probs[t] = _mm512_reduce_add_ps(dot);
       }
-      const __m512 scores = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, probs);
-      const float new_max = std::max(running_max[h], _mm512_reduce_max_ps(scores));
-      const float correction = std::exp(running_max[h] - new_max);
-      const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-      running_sum[h] = running_sum[h] * correction + _mm512_reduce_add_ps(p);
-      running_max[h] = new_max;
+      float correction;
+      const __m512 p = online_softmax16(_mm512_maskz_loadu_ps(valid, probs), valid, running_max[h], running_sum[h],
+                                        correction);
       _mm512_store_ps(probs, p);
       __m512 out_rows[kDV];
       for (int64_t v = 0; v < kDV; ++v) out_rows[v] = _mm512_mul_ps(_mm512_load_ps(&acc[h][v * 16]), _mm512_set1_ps(correction));

@@ -66,7 +66,8 @@ struct Scratch {
 constexpr int64_t kRows = 4;  // output rows advanced together: independent FMA chains
 
 // Rows [i0, i0 + kRows) of the task against one staged key tile: scores, the online softmax
-// update, and P.V into their accumulators. `visible[r]`: keys of the tile row r may see (>= 1).
+// update, and P.V into their accumulators. `visible[r]`: keys of the tile row r may see (0 for a
+// row whose position is before the tile; at least one row of the group sees one).
 template <int64_t kDV>
 inline void rows_against_tile(Scratch& scratch, int64_t i0, const int64_t* visible) {
   constexpr int64_t D = kDV * 16;
@@ -88,15 +89,9 @@ inline void rows_against_tile(Scratch& scratch, int64_t i0, const int64_t* visib
   for (int64_t r = 0; r < kRows; ++r) {
     const int64_t i = i0 + r;
     const __mmask16 mask = static_cast<__mmask16>((1u << visible[r]) - 1);
-    const __m512 scores =
-        _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), mask, _mm512_add_ps(s[r][0], s[r][1]));
-    const float new_max = std::max(scratch.row_max[i], _mm512_reduce_max_ps(scores));
-    // A row seeing nothing yet (max still -inf) keeps its (empty) state: no 0 * inf.
-    correction[r] = new_max == -std::numeric_limits<float>::infinity() ? 1.f : std::exp(scratch.row_max[i] - new_max);
-    const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-    scratch.row_sum[i] = scratch.row_sum[i] * correction[r] + _mm512_reduce_add_ps(p);
-    scratch.row_max[i] = new_max;
-    _mm512_store_ps(probs[r], p);  // masked keys: probability 0
+    const __m512 p = online_softmax16(_mm512_add_ps(s[r][0], s[r][1]), mask, scratch.row_max[i], scratch.row_sum[i],
+                                      correction[r]);
+    _mm512_store_ps(probs[r], p);  // keys it may not see: probability 0
     max_visible = std::max(max_visible, visible[r]);
   }
   float* acc = scratch.acc.data() + i0 * D;

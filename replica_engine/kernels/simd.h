@@ -1,8 +1,13 @@
-// AVX-512 loads and stores of 16 values as float32, from and to float32 or bfloat16 memory.
+// AVX-512 loads and stores of 16 values as float32, from and to float32 or bfloat16 memory, and
+// the exponential and online-softmax step both attention kernels use.
 #pragma once
 #include <ATen/core/ATen_fwd.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
@@ -40,4 +45,20 @@ inline __m512 exp16(__m512 x) {
   __m512 p = _mm512_set1_ps(1.f / 720);
   for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
+}
+
+// One step of an online softmax over 16 scores (`valid` of them real): moves the row's running
+// max and sum, and returns the step's probabilities (0 where not valid) and, in `correction`,
+// the factor its earlier output must be rescaled by. A row that has seen nothing yet (max still
+// -inf) keeps its empty state (no -inf - -inf).
+inline __m512 online_softmax16(__m512 scores, __mmask16 valid, float& running_max, float& running_sum,
+                               float& correction) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  scores = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), valid, scores);
+  const float new_max = std::max(running_max, _mm512_reduce_max_ps(scores));
+  correction = new_max == kNegInf ? 1.f : std::exp(running_max - new_max);
+  const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+  running_sum = running_sum * correction + _mm512_reduce_add_ps(p);
+  running_max = new_max;
+  return p;
 }
