@@ -19,15 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-
-import yaml
 
 from bench import http_load, serve_cluster
 from bench.http_load import Arrival, StreamTiming
@@ -74,15 +71,9 @@ def poisson(arrivals: list[Arrival], seed: int) -> list[Arrival]:
 def engine_alone_c1(arrivals: list[Arrival], engine_settings: dict) -> dict[str, float]:
     """The c=1 run straight into an AsyncEngine in this process (no Ray, no HTTP), built as the
     app builds it: what the engine costs per token and per request without the serving around it."""
-    import torch
+    from replica_engine import SamplingParams
 
-    from deployments.app import AppArgs
-    from replica_engine import AsyncEngine, SamplingParams
-
-    base = yaml.safe_load((serve_cluster.REPO / "serve_config.yaml").read_text())["applications"][0]["args"]
-    config = AppArgs.model_validate({**base, "engine": {**base["engine"], **engine_settings}}).engine_config()
-    torch.set_num_threads(len(os.sched_getaffinity(0)))  # as the replica sets it
-    engine = AsyncEngine(config)
+    engine = serve_cluster.engine_as_served(engine_settings)
     intervals: list[float] = []
     ttfts: list[float] = []
 

@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import random
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import serve_cluster
 from bench.text_prompts import log_uniform
 from bench.workload import percentile, result_header, write_result
 
@@ -106,16 +106,7 @@ class Served:
 
 class Runner:
     def __init__(self) -> None:
-        import torch
-        import yaml
-
-        from deployments.app import AppArgs
-        from replica_engine import AsyncEngine
-
-        base = yaml.safe_load(Path("serve_config.yaml").read_text())["applications"][0]["args"]
-        self.config = AppArgs.model_validate(base).engine_config()
-        torch.set_num_threads(len(os.sched_getaffinity(0)))  # as the replica sets it
-        self.engine = AsyncEngine(self.config)
+        self.engine = serve_cluster.engine_as_served()
         self.salt = 0
 
     def set_caching(self, enabled: bool) -> None:
@@ -351,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     plot(args.output.with_suffix(".png"), results)
     write_result(args.output, {
         **result_header("prefix"),
-        "engine": {key: str(value) for key, value in vars(runner.config).items()},
+        "engine": {key: str(value) for key, value in vars(runner.engine.inputs.config).items()},
         "workloads": __doc__,
         "summary": rows,
         "ratios": ratios,

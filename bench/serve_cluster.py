@@ -26,6 +26,20 @@ START_TIMEOUT_S = 300
 REPORT_WAIT_S = 20  # Ray's workers report metrics every second in the test cluster; leave slack
 
 
+def engine_as_served(engine_settings: dict | None = None):
+    """An AsyncEngine in this process, built as serve_config.yaml's app builds its replica's
+    (`engine_settings` over the shipped ones, every core for torch): the engine without Ray."""
+    import torch
+
+    from deployments.app import AppArgs
+    from replica_engine import AsyncEngine
+
+    base = yaml.safe_load((REPO / "serve_config.yaml").read_text())["applications"][0]["args"]
+    settings = {**base, "engine": {**base["engine"], **(engine_settings or {})}}
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # as the replica sets it
+    return AsyncEngine(AppArgs.model_validate(settings).engine_config())
+
+
 def config_with_apps(path: Path, app_args: dict[str, dict]) -> Path:
     """serve_config.yaml with its app once per name, at /<name>, each with its own args over the
     shipped ones (`engine` merged setting by setting). Written to `path`, which is returned."""
