@@ -49,7 +49,7 @@ GOALS = {"c1_tbt_p50_s_max": 0.010, "c16_output_tok_per_s_min": 240.0, "tbt_p99_
 def workload(seed: int) -> list[Arrival]:
     from transformers import AutoTokenizer
 
-    from replica_engine.models.sources import DEFAULT_MODEL, resolve_model
+    from common.model_source import DEFAULT_MODEL, resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL).hf_dir)
     rng = random.Random(seed)

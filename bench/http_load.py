@@ -31,17 +31,15 @@ class StreamTiming:
     token_intervals_s: list[float]
 
 
-async def _stream(http: httpx.AsyncClient, url: str, arrival: Arrival, cache_salt: str) -> StreamTiming:
+async def _stream(
+    http: httpx.AsyncClient, url: str, arrival: Arrival, cache_salt: str | None
+) -> StreamTiming:
     # Greedy with exact lengths: every system under comparison does the same work. The run's own
     # cache_salt: a run never finds the prompts an earlier run (or a warm-up) left in the prefix
     # cache, as a peer with its prompt cache off would not.
-    body = {
-        "prompt": arrival.prompt,
-        "max_tokens": arrival.max_tokens,
-        "ignore_eos": True,
-        "temperature": 0,
-        "cache_salt": cache_salt,
-    }
+    body = {"prompt": arrival.prompt, "max_tokens": arrival.max_tokens, "ignore_eos": True, "temperature": 0}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     result = await stream_completion(http, url, body)
     if result.status != 200 or result.error_code is not None:
         raise RuntimeError(f"request failed: HTTP {result.status}, {result.error_code}")
@@ -58,9 +56,12 @@ def _new_salt() -> str:
     return f"run-{uuid.uuid4().hex}"
 
 
-async def open_loop(url: str, arrivals: list[Arrival]) -> tuple[float, list[StreamTiming]]:
-    """Each request sent at its arrival time, whatever the server is doing."""
-    salt = _new_salt()
+async def open_loop(
+    url: str, arrivals: list[Arrival], salted: bool = True
+) -> tuple[float, list[StreamTiming]]:
+    """Each request sent at its arrival time, whatever the server is doing. `salted`: with the
+    run's own cache_salt (unsalted, a prefix-aware router may route by prefix)."""
+    salt = _new_salt() if salted else None
 
     async def at_its_time(http: httpx.AsyncClient, arrival: Arrival, start: float) -> StreamTiming:
         await asyncio.sleep(max(0.0, start + arrival.at_s - time.monotonic()))

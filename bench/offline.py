@@ -11,8 +11,8 @@ from pathlib import Path
 
 from bench import hf_static
 from bench.workload import RequestTiming, Workload, records, result_header, summarize, uniform_workload
+from common.model_source import DEFAULT_MODEL, resolve_model
 from replica_engine import LLM, SamplingParams
-from replica_engine.models.sources import DEFAULT_MODEL, resolve_model
 
 GOALS = {"throughput_ratio_min": 2.0, "ttft_p50_ratio_max": 0.3}
 

@@ -263,8 +263,8 @@ def main() -> None:
 
     import ray
 
+    from common.model_source import resolve_model
     from replica_engine.models.loader import load_config
-    from replica_engine.models.sources import resolve_model
 
     num_replicas = 2
     app_args = {

@@ -1,5 +1,6 @@
-"""An OpenAI completions client over raw SSE that records what a user sees: status, error code,
-chunk arrival times, usage. It can hang up mid-stream, as an impatient client does."""
+"""An OpenAI completions / chat completions client over raw SSE that records what a user sees:
+status, error code, chunk arrival times, usage. It can hang up mid-stream, as an impatient client
+does."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ class StreamResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)  # when the request asked return_token_ids
     completion_tokens: int | None = None  # from the usage chunk
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # of the prompt, found in the prefix cache
     finish_reason: str | None = None
     disconnected: bool = False  # we hung up before the end
     done_at: float | None = None
@@ -51,12 +54,19 @@ async def stream_completion(
             if "error" in chunk:
                 result.error_code = chunk["error"]["code"]
             elif chunk.get("usage"):
-                result.completion_tokens = chunk["usage"]["completion_tokens"]
+                usage = chunk["usage"]
+                result.completion_tokens = usage["completion_tokens"]
+                result.prompt_tokens = usage["prompt_tokens"]
+                result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             elif chunk["choices"]:
+                choice = chunk["choices"][0]
+                text = choice["text"] if "text" in choice else choice.get("delta", {}).get("content")
+                if choice.get("delta") == {"role": "assistant"}:
+                    continue  # a chat stream's opening role-only chunk carries no token
                 result.chunk_times.append(time.monotonic())
-                result.text += chunk["choices"][0]["text"]
-                result.token_ids += chunk["choices"][0].get("token_ids", [])
-                result.finish_reason = chunk["choices"][0]["finish_reason"] or result.finish_reason
+                result.text += text or ""
+                result.token_ids += choice.get("token_ids", [])
+                result.finish_reason = choice["finish_reason"] or result.finish_reason
                 hang_up = disconnect_after_chunks is not None and result.finish_reason is None
                 if hang_up and len(result.chunk_times) >= disconnect_after_chunks:
                     result.disconnected = True

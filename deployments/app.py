@@ -7,15 +7,19 @@ import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+    PrefixCacheAffinityRouter,
+)
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
+from common.model_source import served_model_name
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import Ingress, IngressSettings
 from replica_engine import DEFAULT_MODEL, EngineConfig, SamplingParams
-from replica_engine.models.sources import served_model_name
 from router.autoscaling import KVPressurePolicy
 from router.kv_router import KVPressureRouter
+from router.prefix_router import KVPrefixRouter
 from router.round_robin import RoundRobinRouter
 
 # EngineConfig fields a deployment may set under `engine:` (model is its own arg; offline is for LLM).
@@ -47,8 +51,12 @@ class AppArgs(BaseModel):
     autoscaling_config: dict[str, Any] | None = None
     target_kv_cache_usage: float = Field(default=0.6, gt=0, le=1)  # mean per replica
     target_waiting_requests: float = Field(default=4, gt=0)  # mean queue depth per replica
-    # kv_pressure: ours (router/); power_of_two (Serve's default) and round_robin: baselines.
-    request_router: Literal["kv_pressure", "power_of_two", "round_robin"] = "kv_pressure"
+    # kv_prefix: ours (router/), by prefix-cache overlap and KV load; kv_pressure: ours, by load
+    # alone. Baselines: power_of_two (Serve's default), round_robin, and prefix_cache_affinity
+    # (Ray Serve LLM's PrefixCacheAffinityRouter, unchanged).
+    request_router: Literal[
+        "kv_prefix", "kv_pressure", "power_of_two", "round_robin", "prefix_cache_affinity"
+    ] = "kv_prefix"
     max_ongoing_requests: int = Field(default=128, ge=1)  # per replica: the engine batches these
     max_queued_requests: int = Field(default=512, ge=-1)  # beyond this, 503 + Retry-After (-1: no cap)
     ingress_max_ongoing_requests: int = Field(default=4096, ge=1)
@@ -96,11 +104,23 @@ def _autoscaling(args: AppArgs) -> dict[str, Any]:
     return {"autoscaling_config": AutoscalingConfig(**(args.autoscaling_config or {}), policy=policy)}
 
 
+# prefix_cache_affinity is Ray Serve LLM's router: `ray.serve.llm.request_router`'s public
+# PrefixCacheAffinityRouter subclasses the class imported here without change; we import it where
+# it is defined because the public module also loads Ray's vLLM/SGLang glue, which needs an engine
+# we do not install.
+ROUTERS = {
+    "kv_prefix": KVPrefixRouter,
+    "kv_pressure": KVPressureRouter,
+    "round_robin": RoundRobinRouter,
+    "prefix_cache_affinity": PrefixCacheAffinityRouter,
+}
+
+
 def _routing(args: AppArgs) -> dict[str, Any]:
     if args.request_router == "power_of_two":
         return {}
     # Attached as a class, not an import string: Serve's controller cannot import from a working_dir.
-    router_class = KVPressureRouter if args.request_router == "kv_pressure" else RoundRobinRouter
+    router_class = ROUTERS[args.request_router]
     config = RequestRouterConfig(request_router_class=router_class, request_routing_stats_period_s=0.5)
     return {"request_router_config": config}
 
@@ -116,7 +136,9 @@ def build_app(args: AppArgs) -> Application:
         **_routing(args),
     ).bind(engine_config, model_name, args.cpu_threads)
     settings = IngressSettings(
+        args.model,
         model_name,
+        engine_config.max_model_len,
         args.sampling_defaults,
         args.api_key_env,
         args.api_key_file,

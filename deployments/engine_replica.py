@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import Any
 
 import torch
 from ray import serve
 
-from deployments.messages import ChoiceDelta, GenerateError, GenerateRequest
+from common.block_hash import root_hash
+from common.block_summary import BlockSummary
+from common.messages import ChoiceDelta, GenerateError, GenerateRequest
+from common.sampling_params import INT64_MIN
 from replica_engine import (
     AsyncEngine,
     EngineConfig,
@@ -23,8 +28,13 @@ from replica_engine import (
 from replica_engine.metrics import EngineMetrics, RayServeSink
 from replica_engine.outputs import RequestOutput
 from replica_engine.request import FinishReason
-from replica_engine.sampling_params import INT64_MIN
 from router.autoscaling import KV_USAGE, WAITING
+from router.prefix_index import summary_stats
+
+# A summary sized for the whole pool, up to this many keys (39 KiB at 1%); a larger pool's full
+# cache raises the false-positive rate instead (common/block_summary.py gives the formula).
+MAX_SUMMARY_KEYS = 32768
+SUMMARY_FALSE_POSITIVE_RATE = 0.01
 
 Stream = AsyncIterator[RequestOutput]
 
@@ -75,6 +85,13 @@ def wrap_int64(value: int) -> int:
     return (value - INT64_MIN) % 2**64 + INT64_MIN
 
 
+def _choice_params(params: SamplingParams, choice: int) -> SamplingParams:
+    """n seeded choices must still differ (choice 0 keeps the seed the request checked)."""
+    if params.seed is None or not choice:
+        return params
+    return dataclasses.replace(params, seed=wrap_int64(params.seed + choice))
+
+
 def _coalesce(batch: list[tuple[int, RequestOutput]]) -> list[ChoiceDelta]:
     """One delta per choice: a choice that advanced twice since the last message sends both at once."""
     deltas: dict[int, ChoiceDelta] = {}
@@ -104,6 +121,9 @@ class EngineReplica:
             torch.set_num_threads(cpu_threads or len(os.sched_getaffinity(0)))
         self.engine = AsyncEngine(engine_config, EngineMetrics(RayServeSink(), model_name))
         self._report_seq = itertools.count()  # a new number per report: routers date it on arrival
+        # Routers hash prompts from the root every unsalted prefix-cache chain starts at.
+        self._hash_root = root_hash(self.engine.inputs.config.model, None)
+        self._summary: tuple[tuple[bytes, ...], BlockSummary] | None = None  # (of these keys, summary)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[list[ChoiceDelta] | GenerateError]:
         """Stream the choices' deltas; a refused request yields one GenerateError and nothing else,
@@ -131,12 +151,14 @@ class EngineReplica:
             yield GenerateError(str(error), None, "engine_error", status=500)
 
     async def _start(self, request: GenerateRequest) -> list[Stream]:
-        """Check every input before starting any, so a refusal leaves nothing running."""
-        inputs = self.engine.inputs
-        prompts = [inputs.tokenize(p) for p in request.prompts]
-        prompts += [inputs.chat_prompt_ids(c) for c in request.conversations]
+        """Start every choice, or none: a refusal (e.g. the prompt needs more KV blocks than the
+        pool has) aborts the ones already started."""
         # Stream position == choice index: input i's choice j is stream i * n + j.
-        jobs = [(prompt, self._params(request, prompt, j)) for prompt in prompts for j in range(request.n)]
+        jobs = [
+            (prompt, _choice_params(params, j))
+            for prompt, params in zip(request.prompt_token_ids, request.params, strict=True)
+            for j in range(request.n)
+        ]
         streams: list[Stream] = []
         try:
             for choice_index, (prompt, params) in enumerate(jobs):
@@ -148,22 +170,19 @@ class EngineReplica:
             raise
         return streams
 
-    def _params(self, request: GenerateRequest, prompt: list[int], choice: int) -> SamplingParams:
-        sampling = dict(request.sampling)
-        if sampling.get("max_tokens") is None:  # whatever room is left, at most the server's default
-            context_left = max(1, self.engine.inputs.max_request_tokens - len(prompt))
-            sampling["max_tokens"] = min(request.default_max_tokens or context_left, context_left)
-        if sampling.get("seed") is not None and choice:  # n seeded choices must still differ
-            sampling["seed"] = wrap_int64(sampling["seed"] + choice)  # (choice 0 checks the seed itself)
-        return SamplingParams(**sampling)
+    def kv_pool_tokens(self) -> int:
+        """Tokens the whole KV pool holds: the Ingress fits a default max_tokens to it."""
+        inputs = self.engine.inputs
+        return inputs.num_kv_blocks * inputs.config.block_size
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def record_routing_stats(self) -> dict[str, float]:
-        """For the KV-pressure router (router.pressure.ReplicaLoad), every ~0.5 s."""
+    def record_routing_stats(self) -> dict[str, Any]:
+        """For the routers (router.pressure.ReplicaLoad, router.prefix_index), every ~0.5 s."""
         stats = self.engine.stats()
         return {
+            **summary_stats(self._block_summary(stats), self._hash_root),
             "num_total_blocks": stats.num_total_blocks,
             "num_free_blocks": stats.num_free_blocks,  # cached but unheld blocks count as free
             "num_cached_free_blocks": stats.num_cached_free_blocks,
@@ -173,6 +192,14 @@ class EngineReplica:
             "block_size": self.engine.inputs.config.block_size,
             "report_seq": next(self._report_seq),
         }
+
+    def _block_summary(self, stats: EngineStats) -> BlockSummary:
+        """A Bloom filter of every block key the pool holds, rebuilt only when they changed."""
+        keys = stats.cached_block_hashes
+        if self._summary is None or self._summary[0] is not keys:
+            capacity = min(stats.num_total_blocks, MAX_SUMMARY_KEYS)
+            self._summary = keys, BlockSummary.of(keys, capacity, SUMMARY_FALSE_POSITIVE_RATE)
+        return self._summary[1]
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """For the KV-pressure autoscaling policy (router.autoscaling)."""

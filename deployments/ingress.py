@@ -1,7 +1,9 @@
 """Ingress: the OpenAI-compatible HTTP API (FastAPI inside Serve), in front of the EngineReplicas.
 
-It parses and checks requests, asks a replica through a streaming DeploymentHandle, and writes
-OpenAI bodies or Server-Sent Events. It imports no torch: the model lives in the replicas."""
+It parses and checks requests, tokenizes them (the chat template applied), decides max_tokens,
+asks a replica through a streaming DeploymentHandle with token ids, and writes OpenAI bodies or
+Server-Sent Events. It imports no torch (tests/test_common.py checks): the model lives in the
+replicas, and the router that runs in this process sees exact prompt lengths."""
 
 import asyncio
 import contextlib
@@ -20,8 +22,13 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.errors import InvalidRequestError
+from common.messages import ChoiceDelta, GenerateError, GenerateRequest
+from common.model_source import resolve_model
+from common.prompts import Prompt, PromptProcessor
+from common.sampling_params import SamplingParams
+from common.tokenizer import Message
 from deployments.auth import check_api_key, load_api_keys
-from deployments.messages import ChoiceDelta, GenerateError, GenerateRequest
 from deployments.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -113,7 +120,9 @@ async def _prepend(
 
 @dataclass(frozen=True)
 class IngressSettings:
+    model: str  # where the model comes from (EngineConfig.model): its tokenizer and context
     model_name: str  # the `model` clients send
+    max_model_len: int | None = None  # EngineConfig.max_model_len: prompt + output cap
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     api_key_env: str | None = None  # environment variable with comma-separated keys
     api_key_file: str | None = None  # file with one key per line
@@ -126,11 +135,13 @@ class IngressSettings:
 class Ingress:
     def __init__(self, engine: DeploymentHandle, settings: IngressSettings) -> None:
         self.engine = engine
+        self.prompts = PromptProcessor.load(resolve_model(settings.model), settings.max_model_len)
         self.model_name = settings.model_name
         self.sampling_defaults = settings.sampling_defaults
         self.max_body_bytes = settings.max_request_body_bytes
         self.request_timeout_s = settings.request_timeout_s
         self.api_keys = load_api_keys(settings.api_key_env, settings.api_key_file)
+        self._kv_pool_tokens: int | None = None  # a replica's whole KV pool, asked once
         self.created = int(time.time())
 
     @app.get("/health")
@@ -150,13 +161,13 @@ class Ingress:
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         body = parse_body(CompletionRequest, await self._read_body(request))
-        generate = self._generate_request(body, prompts=body.prompts())
+        generate = self._generate_request(body, await self._pool_tokens(), body.prompts())
         return await self._respond(generate, body, COMPLETIONS)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await self._read_body(request))
-        generate = self._generate_request(body, conversations=[body.conversation()])
+        generate = self._generate_request(body, await self._pool_tokens(), conversation=body.conversation())
         return await self._respond(generate, body, CHAT)
 
     async def _read_body(self, request: Request) -> bytes:
@@ -177,18 +188,52 @@ class Ingress:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _generate_request(self, body: SamplingRequest, **inputs: list) -> GenerateRequest:
+    async def _pool_tokens(self) -> int | None:
+        """Tokens one replica's KV pool holds (replicas of a deployment are alike), asked of a
+        replica once; None while none answers (the context alone then bounds max_tokens)."""
+        if self._kv_pool_tokens is None:
+            with contextlib.suppress(Exception):
+                call = self.engine.kv_pool_tokens.remote()
+                self._kv_pool_tokens = await asyncio.wait_for(call, HEALTH_TIMEOUT_S)
+        return self._kv_pool_tokens
+
+    def _generate_request(
+        self,
+        body: SamplingRequest,
+        kv_pool_tokens: int | None,
+        prompts: list[Prompt] | None = None,
+        conversation: list[Message] | None = None,
+    ) -> GenerateRequest:
+        """The request tokenized and its sampling decided; a bad input is a 400 naming its field,
+        answered before any replica is asked."""
         if body.model is not None and body.model != self.model_name:
             raise ApiError(
                 404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found"
             )
-        return GenerateRequest(
-            request_id=uuid.uuid4().hex,
-            n=body.n,
-            sampling=body.sampling(self.sampling_defaults),
-            default_max_tokens=self.sampling_defaults.get("max_tokens"),
-            **inputs,
-        )
+        try:
+            if conversation is not None:
+                text, ids = self.prompts.chat_prompt(conversation)
+                texts, prompt_token_ids = [text], [ids]
+            else:
+                texts = [p for p in prompts or [] if isinstance(p, str)]
+                prompt_token_ids = [self.prompts.tokenize(p) for p in prompts or []]
+            sampling = body.sampling(self.sampling_defaults)
+            params = [self._params(sampling, len(ids), kv_pool_tokens) for ids in prompt_token_ids]
+        except InvalidRequestError as error:
+            raise ApiError(400, str(error), error.param, error.code) from None
+        return GenerateRequest(uuid.uuid4().hex, prompt_token_ids, params, body.n, "\n".join(texts))
+
+    def _params(
+        self, sampling: dict[str, Any], num_prompt_tokens: int, kv_pool_tokens: int | None
+    ) -> SamplingParams:
+        """max_tokens: the request's, else the server's default fitted to the room left."""
+        if sampling.get("max_tokens") is None:
+            server_default = self.sampling_defaults.get("max_tokens")
+            default = self.prompts.default_max_tokens(num_prompt_tokens, server_default, kv_pool_tokens)
+            sampling = {**sampling, "max_tokens": default}
+        params = SamplingParams(**sampling)
+        self.prompts.check_fits(num_prompt_tokens, params.max_tokens)
+        return params
 
     async def _respond(
         self, generate: GenerateRequest, body: SamplingRequest, endpoint: Endpoint

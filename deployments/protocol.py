@@ -82,8 +82,8 @@ class SamplingRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling(self, defaults: dict[str, Any]) -> dict[str, Any]:
-        """SamplingParams fields: this request's, else the server's `defaults`. The engine checks
-        their ranges and names the bad one."""
+        """SamplingParams fields: this request's, else the server's `defaults`. SamplingParams
+        checks their ranges and names the bad one."""
         fields = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
@@ -95,7 +95,7 @@ class SamplingRequest(BaseModel):
             "cache_salt": self.cache_salt,
         }
         # None means "the default": the server's, else SamplingParams'. max_tokens stays None: the
-        # replica fits it (and the server's default) to the context the prompt leaves.
+        # Ingress fits it (and the server's default) to the context the prompt leaves.
         server = {k: v for k, v in defaults.items() if k != "max_tokens"}
         sampling = {**server, **{k: v for k, v in fields.items() if v is not None}}
         sampling.setdefault("max_tokens", None)

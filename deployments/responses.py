@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
-from deployments.messages import ChoiceDelta
+from common.messages import ChoiceDelta
 
 
 @dataclass(frozen=True)

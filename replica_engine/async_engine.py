@@ -18,15 +18,16 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from common.errors import InvalidRequestError
+from common.sampling_params import SamplingParams
 from replica_engine.config import EngineConfig
 from replica_engine.engine import build_engine
-from replica_engine.errors import EngineDeadError, InvalidRequestError, StepFailedError
+from replica_engine.errors import EngineDeadError, StepFailedError
 from replica_engine.input_processor import Prompt
 from replica_engine.metrics import EngineMetrics
 from replica_engine.output_processor import RequestState
 from replica_engine.outputs import CoreOutput, EngineStats, RequestOutput
 from replica_engine.request import FinishReason, Request
-from replica_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 GAUGE_REFRESH_S = 0.5

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from common.errors import InvalidRequestError
+from common.model_source import DEFAULT_MODEL, context_length
 from replica_engine.attention import ATTENTION_BACKENDS
-from replica_engine.errors import InvalidRequestError
 from replica_engine.kernels.cpu import cpu_ops
-from replica_engine.models.sources import DEFAULT_MODEL
 from replica_engine.scheduler import SCHEDULING_POLICIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,16 +41,6 @@ def cpu_has_native_bf16() -> bool:
 def _positive_int(name: str, value: object) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise InvalidRequestError(name, f"must be a positive integer, got {value!r}")
-
-
-def model_context_length(model_config: PretrainedConfig) -> int:
-    """The model's context, capped at a sliding window: we attend over the full context, which
-    equals sliding-window attention only up to the window's length."""
-    window = getattr(model_config, "sliding_window", None)
-    uses_window = getattr(model_config, "use_sliding_window", model_config.model_type == "mistral")
-    if window and uses_window:
-        return min(model_config.max_position_embeddings, window)
-    return model_config.max_position_embeddings
 
 
 @dataclass
@@ -120,7 +110,7 @@ class EngineConfig:
         if on_gpu and not torch.cuda.is_available():
             raise InvalidRequestError("device", f"{device!r} asked for, but CUDA is not available")
         defaults = _GPU_DEFAULTS if on_gpu else _CPU_DEFAULTS
-        model_max_len = model_context_length(model_config)
+        model_max_len = context_length(model_config.to_dict())
         if self.max_model_len is not None and self.max_model_len > model_max_len:
             raise InvalidRequestError(
                 "max_model_len", f"{self.max_model_len} exceeds the model's context of {model_max_len} tokens"

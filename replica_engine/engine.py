@@ -10,18 +10,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from common.errors import InvalidRequestError
+from common.model_source import resolve_model
+from common.prompts import Prompt, PromptProcessor
+from common.sampling_params import SamplingParams
+from common.tokenizer import Message
 from replica_engine.attention import get_backend
 from replica_engine.config import EngineConfig
 from replica_engine.engine_core import EngineCore
-from replica_engine.errors import InvalidRequestError, StepFailedError
-from replica_engine.input_processor import InputProcessor, Message, Prompt
+from replica_engine.errors import StepFailedError
+from replica_engine.input_processor import InputProcessor
 from replica_engine.model_runner import ModelRunner
 from replica_engine.models.loader import load_config, load_model
-from replica_engine.models.sources import resolve_model
 from replica_engine.output_processor import RequestState
 from replica_engine.outputs import CoreOutput, EngineStats, RequestOutput
 from replica_engine.request import FinishReason
-from replica_engine.sampling_params import SamplingParams
 from replica_engine.scheduler.plan import StepSummary
 
 if TYPE_CHECKING:
@@ -50,8 +53,9 @@ def build_engine(config: EngineConfig, metrics: EngineMetrics | None) -> tuple[E
     if num_kv_blocks < 1:
         param = "num_kv_blocks" if config.num_kv_blocks is not None else "kv_cache_bytes"
         raise InvalidRequestError(param, "leaves no room for a single KV block")
+    prompts = PromptProcessor.load(source, config.max_model_len)
     inputs = InputProcessor(
-        config, source.name, model_config, loaded.tokenizer, loaded.stop_token_ids, num_kv_blocks
+        config, source.name, model_config, prompts, loaded.tokenizer, loaded.stop_token_ids, num_kv_blocks
     )
     return EngineCore(config, runner, num_kv_blocks, metrics), inputs
 
@@ -81,10 +85,10 @@ class LLMEngine:
         return self.core.step_listeners
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        return self.inputs.tokenize(prompt)
+        return self.inputs.prompts.tokenize(prompt)
 
     def chat_prompt_ids(self, messages: list[Message]) -> list[int]:
-        return self.inputs.chat_prompt_ids(messages)
+        return self.inputs.prompts.chat_prompt(messages)[1]
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None

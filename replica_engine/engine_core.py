@@ -82,6 +82,7 @@ class EngineCore:
             kv_cache_usage=self.kv_cache.usage,
             num_cached_free_blocks=self.kv_cache.num_free_cached_blocks,
             num_preemptions=scheduler.num_preemptions,
+            cached_block_hashes=self.kv_cache.cached_hashes(),
         )
 
     def step(self) -> list[CoreOutput]:

@@ -1,4 +1,4 @@
-"""Errors a caller can act on."""
+"""Errors of a running engine (a bad request is common.errors.InvalidRequestError)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from replica_engine.outputs import CoreOutput
-
-
-class InvalidRequestError(ValueError):
-    """A request or setting is invalid; `param` names the offending field (OpenAI's `param`)."""
-
-    def __init__(self, param: str, message: str, code: str | None = None) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-        self.code = code
 
 
 class StepFailedError(RuntimeError):

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from replica_engine.block_hash import BlockHash, next_block_hash, root_hash
+from common.block_hash import BlockHash, next_block_hash, root_hash
 from replica_engine.request import Request
 
 NULL_BLOCK_ID = 0
@@ -53,6 +53,13 @@ class KVCacheManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(NULL_BLOCK_ID + 1, num_blocks + 1))
         self._cached: dict[BlockHash, int] = {}  # hash -> the one block holding that content
         self.num_free_cached_blocks = 0  # free blocks that still hold a hash (evictable)
+        self._cached_snapshot: tuple[BlockHash, ...] | None = ()  # None: _cached changed since
+
+    def cached_hashes(self) -> tuple[BlockHash, ...]:
+        """Every hash the pool holds (blocks in use or cached free), copied only when it changed."""
+        if self._cached_snapshot is None:
+            self._cached_snapshot = tuple(self._cached)
+        return self._cached_snapshot
 
     @property
     def pool_size(self) -> int:
@@ -111,6 +118,7 @@ class KVCacheManager:
             if block.block_hash is None and hashes[index] not in self._cached:
                 block.block_hash = hashes[index]
                 self._cached[hashes[index]] = block.block_id
+                self._cached_snapshot = None
         request.num_hashed_blocks = num_full
 
     # -- allocation ---------------------------------------------------------------------
@@ -143,6 +151,7 @@ class KVCacheManager:
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evicted: its content is about to be overwritten
             del self._cached[block.block_hash]
+            self._cached_snapshot = None
             block.block_hash = None
             self.num_free_cached_blocks -= 1
         block.ref_count = 1

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from common.model_source import DEFAULT_MODEL
+from common.prompts import Prompt
+from common.sampling_params import SamplingParams
+from common.tokenizer import Message
 from replica_engine.config import EngineConfig
 from replica_engine.engine import LLMEngine
-from replica_engine.input_processor import Message, Prompt
-from replica_engine.models.sources import DEFAULT_MODEL
 from replica_engine.outputs import CompletionOutput
-from replica_engine.sampling_params import SamplingParams
 
 
 class LLM:

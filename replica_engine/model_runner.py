@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from common.sampling_params import SamplingParams
 from replica_engine.config import EngineConfig
 from replica_engine.flat_batch import build_flat_batch
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
 from replica_engine.models.llama import LlamaForCausalLM
 from replica_engine.sampler import sample
-from replica_engine.sampling_params import SamplingParams
 from replica_engine.scheduler.plan import SamplingRow, ScheduledBatch, ScheduledRow
 
 

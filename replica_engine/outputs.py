@@ -19,6 +19,7 @@ class EngineStats:
     kv_cache_usage: float  # held by requests; cached free blocks are not counted (evictable)
     num_preemptions: int
     num_cached_free_blocks: int  # free blocks the prefix cache still holds content in
+    cached_block_hashes: tuple[bytes, ...] = ()  # prefix-cache keys of every block holding one
 
 
 @dataclass(frozen=True)

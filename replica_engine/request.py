@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from replica_engine.block_hash import BlockHash
-from replica_engine.sampling_params import SamplingParams
+from common.block_hash import BlockHash
+from common.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

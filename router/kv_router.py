@@ -19,17 +19,17 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from deployments.messages import GenerateRequest
-from replica_engine.metrics.sinks import Counter, MetricsSink, RayServeSink
+from common.messages import GenerateRequest
+from common.metrics_sinks import Counter, MetricsSink, RayServeSink
 from router.pressure import PressureTracker, ReplicaLoad
 
 ROUTED_METRIC = "stallfree_router_requests_routed"
 
 
 def requested_tokens(request: PendingRequest) -> int:
-    """What a request will ask of a replica's KV cache, estimated before tokenization."""
+    """Prompt + output tokens a request may hold in a replica's KV cache (0 if not ours)."""
     generate = next((arg for arg in request.args if isinstance(arg, GenerateRequest)), None)
-    return generate.estimated_tokens() if generate is not None else 0
+    return generate.requested_tokens() if generate is not None else 0
 
 
 class KVPressureRouter(FIFOMixin, RequestRouter):
@@ -53,17 +53,33 @@ class KVPressureRouter(FIFOMixin, RequestRouter):
             if (queue_len := self.replica_queue_len_cache.get(replica_id)) is not None
         }
         stats = {replica_id: replica.routing_stats for replica_id, replica in by_id.items()}
-        ranking = self.tracker.rank(by_id, stats, queue_lens)
+        now = time.monotonic()
+        ranking = self.rank(stats, queue_lens, pending_request, now)
         if pending_request is not None and ranking:
             # Count it on its likeliest replica now; on_request_routed corrects the guess.
+            request_id = pending_request.metadata.internal_request_id
             self.tracker.on_sent(
-                pending_request.metadata.internal_request_id, ranking[0][0], requested_tokens(pending_request)
+                request_id, ranking[0][0], self.new_kv_tokens(pending_request, ranking[0][0])
             )
         return [[by_id[replica_id]] for replica_id, _ in ranking]
 
+    def rank(
+        self,
+        stats: dict[ReplicaID, dict[str, Any] | None],
+        queue_lens: dict[ReplicaID, int],
+        pending_request: PendingRequest | None,
+        now: float,
+    ) -> list[tuple[ReplicaID, str]]:
+        """Replicas best first, each with the reason for its place."""
+        return self.tracker.rank(list(stats), stats, queue_lens, now)
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        """Serve calls this as new replica reports arrive: note when each was received."""
+        """Serve calls this as new replica reports arrive."""
         super().update_replicas(replicas)
+        self.observe_reports(replicas)
+
+    def observe_reports(self, replicas: list[RunningReplica]) -> None:
+        """Note when each report was received; forget replicas that are gone."""
         now = time.monotonic()
         for replica in replicas:
             load = ReplicaLoad.parse(replica.routing_stats)
@@ -74,15 +90,23 @@ class KVPressureRouter(FIFOMixin, RequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        request_id = pending_request.metadata.internal_request_id
+        reason = self.routed_reason(pending_request, replica_id)
+        self.tracker.on_sent(
+            pending_request.metadata.internal_request_id,
+            replica_id,
+            self.new_kv_tokens(pending_request, replica_id),
+        )
+        self._routed.inc(1, {"target_replica": replica_id.unique_id, "reason": reason})
+
+    def new_kv_tokens(self, pending_request: PendingRequest, replica_id: ReplicaID) -> int:
+        """The KV cache tokens the request will add on that replica."""
+        return requested_tokens(pending_request)
+
+    def routed_reason(self, pending_request: PendingRequest, replica_id: ReplicaID) -> str:
         # The reason follows from the chosen replica's report, so no per-request state is kept
         # (state per pending request would leak for requests cancelled before routing).
         replica = self.curr_replicas.get(replica_id)
-        reason = self.tracker.reason(
-            replica_id, ReplicaLoad.parse(replica.routing_stats if replica else None)
-        )
-        self.tracker.on_sent(request_id, replica_id, requested_tokens(pending_request))
-        self._routed.inc(1, {"target_replica": replica_id.unique_id, "reason": reason})
+        return self.tracker.reason(replica_id, ReplicaLoad.parse(replica.routing_stats if replica else None))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.tracker.on_finished(internal_request_id)

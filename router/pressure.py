@@ -1,10 +1,11 @@
 """KV pressure, predicted per replica: the pure part of the router (no Ray), unit-tested alone.
 
 A replica reports its KV blocks every ~0.5 s. Between reports this router corrects the report
-with what it sent there since (prompt + expected output, in blocks) and forgets a request once
-it finishes or once a newer report already counts it. A request counts from the moment it is
-ranked onto a replica, not from when the replica accepts it: Serve routes a burst concurrently,
-and every choice made before the first acceptance would otherwise see the same pressures.
+with what it sent there since (prompt + expected output, in blocks), and with what finished
+there since: a conversation's next turn is sent the moment its last one ends, when the latest
+report still shows the last turn's blocks in use. A request counts from the moment it is ranked
+onto a replica, not from when the replica accepts it: Serve routes a burst concurrently, and
+every choice made before the first acceptance would otherwise see the same pressures.
 
 Every time here is this router's own monotonic clock: a report is dated by when this router first
 saw it (a replica numbers its reports), never by the replica's clock, so clock skew between
@@ -19,6 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 STALE_AFTER_S = 2.0  # four missed reports at the 0.5 s period
+# A report received this long after a request finished was taken after it (0.5 s period plus
+# the controller's broadcast): the blocks it freed no longer need correcting for.
+REPORT_LAG_S = 1.0
+# A request a report counts is remembered until it finishes, or this long (a request cancelled
+# before a replica accepted it is never reported finished).
+MAX_IN_FLIGHT_S = 600.0
 
 # Why a replica was ranked where it was (the routing metric's `reason` label).
 BY_KV = "kv"  # fresh stats: ranked by predicted KV pressure
@@ -56,6 +63,13 @@ class _Sent:
     replica: Hashable
     num_tokens: int
     sent_at: float
+    reported: bool = False  # a report received after it was sent counts it
+
+
+@dataclass
+class _Freed:
+    num_tokens: int
+    finished_at: float
 
 
 @dataclass
@@ -70,6 +84,7 @@ class PressureTracker:
 
     stale_after_s: float = STALE_AFTER_S
     _sent: dict[Hashable, _Sent] = field(default_factory=dict)  # request id -> what it asks for
+    _freed: dict[Hashable, list[_Freed]] = field(default_factory=dict)  # replica -> finished since
     _received: dict[Hashable, _Received] = field(default_factory=dict)  # replica -> its latest report
 
     def observe(self, replica: Hashable, load: ReplicaLoad, now: float | None = None) -> float:
@@ -77,36 +92,53 @@ class PressureTracker:
         seen = self._received.get(replica)
         if seen is None or seen.report_seq != load.report_seq:
             seen = self._received[replica] = _Received(load.report_seq, _now(now))
-            # The new report counts what was sent before it, so those sends need no memory (a
-            # request cancelled before it was accepted is never reported finished).
+            for sent in self._sent.values():
+                if sent.replica == replica and sent.sent_at <= seen.received_at:
+                    sent.reported = True
             self._sent = {
                 request_id: sent
                 for request_id, sent in self._sent.items()
-                if sent.replica != replica or sent.sent_at > seen.received_at
+                if seen.received_at - sent.sent_at < MAX_IN_FLIGHT_S
             }
+            self._freed[replica] = [
+                f for f in self._freed.get(replica, []) if seen.received_at - f.finished_at < REPORT_LAG_S
+            ]
         return seen.received_at
 
     def keep_only(self, replicas: Iterable[Hashable]) -> None:
         """Forget the reports of replicas that are gone."""
         current = set(replicas)
         self._received = {r: seen for r, seen in self._received.items() if r in current}
+        self._freed = {r: freed for r, freed in self._freed.items() if r in current}
 
     def on_sent(
         self, request_id: Hashable, replica: Hashable, num_tokens: int, now: float | None = None
     ) -> None:
         self._sent[request_id] = _Sent(replica, num_tokens, _now(now))
 
-    def on_finished(self, request_id: Hashable) -> None:
-        self._sent.pop(request_id, None)
+    def on_finished(self, request_id: Hashable, now: float | None = None) -> None:
+        sent = self._sent.pop(request_id, None)
+        if sent is not None and sent.reported:  # the replica's reports still count its blocks
+            self._freed.setdefault(sent.replica, []).append(_Freed(sent.num_tokens, _now(now)))
 
-    def in_flight_tokens(self, replica: Hashable, since: float) -> int:
-        """Tokens sent to `replica` after its report at `since` (the report cannot know them)."""
-        return sum(s.num_tokens for s in self._sent.values() if s.replica == replica and s.sent_at > since)
+    def in_flight_tokens(self, replica: Hashable) -> int:
+        """Tokens sent to `replica` that its latest report cannot know."""
+        return sum(s.num_tokens for s in self._sent.values() if s.replica == replica and not s.reported)
+
+    def freed_tokens(self, replica: Hashable) -> int:
+        """Tokens of requests that finished on `replica` after its latest report counted them."""
+        return sum(f.num_tokens for f in self._freed.get(replica, []))
+
+    def in_flight_requests(self, replica: Hashable) -> int:
+        """Requests sent to `replica` that its latest report cannot know."""
+        return sum(1 for s in self._sent.values() if s.replica == replica and not s.reported)
 
     def pressure(self, replica: Hashable, load: ReplicaLoad, now: float | None = None) -> float:
-        received_at = self.observe(replica, load, now)
-        in_flight_blocks = math.ceil(self.in_flight_tokens(replica, received_at) / load.block_size)
-        return (load.used_blocks() + in_flight_blocks) / max(1, load.num_total_blocks)
+        self.observe(replica, load, now)
+        in_flight_blocks = math.ceil(self.in_flight_tokens(replica) / load.block_size)
+        freed_blocks = self.freed_tokens(replica) // load.block_size
+        used = max(0, load.used_blocks() + in_flight_blocks - freed_blocks)
+        return used / max(1, load.num_total_blocks)
 
     def reason(self, replica: Hashable, load: ReplicaLoad | None, now: float | None = None) -> str:
         """How a replica with this report ranks: by KV pressure if it is fresh, else by queue."""

@@ -14,8 +14,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from common.model_source import DEFAULT_MODEL, resolve_model
 from replica_engine import LLM
-from replica_engine.models.sources import DEFAULT_MODEL, resolve_model
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

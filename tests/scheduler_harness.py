@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from common.sampling_params import SamplingParams
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.request import Request
-from replica_engine.sampling_params import SamplingParams
 from replica_engine.scheduler import SCHEDULING_POLICIES, Scheduler, SchedulerConfig
 from replica_engine.scheduler.plan import ScheduledBatch
 

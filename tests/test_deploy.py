@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from bench.serve_cluster import BIN, REPO
-from replica_engine.models.sources import cache_root
+from common.model_source import cache_root
 
 pytestmark = pytest.mark.own_ray_cluster
 DEPLOY_TIMEOUT_S = 300

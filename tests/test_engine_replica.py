@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
+from common.messages import ChoiceDelta, GenerateError, GenerateRequest
 from deployments.engine_replica import EngineReplica, wrap_int64
-from deployments.messages import ChoiceDelta, GenerateError, GenerateRequest
-from replica_engine import EngineConfig
+from replica_engine import EngineConfig, SamplingParams
 from replica_engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from tests.engine_idle import is_idle, wait_idle
 
@@ -21,6 +21,14 @@ def replica():
     replica.engine.shutdown()
 
 
+def generate_request(
+    replica: EngineReplica, request_id: str, texts: list[str], n: int = 1, **sampling: object
+) -> GenerateRequest:
+    """As the Ingress builds it: token ids and one SamplingParams per prompt."""
+    ids = [replica.engine.inputs.prompts.tokenize(text) for text in texts]
+    return GenerateRequest(request_id, ids, [SamplingParams(**sampling) for _ in ids], n)
+
+
 async def collect(
     replica: EngineReplica, request: GenerateRequest
 ) -> list[list[ChoiceDelta] | GenerateError]:
@@ -28,14 +36,19 @@ async def collect(
 
 
 def test_a_refused_input_leaves_nothing_running(replica: EngineReplica):
-    request = GenerateRequest("r1", prompts=["Hello there", ""], sampling={"max_tokens": 4})
-    items = asyncio.run(collect(replica, request))
+    # The second prompt's max_tokens fits the context but not this replica's KV pool (the one
+    # check only a replica can make), so the first, already started, must be aborted.
+    ids = replica.engine.inputs.prompts.tokenize("Hello there")
+    pool_tokens = replica.engine.inputs.num_kv_blocks * 16
+    params = [SamplingParams(max_tokens=4), SamplingParams(max_tokens=pool_tokens)]
+    items = asyncio.run(collect(replica, GenerateRequest("r1", [ids, ids], params)))
     assert len(items) == 1 and isinstance(items[0], GenerateError) and items[0].param == "prompt"
-    assert is_idle(replica.stats())
+    assert items[0].code == "context_length_exceeded"
+    wait_idle(replica.stats)  # the abort reaches the step thread between steps
 
 
 def test_choices_stream_to_their_end(replica: EngineReplica):
-    request = GenerateRequest("r2", prompts=["Hello", "Goodbye"], n=2, sampling={"max_tokens": 5, "seed": 3})
+    request = generate_request(replica, "r2", ["Hello", "Goodbye"], n=2, max_tokens=5, seed=3)
     deltas = [d for batch in asyncio.run(collect(replica, request)) for d in batch]
     for index in range(4):
         mine = [d for d in deltas if d.index == index]
@@ -54,8 +67,8 @@ def test_a_failing_choice_ends_its_request_with_a_500_and_the_replica_goes_on(re
         return execute(batch)
 
     runner.execute = faulty_execute
-    good = GenerateRequest("good", prompts=["Hello"], sampling={"max_tokens": 6, "temperature": 0})
-    poison = GenerateRequest("poison", prompts=["Hello"], n=2, sampling={"max_tokens": 6})
+    good = generate_request(replica, "good", ["Hello"], max_tokens=6, temperature=0)
+    poison = generate_request(replica, "poison", ["Hello"], n=2, max_tokens=6)
 
     async def both():
         return await asyncio.wait_for(asyncio.gather(collect(replica, good), collect(replica, poison)), 60)
@@ -75,7 +88,7 @@ def test_health_check_fails_once_every_step_keeps_failing(replica: EngineReplica
     replica.engine.core.runner.execute = broken_execute
     statuses = []
     for i in range(MAX_CONSECUTIVE_STEP_FAILURES + 1):
-        request = GenerateRequest(f"r{i}", prompts=["Hello"], sampling={"max_tokens": 4})
+        request = generate_request(replica, f"r{i}", ["Hello"], max_tokens=4)
         items = asyncio.run(asyncio.wait_for(collect(replica, request), timeout=30))  # never hangs
         assert len(items) == 1 and isinstance(items[0], GenerateError)
         statuses.append(items[0].status)

@@ -1,6 +1,6 @@
+from common.sampling_params import SamplingParams
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
 from replica_engine.request import Request
-from replica_engine.sampling_params import SamplingParams
 
 
 def _request(prompt_len: int) -> Request:

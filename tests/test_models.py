@@ -9,10 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+from common.model_source import ModelSource
 from replica_engine import LLM, SamplingParams
 from replica_engine.attention import get_backend
 from replica_engine.models.llama import LlamaForCausalLM
-from replica_engine.models.shapes import dummy_config
+from replica_engine.models.loader import load_config
 
 TINY = dict(
     vocab_size=49152,
@@ -82,7 +83,7 @@ def test_a_directory_missing_weights_is_a_clear_error(tmp_path: Path, model_dir:
     "shape,billions", [("smollm2-135m", 0.135), ("qwen3-0.6b", 0.596), ("llama3-8b", 8.03)]
 )
 def test_dummy_shapes_have_the_real_parameter_counts(shape, billions):
-    config = dummy_config(shape)
+    config = load_config(ModelSource(shape, None, dummy_shape=shape))
     with torch.device("meta"):
         model = LlamaForCausalLM(config, get_backend("torch"), max_position=16)
     count = sum(p.numel() for p in model.parameters())

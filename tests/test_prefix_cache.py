@@ -6,10 +6,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica_engine.block_hash import next_block_hash, root_hash
+from common.block_hash import next_block_hash, root_hash
+from common.sampling_params import SamplingParams
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.request import FinishReason, Request, RequestStatus
-from replica_engine.sampling_params import SamplingParams
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 
 BLOCK = 4

@@ -11,11 +11,20 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
-from deployments.messages import GenerateRequest
-from replica_engine.metrics.sinks import PrometheusSink
+from common.messages import GenerateRequest
+from common.metrics_sinks import PrometheusSink
+from common.sampling_params import SamplingParams
 from router.autoscaling import KVPressurePolicy
 from router.kv_router import KVPressureRouter
-from router.pressure import BY_KV, BY_QUEUE, NO_STATS, PressureTracker, ReplicaLoad
+from router.pressure import (
+    BY_KV,
+    BY_QUEUE,
+    MAX_IN_FLIGHT_S,
+    NO_STATS,
+    REPORT_LAG_S,
+    PressureTracker,
+    ReplicaLoad,
+)
 
 NOW = 1000.0
 
@@ -83,8 +92,27 @@ def test_in_flight_requests_correct_the_last_report_until_a_newer_one_counts_the
     # A request sent after that report counts until it finishes.
     tracker.on_sent("r2", "a", num_tokens=16 * 20, now=NOW + 0.6)
     assert tracker.pressure("a", ReplicaLoad.parse(stats["a"]), now=NOW + 0.7) == pytest.approx(0.8)
-    tracker.on_finished("r2")
+    tracker.on_finished("r2", now=NOW + 0.75)
     assert tracker.pressure("a", ReplicaLoad.parse(stats["a"]), now=NOW + 0.8) == pytest.approx(0.6)
+
+
+def test_a_request_finished_after_the_last_report_frees_its_blocks_until_a_report_shows_it():
+    # A conversation's next turn comes the moment the last one ends: the last report still shows
+    # the finished turn's blocks in use, and the router must not see that replica as loaded.
+    tracker = PressureTracker()
+    tracker.observe("a", ReplicaLoad.parse(report(free=90, seq=0)), now=NOW)
+    tracker.on_sent("turn-1", "a", num_tokens=16 * 30, now=NOW + 0.1)
+    busy = ReplicaLoad.parse(report(free=60, seq=1))  # counts turn-1: 40 used
+    assert tracker.pressure("a", busy, now=NOW + 0.5) == pytest.approx(0.4)
+    tracker.on_finished("turn-1", now=NOW + 0.6)
+    assert tracker.pressure("a", busy, now=NOW + 0.7) == pytest.approx(0.1)
+    # a report taken too soon after (received within REPORT_LAG_S) may still hold them ...
+    assert tracker.pressure("a", ReplicaLoad.parse(report(free=60, seq=2)), now=NOW + 1.0) == pytest.approx(
+        0.1
+    )
+    # ... a later one does not, and the correction goes
+    idle = ReplicaLoad.parse(report(free=90, seq=3))
+    assert tracker.pressure("a", idle, now=NOW + 0.6 + REPORT_LAG_S + 0.1) == pytest.approx(0.1)
 
 
 def test_the_router_counts_a_burst_on_the_replicas_it_ranks_first_before_any_acceptance():
@@ -101,7 +129,7 @@ def test_the_router_counts_a_burst_on_the_replicas_it_ranks_first_before_any_acc
     async def choose_for_burst() -> list[str]:
         chosen = []
         for i in range(6):
-            request = GenerateRequest(f"r{i}", prompts=[[1] * 10], sampling={"max_tokens": 100})
+            request = GenerateRequest(f"r{i}", [[1] * 10], [SamplingParams(max_tokens=100)])
             metadata = RequestMetadata(request_id=f"r{i}", internal_request_id=f"r{i}")
             ranks = await router.choose_replicas(replicas, PendingRequest([request], {}, metadata))
             chosen.append(ranks[0][0].replica_id)
@@ -110,14 +138,17 @@ def test_the_router_counts_a_burst_on_the_replicas_it_ranks_first_before_any_acc
     assert asyncio.run(choose_for_burst()) == ["a", "b", "a", "b", "a", "b"]
 
 
-def test_a_newer_report_forgets_the_sends_it_already_counts():
+def test_a_newer_report_counts_the_sends_before_it_and_unfinished_ones_are_forgotten_in_time():
     tracker = PressureTracker()
     tracker.observe("a", ReplicaLoad.parse(report(free=50, seq=0)), now=NOW)
     tracker.on_sent("cancelled-before-accepted", "a", num_tokens=16 * 10, now=NOW + 0.1)
     tracker.on_sent("to-b", "b", num_tokens=16, now=NOW + 0.1)
     tracker.observe("a", ReplicaLoad.parse(report(free=50, seq=1)), now=NOW + 0.5)
-    assert tracker.in_flight_tokens("a", since=0) == 0
-    assert tracker.in_flight_tokens("b", since=0) == 16
+    assert tracker.in_flight_tokens("a") == 0
+    assert tracker.in_flight_tokens("b") == 16
+    # never reported finished: dropped once older than MAX_IN_FLIGHT_S (no leak)
+    tracker.observe("a", ReplicaLoad.parse(report(free=50, seq=2)), now=NOW + MAX_IN_FLIGHT_S + 1)
+    assert "cancelled-before-accepted" not in tracker._sent
 
 
 def test_equal_pressure_ties_go_to_the_shorter_queue():
@@ -125,13 +156,10 @@ def test_equal_pressure_ties_go_to_the_shorter_queue():
     assert PressureTracker().rank(["a", "b"], stats, {"a": 3, "b": 1}, now=NOW)[0] == ("b", BY_KV)
 
 
-def test_requests_estimate_their_tokens_before_tokenization():
-    completion = GenerateRequest("r", prompts=["x" * 400, [1, 2, 3]], n=2, sampling={"max_tokens": 10})
-    assert completion.estimated_tokens() == 2 * ((101 + 10) + (3 + 10))
-    chat = GenerateRequest(
-        "r", conversations=[[{"role": "user", "content": "y" * 40}]], default_max_tokens=50
-    )
-    assert chat.estimated_tokens() == 10 + 4 + 50
+def test_requests_count_their_prompt_and_output_tokens():
+    params = [SamplingParams(max_tokens=10), SamplingParams(max_tokens=20)]
+    request = GenerateRequest("r", [[1] * 100, [1, 2, 3]], params, n=2)
+    assert request.requested_tokens() == 2 * ((100 + 10) + (3 + 20))
 
 
 @pytest.mark.parametrize(

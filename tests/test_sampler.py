@@ -1,7 +1,7 @@
 import torch
 
+from common.sampling_params import SamplingParams
 from replica_engine.sampler import sample
-from replica_engine.sampling_params import SamplingParams
 from replica_engine.scheduler.plan import SamplingRow
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from common.errors import InvalidRequestError
 from replica_engine.attention.base import AttentionBackend, AttentionMetadata, NullBlockWriteError
 from replica_engine.attention.torch_ref import TorchAttention
-from replica_engine.errors import InvalidRequestError
 
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 

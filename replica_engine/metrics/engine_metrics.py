@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from replica_engine.metrics.sinks import MetricsSink
+from common.metrics_sinks import MetricsSink
 from replica_engine.request import FinishReason, Request
 from replica_engine.scheduler.plan import StepSummary
 

@@ -18,10 +18,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from common.model_source import ModelSource, model_config_dict
 from replica_engine.attention.base import AttentionBackend
 from replica_engine.models.llama import LlamaForCausalLM, MergedLinear
-from replica_engine.models.shapes import dummy_config
-from replica_engine.models.sources import ModelSource
 
 # Hugging Face projection name -> (our merged parameter, shard index)
 _MERGED = {
@@ -42,7 +41,7 @@ class LoadedModel:
 
 def load_config(source: ModelSource) -> PretrainedConfig:
     if source.dummy_shape is not None:
-        return dummy_config(source.dummy_shape)
+        return AutoConfig.for_model(**model_config_dict(source))
     return AutoConfig.from_pretrained(source.hf_dir)
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.sampling_params import SamplingParams
 from replica_engine.request import Request
-from replica_engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

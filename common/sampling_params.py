@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from replica_engine.errors import InvalidRequestError
+from common.errors import InvalidRequestError
 
 
 def _is_int(value: object) -> bool:

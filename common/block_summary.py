@@ -55,13 +55,6 @@ class BlockSummary:
         bits = np.unpackbits(np.frombuffer(self.bits, dtype=np.uint8), bitorder="little")
         return bits[_probe_positions(b"".join(keys), self.num_bits, self.num_probes)].all(axis=1)
 
-    def leading_overlap(self, prompt_keys: Sequence[bytes]) -> int:
-        """How many of the prompt's leading blocks the replica holds: the chain is only reusable up
-        to its first missing block."""
-        held = self.contains_each(prompt_keys)
-        misses = np.flatnonzero(~held)
-        return int(misses[0]) if misses.size else len(prompt_keys)
-
     def false_positive_rate(self, num_keys: int) -> float:
         """Expected, for a filter holding `num_keys` keys."""
         return (1 - math.exp(-self.num_probes * num_keys / self.num_bits)) ** self.num_probes

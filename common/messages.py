@@ -1,0 +1,56 @@
+"""What the Ingress and an EngineReplica send each other through a DeploymentHandle.
+
+Plain dataclasses with no torch import: the Ingress and the router build and read them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    """One HTTP request, tokenized and checked by the Ingress: prompts as token ids, each answered
+    `n` times. `params[i]` is prompt i's sampling, max_tokens decided (the request's, else the
+    server default fitted to the context the prompt leaves)."""
+
+    request_id: str
+    prompt_token_ids: list[list[int]]
+    params: list[SamplingParams]
+    n: int = 1
+    # The prompts as text (chat: the chat template applied), for routers that match text: Ray's
+    # PrefixCacheAffinityRouter reads a `prompt` attribute. Token-id prompts have none.
+    prompt: str = ""
+
+    def requested_tokens(self) -> int:
+        """Prompt + output tokens this request may hold in KV cache, all choices together."""
+        pairs = zip(self.prompt_token_ids, self.params, strict=True)
+        return self.n * sum(len(ids) + params.max_tokens for ids, params in pairs)
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.params[0].cache_salt if self.params else None
+
+
+@dataclass
+class ChoiceDelta:
+    """New tokens of one choice since its last delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0  # of the prompt, found in the replica's prefix cache
+
+
+@dataclass
+class GenerateError:
+    """Why a request ends without its answer: sent instead of any delta when the engine refuses
+    it (400), or in place of the rest when the engine fails while serving it (500, 503)."""
+
+    message: str
+    param: str | None
+    code: str | None
+    status: int = 400

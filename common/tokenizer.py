@@ -1,0 +1,73 @@
+"""Prompt text to token ids without transformers or torch: the model's `tokenizer.json` through
+the `tokenizers` library (what transformers' fast tokenizers run), and its chat template through
+jinja2 set up as transformers sets it up (sandboxed, trim_blocks, lstrip_blocks, the special
+tokens as variables). tests/test_common.py checks both against transformers' tokenizer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+Message = dict[str, str]
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kwargs: Any) -> str:
+    # jinja's own tojson escapes HTML characters, which would change the prompt
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
+
+
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return environment
+
+
+@dataclass(frozen=True)
+class PromptTokenizer:
+    tokenizer: Tokenizer
+    chat_template: jinja2.Template | None
+    special_tokens: dict[str, str]  # bos_token, eos_token, ... as the template names them
+
+    @classmethod
+    def load(cls, hf_dir: Path) -> PromptTokenizer:
+        """From a Hugging Face directory: tokenizer.json, tokenizer_config.json and the chat
+        template (chat_template.jinja, or tokenizer_config's `chat_template`)."""
+        config_path = hf_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template_path = hf_dir / "chat_template.jinja"
+        source = template_path.read_text() if template_path.is_file() else config.get("chat_template")
+        if isinstance(source, list):  # named templates: the default one
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        special = {name: _token_text(config[name]) for name in _SPECIAL_TOKENS if config.get(name)}
+        template = _template_environment().from_string(source) if source else None
+        return cls(Tokenizer.from_file(str(hf_dir / "tokenizer.json")), template, special)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def render_chat(self, messages: list[Message]) -> str:
+        """The conversation as the model's chat template writes it, ready for the assistant's turn."""
+        assert self.chat_template is not None
+        return self.chat_template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+
+
+def _token_text(token: str | dict[str, Any]) -> str:
+    """tokenizer_config writes a special token as its text or as an AddedToken dict."""
+    return token if isinstance(token, str) else token["content"]

@@ -1,0 +1,45 @@
+"""Convert a GGUF file to a float32 Hugging Face directory (config, safetensors, tokenizer).
+
+Run as `python -m replica_engine.models.gguf_convert <file.gguf> <target dir>`:
+common.model_source.convert_gguf starts it in a child process and caches the result, because
+transformers' converter takes ~20 s and a cached directory loads in under a second."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def convert(gguf_path: Path, target: Path) -> None:
+    directory, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: concurrent processes never see half a directory.
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    try:
+        config = hf_model.config
+        del config.quantization_config  # weights are dequantized now; the marker blocks reloading
+        config.save_pretrained(staging)
+        hf_model.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        state = {k: v.contiguous() for k, v in hf_model.state_dict().items() if k not in tied}
+        save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
+        try:
+            staging.rename(target)
+        except OSError:  # another process won the race; its copy is as good as ours
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+if __name__ == "__main__":
+    convert(Path(sys.argv[1]), Path(sys.argv[2]))

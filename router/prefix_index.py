@@ -1,0 +1,115 @@
+"""Which prompt blocks each replica holds, as this router knows it: the replica's latest reported
+BlockSummary (common/block_summary.py) plus the prompts this router sent it since, which will be
+cached there by the time the next request of the same conversation arrives.
+
+A sent prompt's keys are remembered until a report that holds them arrives (the summary covers
+them from then on) or for RECENT_TTL_S at most (the replica may have evicted them, or never
+admitted the request). Pure: no Ray, unit-tested alone; times are this router's monotonic clock."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from common.block_hash import BlockHash
+from common.block_summary import BlockSummary
+
+RECENT_TTL_S = 10.0
+MAX_RECENT_KEYS = 1 << 16  # per replica: a bound on this router's memory, not a tuning knob
+
+# Routing-stats keys (EngineReplica.record_routing_stats).
+SUMMARY_BITS = "block_summary_bits"
+SUMMARY_PROBES = "block_summary_probes"
+HASH_ROOT = "block_hash_root"
+
+
+def summary_stats(summary: BlockSummary, hash_root: BlockHash) -> dict[str, Any]:
+    """A summary as plain routing-stats values (bytes and ints travel through Serve's controller
+    without it importing this package)."""
+    return {SUMMARY_BITS: summary.bits, SUMMARY_PROBES: summary.num_probes, HASH_ROOT: hash_root}
+
+
+def parse_summary(stats: Mapping[str, Any] | None) -> tuple[BlockSummary, BlockHash] | None:
+    try:
+        bits, probes, root = stats[SUMMARY_BITS], stats[SUMMARY_PROBES], stats[HASH_ROOT]  # type: ignore[index]
+    except (KeyError, TypeError):
+        return None
+    if not isinstance(bits, bytes) or not bits or not isinstance(probes, int) or probes < 1:
+        return None
+    return BlockSummary(len(bits) * 8, probes, bits), root
+
+
+@dataclass
+class _Held:
+    report_seq: int
+    summary: BlockSummary
+    hash_root: BlockHash
+
+
+@dataclass
+class PrefixIndex:
+    recent_ttl_s: float = RECENT_TTL_S
+    _held: dict[Hashable, _Held] = field(default_factory=dict)  # replica -> its latest summary
+    _recent: dict[Hashable, OrderedDict[BlockHash, float]] = field(default_factory=dict)  # -> sent at
+
+    def observe(self, replica: Hashable, stats: Mapping[str, Any] | None, report_seq: int) -> None:
+        """A replica's report: its summary replaces the last one, and sent keys it holds go."""
+        held = self._held.get(replica)
+        if held is not None and held.report_seq == report_seq:
+            return
+        parsed = parse_summary(stats)
+        if parsed is None:
+            self._held.pop(replica, None)
+            return
+        summary, root = parsed
+        self._held[replica] = _Held(report_seq, summary, root)
+        recent = self._recent.get(replica)
+        if recent:
+            keys = list(recent)
+            for key, held_now in zip(keys, summary.contains_each(keys), strict=True):
+                if held_now:
+                    del recent[key]
+
+    def hash_root(self, replicas: Iterable[Hashable]) -> BlockHash | None:
+        """The chain root (model, no salt) the replicas report; None if none reports one."""
+        return next((self._held[r].hash_root for r in replicas if r in self._held), None)
+
+    def on_sent(self, replica: Hashable, keys: Sequence[BlockHash], now: float | None = None) -> None:
+        recent = self._recent.setdefault(replica, OrderedDict())
+        sent_at = _now(now)
+        for key in keys:
+            recent[key] = sent_at
+            recent.move_to_end(key)
+        while len(recent) > MAX_RECENT_KEYS:
+            recent.popitem(last=False)
+
+    def overlap(self, replica: Hashable, keys: Sequence[BlockHash], now: float | None = None) -> int:
+        """How many of the prompt's leading blocks `replica` holds (or soon will): a chain is
+        reusable only up to its first missing block."""
+        if not keys:
+            return 0
+        held = self._held.get(replica)
+        found = held.summary.contains_each(keys) if held is not None else np.zeros(len(keys), dtype=bool)
+        recent = self._recent.get(replica)
+        if recent:
+            oldest = _now(now) - self.recent_ttl_s
+            while recent and next(iter(recent.values())) < oldest:
+                recent.popitem(last=False)
+            found |= np.fromiter((key in recent for key in keys), dtype=bool, count=len(keys))
+        misses = np.flatnonzero(~found)
+        return int(misses[0]) if misses.size else len(keys)
+
+    def keep_only(self, replicas: Iterable[Hashable]) -> None:
+        """Forget replicas that are gone (a restarted replica comes back with a new id, empty)."""
+        current = set(replicas)
+        self._held = {r: held for r, held in self._held.items() if r in current}
+        self._recent = {r: recent for r, recent in self._recent.items() if r in current}
+
+
+def _now(now: float | None) -> float:
+    return time.monotonic() if now is None else now
