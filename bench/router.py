@@ -232,8 +232,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--quick", action="store_true", help="one seed, chat only (a smoke run; no goals)")
-    parser.add_argument("--output", type=Path, default=Path("bench/results/router_cpu.json"))
+    parser.add_argument("--output", type=Path, help="default: bench/results/router_cpu[_quick].json")
     args = parser.parse_args()
+    args.output = args.output or Path(f"bench/results/router_cpu{'_quick' if args.quick else ''}.json")
     seeds = args.seeds[:1] if args.quick else args.seeds
     plan = (
         {"chat": CHAT_ROUTERS}
@@ -247,9 +248,15 @@ def main() -> None:
     cluster = serve_cluster.start(
         serve_cluster.config_with_apps(work_dir / "serve_config.yaml", apps), work_dir
     )
-    results: dict[str, dict[str, list[dict]]] = {
-        workload: {r: [] for r in routers} for workload, routers in plan.items()
+    results: dict[str, dict[str, list[dict]]] = {w: {r: [] for r in routers} for w, routers in plan.items()}
+    output = {
+        **result_header("router"),
+        "seeds": seeds,
+        "workloads": {"chat": CHAT, "chat_max_tokens": CHAT_MAX_TOKENS, "skewed_uniform": LOAD_WORKLOAD},
+        "replicas": APP_ARGS,
+        "results": results,
     }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
     try:
         for router in CHAT_ROUTERS:  # every app must be up, and warm
             cluster.wait_ready(f"/{router}")
@@ -261,18 +268,12 @@ def main() -> None:
                     summary = run_once(cluster, workload, router, seed)
                     results[workload][router].append({"seed": seed, **summary})
                     print(workload, router, seed, json.dumps(summary), flush=True)
+                    args.output.write_text(json.dumps(output, indent=2))  # so far, if the run breaks
     finally:
         serve_cluster.stop(cluster)
 
     print_table(results)
-    output = {
-        **result_header("router"),
-        "run_time_s": time.monotonic() - started,
-        "seeds": seeds,
-        "workloads": {"chat": CHAT, "chat_max_tokens": CHAT_MAX_TOKENS, "skewed_uniform": LOAD_WORKLOAD},
-        "replicas": APP_ARGS,
-        "results": results,
-    }
+    output["run_time_s"] = time.monotonic() - started
     if not args.quick:
         ratios, met = judge(results)
         for name, value in ratios.items():
@@ -286,7 +287,6 @@ def main() -> None:
         ):
             print(f"{name}: {'PASS' if met[name] else 'MISS'}")
         output.update({"ratios": ratios, "goals": GOALS, "goals_met": met})
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(output, indent=2))
     print(f"wrote {args.output} in {time.monotonic() - started:.0f} s")
     plot(args.output.with_suffix(".png"), results)

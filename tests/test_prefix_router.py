@@ -157,14 +157,18 @@ def route(router: KVPrefixRouter, replicas: list, prompts: list[list[int]], salt
     return asyncio.run(choose())
 
 
-def test_the_router_follows_the_reported_blocks_and_a_burst_of_one_conversation_stays_together():
-    tokens = list(range(160))
-    replicas = [
-        SimpleNamespace(replica_id="a", routing_stats=stats_holding([], free=90)),
-        SimpleNamespace(replica_id="b", routing_stats=stats_holding(PROMPT, free=90)),
-    ]
+def router_over(stats: dict[str, dict]) -> tuple[KVPrefixRouter, list]:
+    """A router that has seen these replicas' reports (stand-ins for Serve's RunningReplica: the
+    router reads only replica_id and routing_stats)."""
+    replicas = [SimpleNamespace(replica_id=name, routing_stats=s) for name, s in stats.items()]
     router = make_router()
     router.observe_reports(replicas)
+    return router, replicas
+
+
+def test_the_router_follows_the_reported_blocks_and_a_burst_of_one_conversation_stays_together():
+    tokens = list(range(160))
+    router, replicas = router_over({"a": stats_holding([], free=90), "b": stats_holding(PROMPT, free=90)})
     assert route(router, replicas, [[*tokens, 7, 7, 7]]) == ["b"]
     # A burst of a new conversation (nothing cached anywhere): after the first, the rest follow it
     # (the router counts what it just sent), within the load guard's slack.
@@ -175,20 +179,11 @@ def test_the_router_follows_the_reported_blocks_and_a_burst_of_one_conversation_
 
 def test_salted_requests_are_routed_by_load_alone():
     tokens = list(range(160))
-    replicas = [
-        SimpleNamespace(replica_id="a", routing_stats=stats_holding([], free=60)),
-        SimpleNamespace(replica_id="b", routing_stats=stats_holding(PROMPT, free=59)),
-    ]
-    router = make_router()
-    router.observe_reports(replicas)
+    stats = {"a": stats_holding([], free=60), "b": stats_holding(PROMPT, free=59)}
+    router, replicas = router_over(stats)
     assert route(router, replicas, [[*tokens, 1]], salt="tenant-1") == ["a"]
-    assert route(make_router_with(replicas), replicas, [[*tokens, 1]]) == ["b"]
-
-
-def make_router_with(replicas: list) -> KVPrefixRouter:
-    router = make_router()
-    router.observe_reports(replicas)
-    return router
+    router, replicas = router_over(stats)
+    assert route(router, replicas, [[*tokens, 1]]) == ["b"]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
