@@ -19,8 +19,9 @@ class GenerateRequest:
     prompt_token_ids: list[list[int]]
     params: list[SamplingParams]
     n: int = 1
-    # The prompts as text (chat: the chat template applied), for routers that match text: Ray's
-    # PrefixCacheAffinityRouter reads a `prompt` attribute. Token-id prompts have none.
+    # The prompts as text (chat: the chat template applied; token ids: written out), for routers
+    # that match text: Ray's PrefixCacheAffinityRouter reads a `prompt` attribute (and never
+    # answers a request whose text is empty: it divides by its length).
     prompt: str = ""
 
     def requested_tokens(self) -> int:

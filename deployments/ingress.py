@@ -215,7 +215,8 @@ class Ingress:
                 text, ids = self.prompts.chat_prompt(conversation)
                 texts, prompt_token_ids = [text], [ids]
             else:
-                texts = [p for p in prompts or [] if isinstance(p, str)]
+                # token ids written out: a text-matching router still sees shared prefixes
+                texts = [p if isinstance(p, str) else " ".join(map(str, p)) for p in prompts or []]
                 prompt_token_ids = [self.prompts.tokenize(p) for p in prompts or []]
             sampling = body.sampling(self.sampling_defaults)
             params = [self._params(sampling, len(ids), kv_pool_tokens) for ids in prompt_token_ids]

@@ -143,5 +143,10 @@ def test_rays_prefix_cache_affinity_router_is_selectable_and_serves(serve_cluste
         )
         messages = [{"role": "system", "content": TENANTS["Zephyr Tea"]}, {"role": "user", "content": "Hi"}]
         assert ask(client, messages)[1] > 500
+        # token ids reach it written out as text (empty text would hang it: it divides by the length)
+        completion = client.completions.create(
+            model="smollm2-135m-instruct", prompt=[1000] * 8, max_tokens=2, timeout=60
+        )
+        assert completion.usage.prompt_tokens == 8
     finally:
         serve.delete("affinity")
