@@ -232,19 +232,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--quick", action="store_true", help="one seed, chat only (a smoke run; no goals)")
+    parser.add_argument("--routers", nargs="+", choices=CHAT_ROUTERS, help="with --quick: only these")
     parser.add_argument("--output", type=Path, help="default: bench/results/router_cpu[_quick].json")
     args = parser.parse_args()
     args.output = args.output or Path(f"bench/results/router_cpu{'_quick' if args.quick else ''}.json")
     seeds = args.seeds[:1] if args.quick else args.seeds
     plan = (
-        {"chat": CHAT_ROUTERS}
+        {"chat": tuple(args.routers or CHAT_ROUTERS)}
         if args.quick
         else {"chat": CHAT_ROUTERS, "skewed": LOAD_ROUTERS, "uniform": LOAD_ROUTERS}
     )
 
     started = time.monotonic()
     work_dir = Path(tempfile.mkdtemp(prefix="bench-router-"))
-    apps = {router: {**APP_ARGS, "request_router": router} for router in CHAT_ROUTERS}
+    deployed = sorted({router for routers in plan.values() for router in routers}, key=CHAT_ROUTERS.index)
+    apps = {router: {**APP_ARGS, "request_router": router} for router in deployed}
     cluster = serve_cluster.start(
         serve_cluster.config_with_apps(work_dir / "serve_config.yaml", apps), work_dir
     )
@@ -258,7 +260,7 @@ def main() -> None:
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     try:
-        for router in CHAT_ROUTERS:  # every app must be up, and warm
+        for router in deployed:  # every app must be up, and warm
             cluster.wait_ready(f"/{router}")
             warm = {"prompt": [1000] * 8, "max_tokens": 2}
             serve_cluster.post_concurrently(f"{cluster.base_url}/{router}/v1/completions", warm, 4)

@@ -76,7 +76,9 @@ class EngineCore:
         return EngineStats(
             num_waiting=len(scheduler.waiting),
             num_running=len(scheduler.running),
-            num_waiting_prompt_tokens=sum(r.num_owed_tokens for r in scheduler.waiting),
+            num_waiting_prompt_tokens=sum(
+                r.num_owed_tokens - r.num_expected_cached_tokens for r in scheduler.waiting
+            ),
             num_free_blocks=self.kv_cache.num_free_blocks,
             num_total_blocks=self.kv_cache.num_blocks,
             kv_cache_usage=self.kv_cache.usage,

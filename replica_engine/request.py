@@ -44,6 +44,7 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)  # keys of its first full blocks
     num_hashed_blocks: int = 0  # of its blocks, how many leading ones the prefix cache knows
     num_cached_tokens: int = 0  # prompt tokens found cached when first admitted
+    num_expected_cached_tokens: int = 0  # found cached when it last entered the waiting queue
 
     @property
     def num_prompt_tokens(self) -> int:

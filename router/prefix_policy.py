@@ -1,20 +1,23 @@
 """The kv_prefix decision, pure (no Ray): rank replicas by the prefill a request would cost there
-plus the KV load it would leave there, NVIDIA Dynamo's router cost:
+plus the KV load it would leave there, NVIDIA Dynamo's router cost, plus a term for what the
+replica's cache already holds:
 
     new = prompt blocks - blocks the replica holds
-    cost = prefill_weight * new + (predicted KV blocks in use + new)
+    cost = prefill_weight * new + (predicted KV blocks in use + new) + cache_weight * cached free
 
 A block the replica holds is saved twice: not computed, and shared rather than added. The
 predicted KV load is the KV-pressure router's (router/pressure.py: the last report plus what was
-sent since), so with no overlap anywhere this ranks as kv_pressure does. A load guard keeps a
-hot prefix from piling everything on one replica: when the cheapest replica's load exceeds the
-least loaded one's by more than a threshold (KV pressure or requests), the request goes by load.
-Replicas with stale or missing stats rank after the fresh ones by queue length, as in kv_pressure."""
+sent since). The last term counts the free blocks that still hold cached content (idle
+prefixes): a prompt nobody holds goes where less idle content would be crowded out, as Ray's
+PrefixCacheAffinityRouter sends it to its "smallest tenant", so tenants divide between replicas
+instead of piling on whichever was idle when they first came. With cache_weight 0.5 it never
+outweighs a prefix held (the holder saves 2 per block it holds; holding it costs 0.5). With no
+overlap and nothing cached anywhere this ranks as kv_pressure does."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,15 +26,18 @@ from router.prefix_index import PrefixIndex
 from router.pressure import BY_KV, PressureTracker, ReplicaLoad
 
 BY_PREFIX = "prefix-hit"  # fresh stats, chosen replica holds part of the prompt
-BY_LOAD_GUARD = "load-guard"  # the cheapest replica was too loaded: ranked by KV pressure instead
+BY_LOAD_GUARD = "load-guard"  # the cheapest replica was too busy: ranked by requests instead
 
 
 @dataclass(frozen=True)
 class PrefixPolicy:
     prefill_weight: float = 1.0  # a block to prefill against a block of KV load (Dynamo's default)
-    max_kv_imbalance: float = 0.25  # pressure (fraction of the pool) above the least pressed
-    max_request_imbalance: float = 0.5  # requests above the least busy, as a fraction of its count,
-    request_slack: int = 4  # ... plus this many (so a few requests never trip it)
+    cache_weight: float = 0.5  # a free block holding cached content against a block of KV load
+    # The load guard trips when the cheapest replica has more requests than the least busy one by
+    # both this many and this fraction of its count (SGLang's cache-aware router's rule, whose
+    # absolute 32 is for GPU replicas running hundreds; a CPU replica runs tens).
+    request_slack: int = 8
+    max_request_imbalance: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -73,29 +79,23 @@ def rank_by_prefix(
         overlap = index.overlap(replica, prompt_keys, now)
         load_blocks = pressure * max(1, load.num_total_blocks)
         new_blocks = num_prompt_blocks - overlap
-        cost = policy.prefill_weight * new_blocks + load_blocks + new_blocks
+        idle_cache = policy.cache_weight * load.num_cached_free_blocks
+        cost = policy.prefill_weight * new_blocks + load_blocks + new_blocks + idle_cache
         num_requests = load.num_waiting + load.num_running + tracker.in_flight_requests(replica)
         queue_len = queue_lens.get(replica, math.inf)
         candidates.append(_Candidate(replica, overlap, cost, pressure, num_requests, queue_len))
     candidates.sort(key=lambda c: (c.cost, c.queue_len))
     overlaps = {c.replica: c.overlap for c in candidates}
     stale = [(replica, reason) for replica, reason in by_load if reason != BY_KV]
-    guard = _load_guard(policy, candidates[0], candidates)
-    if candidates[0].overlap and guard is not None:
-        candidates.sort(key=guard)
+    if candidates[0].overlap and _too_busy(policy, candidates[0], candidates):
+        candidates.sort(key=lambda c: (c.num_requests, c.pressure, c.queue_len))
         return Decision([(c.replica, BY_LOAD_GUARD) for c in candidates] + stale, overlaps)
     ranked = [(c.replica, BY_PREFIX if c.overlap else BY_KV) for c in candidates]
     return Decision(ranked + stale, overlaps)
 
 
-def _load_guard(
-    policy: PrefixPolicy, best: _Candidate, candidates: list[_Candidate]
-) -> Callable[[_Candidate], tuple[float, ...]] | None:
-    """None if `best` is loaded within bounds; else how to rank instead: by the load it exceeds."""
-    least_pressure = min(c.pressure for c in candidates)
-    least_requests = min(c.num_requests for c in candidates)
-    if best.pressure - least_pressure > policy.max_kv_imbalance:
-        return lambda c: (c.pressure, c.num_requests, c.queue_len)
-    if best.num_requests > least_requests * (1 + policy.max_request_imbalance) + policy.request_slack:
-        return lambda c: (c.num_requests, c.pressure, c.queue_len)
-    return None
+def _too_busy(policy: PrefixPolicy, best: _Candidate, candidates: list[_Candidate]) -> bool:
+    """KV load is in the cost already; requests (queueing, and the compute they share) are not."""
+    least = min(c.num_requests for c in candidates)
+    excess = best.num_requests - least
+    return excess > policy.request_slack and best.num_requests > least * (1 + policy.max_request_imbalance)

@@ -38,7 +38,8 @@ class ReplicaLoad:
     """What a replica reports (EngineReplica.record_routing_stats)."""
 
     num_total_blocks: int
-    num_free_blocks: int
+    num_free_blocks: int  # cached but unheld blocks count as free (evictable)
+    num_cached_free_blocks: int  # of the free blocks, those still holding a prefix-cache key
     num_waiting_prompt_tokens: int
     num_waiting: int
     num_running: int

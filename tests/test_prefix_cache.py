@@ -176,3 +176,16 @@ def test_random_operations_keep_the_pool_consistent(operations, num_blocks, budg
     assert kv.num_free_blocks == kv.num_blocks
     whole_pool = _request("whole", [200 + i % 50 for i in range(num_blocks * BLOCK)], max_tokens=1)
     assert kv.allocate(whole_pool, whole_pool.num_tokens)  # every block usable again
+
+
+def test_waiting_requests_are_reported_net_of_what_the_cache_holds_as_they_queue():
+    # Routers read the waiting prompt tokens as load a replica has yet to compute: a request whose
+    # prefix is cached adds only the rest (else a tenant's queued turns look like full prompts).
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True)
+    scheduler = SCHEDULING_POLICIES["stall_free"](SchedulerConfig(64, 8), kv)
+    a = _request("a", list(range(1, 18)))  # 17 tokens: 4 full blocks
+    _compute_prompt(kv, a)
+    kv.free(a)
+    b = _request("b", [*range(1, 17), 99, 98])  # shares a's first 16 tokens
+    scheduler.add_request(b)
+    assert b.num_expected_cached_tokens == 16 and b.num_owed_tokens - b.num_expected_cached_tokens == 2

@@ -102,6 +102,19 @@ def test_the_replica_holding_the_prompt_wins_unless_its_load_outweighs_the_prefi
     assert decide({**held, "a": stats_holding(PROMPT, free=69)}, PROMPT, heavy).ranking[0][0] == "a"
 
 
+def test_a_prefix_nobody_holds_goes_where_less_idle_content_would_be_crowded_out():
+    # Equal load; a's cache holds an idle tenant's 60 blocks, b's holds 20: a new tenant goes to b.
+    stats = {
+        "a": {**stats_holding([], free=90), "num_cached_free_blocks": 60},
+        "b": {**stats_holding([], free=90), "num_cached_free_blocks": 20},
+    }
+    assert decide(stats, PROMPT).ranking[0] == ("b", BY_KV)
+    # but the tenant's own idle prefix keeps it there (held blocks save 2 each, cost 0.5): a 0 +
+    # 10 used + 0.5 * 50 = 35 against b's 10 + 10 + 10 + 0.5 * 20 = 40
+    stats["a"] = {**stats_holding(PROMPT, free=90), "num_cached_free_blocks": 50}
+    assert decide(stats, PROMPT).ranking[0] == ("a", BY_PREFIX)
+
+
 def test_with_no_overlap_anywhere_it_ranks_as_kv_pressure():
     stats = {
         "a": stats_holding([], free=20),
@@ -113,15 +126,18 @@ def test_with_no_overlap_anywhere_it_ranks_as_kv_pressure():
 
 def test_the_load_guard_sends_a_hot_prefix_elsewhere_when_its_holder_is_much_busier():
     policy = PrefixPolicy(prefill_weight=100.0)  # the prefix alone would always win
-    busy = {"a": {**stats_holding(PROMPT, free=90), "num_running": 20}, "b": stats_holding([], free=90)}
-    decision = decide(busy, PROMPT, policy)
-    assert decision.ranking[0] == ("b", BY_LOAD_GUARD)
-    # within the slack (4 requests + 50% of the least busy's) it stays with the prefix
-    near = {**busy, "a": {**busy["a"], "num_running": 5}}
+    idle = stats_holding([], free=90)  # 1 running request
+    busy = {"a": {**stats_holding(PROMPT, free=90), "num_running": 10}, "b": idle}
+    assert decide(busy, PROMPT, policy).ranking[0] == ("b", BY_LOAD_GUARD)
+    # within the slack (8 requests more) it stays with the prefix ...
+    near = {**busy, "a": {**busy["a"], "num_running": 9}}
     assert decide(near, PROMPT, policy).ranking[0] == ("a", BY_PREFIX)
-    # and a KV imbalance beyond 0.25 of the pool trips it as well
-    full = {**busy, "a": stats_holding(PROMPT, free=60)}
-    assert decide(full, PROMPT, policy).ranking[0] == ("b", BY_LOAD_GUARD)
+    # ... and within 50% of the least busy one's count, however many more that is
+    crowded = {"a": {**busy["a"], "num_running": 30}, "b": {**idle, "num_running": 21}}
+    assert decide(crowded, PROMPT, policy).ranking[0] == ("a", BY_PREFIX)
+    # KV load alone never trips it: the cost weighs it
+    full = {**busy, "a": stats_holding(PROMPT, free=20)}
+    assert decide(full, PROMPT, policy).ranking[0] == ("a", BY_PREFIX)
 
 
 def test_stale_and_missing_stats_rank_after_fresh_ones_whatever_they_hold():

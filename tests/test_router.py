@@ -33,6 +33,7 @@ def report(free: int, total: int = 100, waiting_tokens: int = 0, seq: int = 0, b
     return {
         "num_total_blocks": total,
         "num_free_blocks": free,
+        "num_cached_free_blocks": 0,
         "num_waiting_prompt_tokens": waiting_tokens,
         "num_waiting": 0,
         "num_running": 1,

@@ -44,7 +44,8 @@ class EngineMetrics:
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV cache usage, 0 to 1")
         self.num_free_kv_blocks = gauge("num_free_kv_blocks", "Free KV cache blocks")
         self.num_waiting_prompt_tokens = gauge(
-            "num_waiting_prompt_tokens", "Prompt tokens owed by waiting requests"
+            "num_waiting_prompt_tokens",
+            "Prompt tokens waiting requests must compute (net of cached prefixes)",
         )
 
         self.time_to_first_token = histogram(

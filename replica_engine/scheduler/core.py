@@ -35,7 +35,14 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in flight")
         self.requests[request.request_id] = request
+        self._expect_cache_hit(request)
         self.waiting.append(request)
+
+    def _expect_cache_hit(self, request: Request) -> None:
+        """What the prefix cache holds of it as it queues: load reports count only the rest."""
+        request.num_expected_cached_tokens = (
+            len(self.kv_cache.find_cached_blocks(request)) * self.kv_cache.block_size
+        )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -137,4 +144,5 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.num_preemptions += 1
+        self._expect_cache_hit(request)
         self.waiting.appendleft(request)
