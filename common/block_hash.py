@@ -27,3 +27,13 @@ def root_hash(model: str, cache_salt: str | None) -> BlockHash:
 
 def next_block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
+
+
+def chain_block_hashes(root: BlockHash, token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """The keys of every full block of `token_ids`, chained from `root` (what a router hashes; the
+    engine extends a request's chain block by block as its tokens arrive)."""
+    hashes, parent = [], root
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = next_block_hash(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes

@@ -63,7 +63,6 @@ def rank_by_prefix(
     stats: Mapping[Hashable, Mapping[str, Any] | None],
     queue_lens: Mapping[Hashable, int],
     prompt_keys: Sequence[BlockHash],
-    num_prompt_blocks: int,
     now: float,
 ) -> Decision:
     """`prompt_keys`: the prompt's full blocks' keys (empty: route by load alone)."""
@@ -78,7 +77,7 @@ def rank_by_prefix(
         pressure = tracker.pressure(replica, load, now)
         overlap = index.overlap(replica, prompt_keys, now)
         load_blocks = pressure * max(1, load.num_total_blocks)
-        new_blocks = num_prompt_blocks - overlap
+        new_blocks = len(prompt_keys) - overlap
         idle_cache = policy.cache_weight * load.num_cached_free_blocks
         cost = policy.prefill_weight * new_blocks + load_blocks + new_blocks + idle_cache
         num_requests = load.num_waiting + load.num_running + tracker.in_flight_requests(replica)

@@ -16,7 +16,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RunningReplica
 
-from common.block_hash import BlockHash, next_block_hash
+from common.block_hash import BlockHash, chain_block_hashes
 from common.messages import GenerateRequest
 from common.metrics_sinks import MetricsSink, RayServeSink
 from router.kv_router import KVPressureRouter
@@ -65,9 +65,7 @@ class KVPrefixRouter(KVPressureRouter):
                 self.index.observe(replica_id, replica_stats, load.report_seq)
         pending = self._pending_for(pending_request, stats)
         keys = pending.keys if pending is not None else []
-        decision = rank_by_prefix(
-            self.policy, self.tracker, self.index, stats, queue_lens, keys, len(keys), now
-        )
+        decision = rank_by_prefix(self.policy, self.tracker, self.index, stats, queue_lens, keys, now)
         if pending is not None and decision.ranking:
             if not pending.reasons:  # the first decision (Serve may ask again): what the metrics report
                 block_size = _block_size(stats)
@@ -101,13 +99,7 @@ class KVPrefixRouter(KVPressureRouter):
             or not generate.prompt_token_ids
         ):
             return []
-        block_size = _block_size(stats)
-        prompt = generate.prompt_token_ids[0]
-        keys, parent = [], root
-        for start in range(0, len(prompt) - block_size + 1, block_size):
-            parent = next_block_hash(parent, prompt[start : start + block_size])
-            keys.append(parent)
-        return keys
+        return chain_block_hashes(root, generate.prompt_token_ids[0], _block_size(stats))
 
     def observe_reports(self, replicas: list[RunningReplica]) -> None:
         super().observe_reports(replicas)

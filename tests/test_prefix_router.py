@@ -14,7 +14,7 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
-from common.block_hash import next_block_hash, root_hash
+from common.block_hash import chain_block_hashes, root_hash
 from common.block_summary import BlockSummary
 from common.messages import GenerateRequest
 from common.metrics_sinks import PrometheusSink
@@ -29,12 +29,8 @@ NOW = 1000.0
 ROOT = root_hash("model", None)
 
 
-def chain(token_ids: list[int], block_size: int = 16) -> list[bytes]:
-    keys, parent = [], ROOT
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = next_block_hash(parent, token_ids[start : start + block_size])
-        keys.append(parent)
-    return keys
+def chain(token_ids: list[int]) -> list[bytes]:
+    return chain_block_hashes(ROOT, token_ids, 16)
 
 
 def stats_holding(keys: list[bytes], seq: int = 0, free: int = 90, **load: int) -> dict:
@@ -86,7 +82,7 @@ def test_a_restarted_replica_is_forgotten():
 
 def decide(stats: dict, keys: list[bytes], policy: PrefixPolicy | None = None, tracker=None):
     tracker = tracker or PressureTracker()
-    return rank_by_prefix(policy or PrefixPolicy(), tracker, index_of(stats), stats, {}, keys, len(keys), NOW)
+    return rank_by_prefix(policy or PrefixPolicy(), tracker, index_of(stats), stats, {}, keys, NOW)
 
 
 def test_the_replica_holding_the_prompt_wins_unless_its_load_outweighs_the_prefill_saved():
