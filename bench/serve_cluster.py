@@ -26,9 +26,10 @@ START_TIMEOUT_S = 300
 REPORT_WAIT_S = 20  # Ray's workers report metrics every second in the test cluster; leave slack
 
 
-def engine_as_served(engine_settings: dict | None = None):
+def engine_as_served(engine_settings: dict | None = None, metrics=None, num_threads: int | None = None):
     """An AsyncEngine in this process, built as serve_config.yaml's app builds its replica's
-    (`engine_settings` over the shipped ones, every core for torch): the engine without Ray."""
+    (`engine_settings` over the shipped ones, every core for torch unless `num_threads`): the
+    engine without Ray."""
     import torch
 
     from deployments.app import AppArgs
@@ -36,8 +37,8 @@ def engine_as_served(engine_settings: dict | None = None):
 
     base = yaml.safe_load((REPO / "serve_config.yaml").read_text())["applications"][0]["args"]
     settings = {**base, "engine": {**base["engine"], **(engine_settings or {})}}
-    torch.set_num_threads(len(os.sched_getaffinity(0)))  # as the replica sets it
-    return AsyncEngine(AppArgs.model_validate(settings).engine_config())
+    torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))  # as the replica sets it
+    return AsyncEngine(AppArgs.model_validate(settings).engine_config(), metrics)
 
 
 def config_with_apps(path: Path, app_args: dict[str, dict]) -> Path:

@@ -48,7 +48,8 @@ class EngineConfig:
     model: str = DEFAULT_MODEL  # embedded SmolLM2, a HF directory, a .gguf file, or dummy:<shape>
     device: str = "auto"  # cuda when available, else cpu
     dtype: str = "auto"  # bfloat16 on cuda and on CPUs that multiply it natively, else float32
-    max_num_batched_tokens: int | None = None  # the per-step token budget
+    max_num_batched_tokens: int | None = None  # the per-step token budget (with tbt_slo_s: its cap)
+    tbt_slo_s: float | None = None  # time-between-tokens target: prompt chunks sized to keep steps within it
     max_num_seqs: int | None = None  # most requests running at once
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int | None = None  # KV pool size; on GPU, overrides gpu_memory_utilization
@@ -73,6 +74,20 @@ class EngineConfig:
             "max_model_len",
         ):
             _positive_int(name, getattr(self, name))
+        if self.tbt_slo_s is not None:
+            if (
+                isinstance(self.tbt_slo_s, bool)
+                or not isinstance(self.tbt_slo_s, int | float)
+                or self.tbt_slo_s <= 0
+            ):
+                raise InvalidRequestError(
+                    "tbt_slo_s", f"must be a positive number of seconds, got {self.tbt_slo_s!r}"
+                )
+            if self.scheduling_policy != "stall_free":
+                raise InvalidRequestError(
+                    "tbt_slo_s",
+                    f"sizes stall_free's prompt chunks; scheduling_policy is {self.scheduling_policy!r}",
+                )
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidRequestError(
                 "enable_prefix_caching", f"must be true or false, got {self.enable_prefix_caching!r}"

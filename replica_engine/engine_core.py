@@ -19,6 +19,9 @@ from replica_engine.outputs import CoreOutput, EngineStats
 from replica_engine.request import FinishReason, Request
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from replica_engine.scheduler.plan import ScheduledBatch, StepSummary
+from replica_engine.scheduler.step_time_model import StepTimeModel
+from replica_engine.scheduler.token_budget import SLOTokenBudget
+from replica_engine.step_profile import profile_step_times
 
 if TYPE_CHECKING:
     from replica_engine.metrics import EngineMetrics
@@ -37,11 +40,29 @@ class EngineCore:
             num_kv_blocks, config.block_size, config.enable_prefix_caching, model=config.model
         )
         scheduler_config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)
-        self.scheduler = SCHEDULING_POLICIES[config.scheduling_policy](scheduler_config, self.kv_cache)
+        self.slo_budget = self._slo_budget(num_kv_blocks)
+        self.scheduler = SCHEDULING_POLICIES[config.scheduling_policy](
+            scheduler_config, self.kv_cache, self.slo_budget
+        )
         self.step_listeners: list[Callable[[StepSummary], None]] = []
         self.metrics = metrics
         self.stats = self._snapshot()
         self.publish_stats()
+
+    def _slo_budget(self, num_kv_blocks: int) -> SLOTokenBudget | None:
+        """With a TBT target: the step-time model, fitted on a startup profile of this replica."""
+        if self.config.tbt_slo_s is None:
+            return None
+        started = time.perf_counter()
+        model = StepTimeModel()
+        model.fit_profile(profile_step_times(self.runner, self.config, num_kv_blocks))
+        logger.info(
+            "step-time model fitted in %.1f s: coefficients %s, calibration %.2f",
+            time.perf_counter() - started,
+            model.coefficients,
+            model.calibration,
+        )
+        return SLOTokenBudget(model, self.config.tbt_slo_s)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -109,7 +130,18 @@ class EngineCore:
             listener(summary)
         if self.metrics is not None:
             self.metrics.record_step(summary)
+        if self.slo_budget is not None:
+            self._learn_step_time(ran, summary.duration_s)
         return outputs
+
+    def _learn_step_time(self, ran: ScheduledBatch, duration_s: float) -> None:
+        """Refresh the step-time model with a measured step; report its error and the budget."""
+        assert self.slo_budget is not None
+        shape = ran.shape()
+        predicted_s = self.slo_budget.model.predict_raw(shape)  # the fit's error, before calibration
+        self.slo_budget.model.observe(shape, duration_s)
+        if self.metrics is not None:
+            self.metrics.record_budget(ran.budget, predicted_s, duration_s, self.slo_budget.tbt_slo_s)
 
     def _execute(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[int], list[str]]:
         """Run the batch. If it raises, run each request's rows alone to find the ones that fail

@@ -25,6 +25,8 @@ CONFIGS = {
     "large_budget": {},
     "budget_16": {"max_num_batched_tokens": 16},  # chunked prefill mixed with decodes
     "tiny_pool": {"num_kv_blocks": 12},  # 192 tokens for ~500: preemption
+    # a TBT target far below one step of every prompt: the step-time model picks the chunks
+    "tbt_slo": {"tbt_slo_s": 0.02, "max_num_batched_tokens": 512},
 }
 
 
@@ -48,6 +50,9 @@ def test_greedy_outputs_match_transformers(config_name, hf_model, tokenizer, hf_
         mixed = [s for s in steps if s.num_prefill_requests and s.num_decode_requests]
         assert mixed, "no step mixed a prefill chunk with decodes"
         assert max(s.num_prefill_tokens + s.num_decode_requests for s in steps) <= 16
+    if config_name == "tbt_slo":
+        prompt_steps = [s.num_prefill_tokens for s in steps if s.num_prefill_tokens]
+        assert len(prompt_steps) > 1 and max(prompt_steps) < sum(prompt_steps), prompt_steps
     if config_name == "tiny_pool":
         assert llm.engine.core.scheduler.num_preemptions > 0
         assert sum(s.num_preempted for s in steps) == llm.engine.core.scheduler.num_preemptions

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from common.metrics_sinks import MetricsSink
 from replica_engine.request import FinishReason, Request
 from replica_engine.scheduler.plan import StepSummary
+from replica_engine.scheduler.token_budget import BudgetDecision
 
 if TYPE_CHECKING:
     from replica_engine.outputs import EngineStats
@@ -17,6 +18,8 @@ PREFIX = "stallfree_"
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640)
 # ... and 5 / 10 / 25 / 50 / 100 / 200 / 500 ms between tokens.
 TOKEN_INTERVAL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10)
+# measured / predicted step time: 1 is a perfect model; > 1, steps longer than predicted.
+PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
 TOKEN_COUNT_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 MODEL_LABEL = "model_name"
@@ -73,6 +76,21 @@ class EngineMetrics:
             "request_generation_tokens", "Output length of a finished request", TOKEN_COUNT_BUCKETS
         )
 
+        self.step_token_budget = histogram(
+            "step_token_budget",
+            "Tokens a TBT target let a step carry (tbt_slo_s; steps with a prompt chunk)",
+            TOKEN_COUNT_BUCKETS,
+        )
+        self.step_time_prediction_ratio = histogram(
+            "step_time_prediction_ratio",
+            "Measured / predicted step time (tbt_slo_s: the step-time model's fit, before calibration)",
+            PREDICTION_RATIO_BUCKETS,
+        )
+        self.steps_over_slo = counter("steps_over_slo", "Steps that took longer than tbt_slo_s")
+        self.steps_decodes_over_slo = counter(
+            "steps_decodes_over_slo", "Steps whose decodes alone were predicted over tbt_slo_s"
+        )
+
         self.prompt_tokens = counter(
             "prompt_tokens", "Prompt tokens of requests (cached ones included; recomputation not counted)"
         )
@@ -89,6 +107,8 @@ class EngineMetrics:
             self.prefix_cache_hits,
             self.generation_tokens,
             self.preemptions,
+            self.steps_over_slo,
+            self.steps_decodes_over_slo,
         )
         for zero_at_start in zero_at_start_counters:
             zero_at_start.initialize(self.labels)
@@ -107,6 +127,19 @@ class EngineMetrics:
         self.step_duration.observe(summary.duration_s, self.labels)
         if summary.num_preempted:
             self.preemptions.inc(summary.num_preempted, self.labels)
+
+    def record_budget(
+        self, budget: BudgetDecision | None, predicted_s: float, measured_s: float, tbt_slo_s: float
+    ) -> None:
+        """A step run under a TBT target: the budget it was given (if it had a prompt chunk) and how
+        well its time was predicted."""
+        self.step_time_prediction_ratio.observe(measured_s / max(predicted_s, 1e-9), self.labels)
+        if measured_s > tbt_slo_s:
+            self.steps_over_slo.inc(1, self.labels)
+        if budget is not None:
+            self.step_token_budget.observe(budget.token_budget, self.labels)
+            if budget.decodes_over_slo:
+                self.steps_decodes_over_slo.inc(1, self.labels)
 
     def record_token(self, request: Request, now: float, previous_token_time: float | None) -> None:
         """A request got an output token at `now`."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.request import FinishReason, Request, RequestStatus
 from replica_engine.scheduler.plan import ScheduledBatch, StepPlan
+from replica_engine.scheduler.token_budget import SLOTokenBudget
 
 
 @dataclass(frozen=True)
@@ -22,9 +23,12 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, slo_budget: SLOTokenBudget | None = None
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.slo_budget = slo_budget  # sizes prompt chunks from a TBT target; None: the budget alone
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the first to preempt
@@ -96,7 +100,7 @@ class Scheduler:
             if not select(request):
                 continue
             owed = request.num_owed_tokens
-            num_tokens = min(owed, plan.budget_left) if chunked else owed
+            num_tokens = self._chunk(plan, request, owed) if chunked else owed
             if num_tokens <= 0 or num_tokens > plan.budget_left:
                 break
             while not self.kv_cache.allocate(request, num_tokens):
@@ -118,7 +122,9 @@ class Scheduler:
             cached_block_ids = self.kv_cache.find_cached_blocks(request)
             owed = request.num_owed_tokens - len(cached_block_ids) * self.kv_cache.block_size
             if chunked:
-                num_tokens = min(owed, plan.budget_left)
+                num_tokens = self._chunk(plan, request, owed)
+                if num_tokens <= 0:
+                    return
             elif owed <= plan.budget_left or plan.is_empty:
                 # Whole prompts only; one longer than the budget runs as the step's sole work.
                 num_tokens = owed
@@ -133,6 +139,20 @@ class Scheduler:
                 request.num_cached_tokens = request.num_computed_tokens
             self.running.append(request)
             plan.num_scheduled_tokens[request] = num_tokens
+
+    def _chunk(self, plan: StepPlan, request: Request, owed: int) -> int:
+        """Tokens for a request that owes `owed` (net of cached blocks it is about to take):
+        what is left of the budget, and for prompt chunks under a TBT target what the
+        step-time model allows."""
+        limit = min(owed, plan.budget_left)
+        if self.slo_budget is None or owed == 1 or limit <= 0:
+            return limit
+        shape, start = plan.shape(), request.num_tokens - owed
+        if plan.budget is None:  # the step's first prompt chunk
+            allowed, plan.budget = self.slo_budget.decide(shape, start, plan.budget_left)
+        else:
+            allowed = self.slo_budget.allowance(shape, start, plan.budget_left)
+        return min(owed, allowed)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Free the request's blocks and put it at the front of the queue to recompute later.

@@ -12,6 +12,8 @@ import torch
 
 from common.sampling_params import SamplingParams
 from replica_engine.request import Request
+from replica_engine.scheduler.step_time_model import StepShape
+from replica_engine.scheduler.token_budget import BudgetDecision
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ class ScheduledBatch:
 
     rows: tuple[ScheduledRow, ...]
     num_preempted: int = 0
+    budget: BudgetDecision | None = None  # set when a TBT target sized the step
+
+    def shape(self) -> StepShape:
+        return StepShape.of((row.start_position, row.num_tokens, row.is_decode) for row in self.rows)
 
     @property
     def is_empty(self) -> bool:
@@ -85,7 +91,8 @@ class ScheduledBatch:
     def only(self, request_ids: Iterable[str]) -> ScheduledBatch:
         """The rows of these requests alone (the step's preemptions stay counted)."""
         keep = set(request_ids)
-        return ScheduledBatch(tuple(row for row in self.rows if row.request_id in keep), self.num_preempted)
+        rows = tuple(row for row in self.rows if row.request_id in keep)
+        return ScheduledBatch(rows, self.num_preempted, self.budget)
 
     def summary(self, duration_s: float = 0.0) -> StepSummary:
         num_decodes = sum(row.is_decode for row in self.rows)
@@ -104,6 +111,13 @@ class StepPlan:
     token_budget: int
     num_scheduled_tokens: dict[Request, int] = field(default_factory=dict)  # insertion order = batch order
     preempted: list[Request] = field(default_factory=list)
+    budget: BudgetDecision | None = None
+
+    def shape(self) -> StepShape:
+        return StepShape.of(
+            (request.num_computed_tokens, num_tokens, _is_decode(request, num_tokens))
+            for request, num_tokens in self.num_scheduled_tokens.items()
+        )
 
     @property
     def budget_left(self) -> int:
@@ -123,6 +137,7 @@ class StepPlan:
         return ScheduledBatch(
             tuple(_row(request, num_tokens) for request, num_tokens in self.num_scheduled_tokens.items()),
             len(self.preempted),
+            self.budget,
         )
 
 
@@ -134,6 +149,11 @@ def _row(request: Request, num_tokens: int) -> ScheduledRow:
         token_ids=tuple(request.token_ids(start, start + num_tokens)),
         start_position=start,
         block_ids=tuple(request.block_ids),
-        is_decode=num_tokens == 1 and start >= request.num_prompt_tokens,
+        is_decode=_is_decode(request, num_tokens),
         sampling=SamplingRow(request.sampling_params, request.generator) if samples else None,
     )
+
+
+def _is_decode(request: Request, num_tokens: int) -> bool:
+    """One token, past the prompt (read before the step runs)."""
+    return num_tokens == 1 and request.num_computed_tokens >= request.num_prompt_tokens

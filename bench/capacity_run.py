@@ -1,0 +1,146 @@
+"""One point of bench.capacity: a fixed-seed Poisson workload replayed at a given rate against an
+in-process AsyncEngine, and what Sarathi-Serve's capacity is judged by (P99 time between tokens,
+median scheduling delay), read from the engine's own metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bench import serve_cluster
+from bench.workload import percentile
+
+PROMPT_RANGE = (64, 1024)  # log-uniform, as Sarathi's synthetic traces
+OUTPUT_RANGE = (16, 128)  # uniform; ignore_eos, so each request decodes exactly this many
+TBT = "stallfree_inter_token_latency_seconds"
+QUEUE_TIME = "stallfree_request_queue_time_seconds"
+BUDGET = "stallfree_step_token_budget"
+STEP = "stallfree_step_duration_seconds"
+
+
+@dataclass(frozen=True)
+class Arrival:
+    unit_time: float  # arrival time at rate 1 req/s; at rate r it arrives at unit_time / r
+    prompt: list[int]
+    output_len: int
+
+
+def workload(num_requests: int, seed: int) -> list[Arrival]:
+    """Random-token prompts (nothing shared: prefix caching is off anyway), exponential gaps."""
+    rng = random.Random(seed)
+    low, high = PROMPT_RANGE
+    arrivals, clock = [], 0.0
+    for _ in range(num_requests):
+        prompt_len = round(math.exp(rng.uniform(math.log(low), math.log(high))))
+        arrivals.append(
+            Arrival(
+                clock, [rng.randrange(1000, 40000) for _ in range(prompt_len)], rng.randint(*OUTPUT_RANGE)
+            )
+        )
+        clock += rng.expovariate(1.0)
+    return arrivals
+
+
+class _Recorder:
+    def __init__(self, name: str, store: dict[str, list[float]]) -> None:
+        self.name, self.store = name, store
+
+    def inc(self, amount: float, labels: dict[str, str]) -> None:
+        self.store[self.name].append(amount)
+
+    def initialize(self, labels: dict[str, str]) -> None:
+        pass
+
+    def set(self, value: float, labels: dict[str, str]) -> None:
+        pass
+
+    def observe(self, value: float, labels: dict[str, str]) -> None:
+        self.store[self.name].append(value)
+
+
+class RecordingSink:
+    """A MetricsSink that keeps every observation, for exact percentiles."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[float]] = defaultdict(list)
+
+    def counter(self, name: str, description: str, label_names: Sequence[str]) -> _Recorder:
+        return _Recorder(name, self.values)
+
+    gauge = counter
+
+    def histogram(
+        self, name: str, description: str, buckets: Sequence[float], label_names: Sequence[str]
+    ) -> _Recorder:
+        return _Recorder(name, self.values)
+
+
+class System:
+    """An engine with one setting, kept across the rates it is measured at."""
+
+    def __init__(self, settings: dict, num_threads: int | None = None) -> None:
+        from replica_engine.metrics import EngineMetrics
+
+        self.sink = RecordingSink()
+        self.engine = serve_cluster.engine_as_served(settings, EngineMetrics(self.sink, "bench"), num_threads)
+        self.steps: list = []  # StepSummary of every step of the latest run
+        self.engine.core.step_listeners.append(self.steps.append)  # idle: the step thread reads it later
+
+    def run(self, arrivals: list[Arrival], rate: float) -> dict:
+        """Replay the workload at `rate` requests/s; the point's figures."""
+        from replica_engine import SamplingParams
+
+        self.sink.values.clear()
+        self.steps.clear()
+
+        async def one(arrival: Arrival, start: float) -> None:
+            await asyncio.sleep(max(0.0, start + arrival.unit_time / rate - time.monotonic()))
+            params = SamplingParams(max_tokens=arrival.output_len, temperature=0, ignore_eos=True)
+            async for _ in await self.engine.add_request(arrival.prompt, params):
+                pass
+
+        async def everything() -> float:
+            start = time.monotonic()
+            await asyncio.gather(*(one(arrival, start) for arrival in arrivals))
+            return time.monotonic() - start
+
+        wall = asyncio.run(everything())
+        values = self.sink.values
+        tbt, delay, budget = values[TBT], values[QUEUE_TIME], values[BUDGET]
+        return {
+            "rate": rate,
+            "requests": len(arrivals),
+            "tbt_samples": len(tbt),
+            "wall_s": round(wall, 2),
+            "tbt_p50_s": percentile(tbt, 0.5),
+            "tbt_p99_s": percentile(tbt, 0.99),
+            "scheduling_delay_p50_s": statistics.median(delay),
+            "output_tok_per_s": sum(a.output_len for a in arrivals) / wall,
+            "step_p50_s": percentile(values[STEP], 0.5),
+            "token_budget_p50": percentile(budget, 0.5) if budget else None,
+        }
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def decode_step_s(batch: int = 8, prompt_len: int = 512, num_threads: int | None = None) -> float:
+    """The median decode-only step at `batch` requests of `prompt_len`-token prompts: the unit
+    Sarathi's SLOs are stated in."""
+    system = System({"enable_prefix_caching": False}, num_threads)
+    try:
+        rng = random.Random(7)
+        arrivals = [
+            Arrival(0.0, [rng.randrange(1000, 40000) for _ in range(prompt_len)], 48) for _ in range(batch)
+        ]
+        system.run(arrivals, rate=1.0)
+    finally:
+        system.shutdown()
+    full = [s.duration_s for s in system.steps if s.num_decode_requests == batch and not s.num_prefill_tokens]
+    return statistics.median(full)

@@ -1,0 +1,114 @@
+"""A replica's step-time model: how long a step of a given composition takes on this machine.
+
+time = c0 + c_prefill * prefill tokens + c_decode * decode requests + c_attention * query-key
+pairs + c_request * requests. Linear layers cost per token (and c0 is the pass over the
+weights), attention per query-key pair it scores (a chunk of n tokens after s cached ones scores
+n*s + n(n+1)/2 pairs; a decode at context L scores L), and each request adds its own host and
+sampling work. Fitted by least squares (coefficients kept non-negative, so more work never
+predicts less time) on a startup profile plus a window of measured steps, refitted every few
+steps; a quantile of measured/predicted over the window then calibrates it, so a noisy host
+makes the model cautious rather than wrong on average."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+NUM_FEATURES = 5
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step's time is predicted from."""
+
+    num_prefill_tokens: int = 0
+    num_decodes: int = 0
+    num_attention_pairs: int = 0
+    num_requests: int = 0
+
+    @staticmethod
+    def of(rows: Iterable[tuple[int, int, bool]]) -> StepShape:
+        """From (start position, tokens, is decode) per request."""
+        shape = StepShape()
+        for start, num_tokens, is_decode in rows:
+            shape = shape.plus(start, num_tokens, is_decode)
+        return shape
+
+    def plus(self, start: int, num_tokens: int, is_decode: bool = False) -> StepShape:
+        """This step with one more request's `num_tokens` tokens at positions start.. ."""
+        if num_tokens <= 0:
+            return self
+        pairs = num_tokens * start + num_tokens * (num_tokens + 1) // 2
+        return StepShape(
+            self.num_prefill_tokens + (0 if is_decode else num_tokens),
+            self.num_decodes + (1 if is_decode else 0),
+            self.num_attention_pairs + pairs,
+            self.num_requests + 1,
+        )
+
+    def features(self) -> np.ndarray:
+        return np.array(
+            [1.0, self.num_prefill_tokens, self.num_decodes, self.num_attention_pairs, self.num_requests]
+        )
+
+
+class StepTimeModel:
+    def __init__(self, window: int = 512, refit_every: int = 32, quantile: float = 0.95) -> None:
+        self.refit_every = refit_every
+        self.quantile = quantile
+        self.coefficients = np.zeros(NUM_FEATURES)
+        self.calibration = 1.0  # the quantile of measured / predicted
+        self._profile: list[tuple[np.ndarray, float]] = []
+        self._window: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+        self._since_fit = 0
+
+    def fit_profile(self, samples: Iterable[tuple[StepShape, float]]) -> None:
+        """The startup profile: kept for good, so the fit stays determined however narrow the
+        recent steps are (a window of decode-only steps says nothing of prompt chunks)."""
+        self._profile = [(shape.features(), seconds) for shape, seconds in samples]
+        self.refit()
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """A measured step; the model refits every `refit_every` of them."""
+        self._window.append((shape.features(), seconds))
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every:
+            self.refit()
+
+    def predict_raw(self, shape: StepShape) -> float:
+        return float(shape.features() @ self.coefficients)
+
+    def predict(self, shape: StepShape) -> float:
+        """The calibrated prediction: most steps of this shape take at most this long."""
+        return self.predict_raw(shape) * self.calibration
+
+    def refit(self) -> None:
+        self._since_fit = 0
+        samples = self._profile + list(self._window)
+        if not samples:
+            return
+        features = np.stack([f for f, _ in samples])
+        seconds = np.array([s for _, s in samples])
+        self.coefficients = _non_negative_least_squares(features, seconds)
+        recent = list(self._window) or self._profile
+        predicted = np.stack([f for f, _ in recent]) @ self.coefficients
+        measured = np.array([s for _, s in recent])
+        ratios = measured / np.maximum(predicted, 1e-9)
+        self.calibration = float(np.quantile(ratios, self.quantile))
+
+
+def _non_negative_least_squares(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Least squares, dropping the most negative coefficient until none is (an active set
+    NNLS, enough for five features)."""
+    active = list(range(features.shape[1]))
+    coefficients = np.zeros(features.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(features[:, active], seconds, rcond=None)
+        if (solution >= 0).all():
+            coefficients[active] = solution
+            return coefficients
+        del active[int(np.argmin(solution))]
+    return coefficients
