@@ -76,7 +76,7 @@ class Replay:
 
 def search(
     system: System, replay: Replay, slos: dict[str, float], delay_bound_s: float, steps: int
-) -> tuple[dict, list]:
+) -> tuple[dict[str, float], list[dict]]:
     """Capacity under each SLO in `slos`; every point measured (a rate is run once)."""
     points: dict[float, dict] = {}
 

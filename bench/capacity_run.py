@@ -12,9 +12,13 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from bench import serve_cluster
 from bench.workload import percentile
+
+if TYPE_CHECKING:
+    from replica_engine.scheduler.plan import StepSummary
 
 PROMPT_RANGE = (64, 1024)  # log-uniform, as Sarathi's synthetic traces
 OUTPUT_RANGE = (16, 128)  # uniform; ignore_eos, so each request decodes exactly this many
@@ -89,7 +93,7 @@ class System:
 
         self.sink = RecordingSink()
         self.engine = serve_cluster.engine_as_served(settings, EngineMetrics(self.sink, "bench"), num_threads)
-        self.steps: list = []  # StepSummary of every step of the latest run
+        self.steps: list[StepSummary] = []  # every step of the latest run
         self.engine.core.step_listeners.append(self.steps.append)  # idle: the step thread reads it later
 
     def run(self, arrivals: list[Arrival], rate: float) -> dict:
@@ -130,10 +134,11 @@ class System:
         self.engine.shutdown()
 
 
-def decode_step_s(batch: int = 8, prompt_len: int = 512, num_threads: int | None = None) -> float:
-    """The median decode-only step at `batch` requests of `prompt_len`-token prompts: the unit
-    Sarathi's SLOs are stated in."""
-    system = System({"enable_prefix_caching": False}, num_threads)
+def decode_step_s() -> float:
+    """The median decode-only step at batch 8 (512-token prompts): the unit Sarathi's SLOs are
+    stated in."""
+    batch, prompt_len = 8, 512
+    system = System({"enable_prefix_caching": False})
     try:
         rng = random.Random(7)
         arrivals = [

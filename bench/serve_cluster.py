@@ -15,10 +15,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from replica_engine.metrics import EngineMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -26,7 +30,9 @@ START_TIMEOUT_S = 300
 REPORT_WAIT_S = 20  # Ray's workers report metrics every second in the test cluster; leave slack
 
 
-def engine_as_served(engine_settings: dict | None = None, metrics=None, num_threads: int | None = None):
+def engine_as_served(
+    engine_settings: dict | None = None, metrics: EngineMetrics | None = None, num_threads: int | None = None
+):
     """An AsyncEngine in this process, built as serve_config.yaml's app builds its replica's
     (`engine_settings` over the shipped ones, every core for torch unless `num_threads`): the
     engine without Ray."""

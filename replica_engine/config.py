@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 from dataclasses import dataclass
 
 import torch
@@ -75,11 +76,8 @@ class EngineConfig:
         ):
             _positive_int(name, getattr(self, name))
         if self.tbt_slo_s is not None:
-            if (
-                isinstance(self.tbt_slo_s, bool)
-                or not isinstance(self.tbt_slo_s, int | float)
-                or self.tbt_slo_s <= 0
-            ):
+            number = isinstance(self.tbt_slo_s, int | float) and not isinstance(self.tbt_slo_s, bool)
+            if not number or not math.isfinite(self.tbt_slo_s) or self.tbt_slo_s <= 0:
                 raise InvalidRequestError(
                     "tbt_slo_s", f"must be a positive number of seconds, got {self.tbt_slo_s!r}"
                 )

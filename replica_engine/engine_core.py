@@ -130,7 +130,7 @@ class EngineCore:
             listener(summary)
         if self.metrics is not None:
             self.metrics.record_step(summary)
-        if self.slo_budget is not None:
+        if self.slo_budget is not None and not failed_ids:  # a retried step's time is not its shape's
             self._learn_step_time(ran, summary.duration_s)
         return outputs
 
@@ -141,7 +141,9 @@ class EngineCore:
         predicted_s = self.slo_budget.model.predict_raw(shape)  # the fit's error, before calibration
         self.slo_budget.model.observe(shape, duration_s)
         if self.metrics is not None:
-            self.metrics.record_budget(ran.budget, predicted_s, duration_s, self.slo_budget.tbt_slo_s)
+            self.metrics.record_budget(
+                ran.budget_decision, predicted_s, duration_s, self.slo_budget.tbt_slo_s
+            )
 
     def _execute(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[int], list[str]]:
         """Run the batch. If it raises, run each request's rows alone to find the ones that fail

@@ -120,7 +120,7 @@ def test_with_a_perfect_model_only_decodes_and_the_minimum_chunk_exceed_the_targ
         if budget.model.predict(batch.shape()) > budget.target_s + 1e-12:
             # then only the minimum chunk that keeps prompts moving can have pushed it over
             assert chunks <= MIN_PREFILL_CHUNK, (batch.shape(), chunks)
-            assert batch.budget is not None
+            assert batch.budget_decision is not None
     assert all(request.is_finished for request in run.requests)
 
 
@@ -129,6 +129,8 @@ def test_the_target_is_checked_and_belongs_to_stall_free():
         EngineConfig(tbt_slo_s=0)
     with pytest.raises(InvalidRequestError, match="tbt_slo_s"):
         EngineConfig(tbt_slo_s="fast")
+    with pytest.raises(InvalidRequestError, match="tbt_slo_s"):
+        EngineConfig(tbt_slo_s=float("nan"))
     with pytest.raises(InvalidRequestError, match="tbt_slo_s"):
         EngineConfig(tbt_slo_s=0.1, scheduling_policy="prefill_first")
     assert EngineConfig(tbt_slo_s=0.1).tbt_slo_s == 0.1

@@ -55,11 +55,12 @@ def test_the_adaptive_budget_holds_a_target_on_1_and_2_threads_where_a_fixed_one
     fixed_2 = chunk_steps(fixed, threads=2)
     target = 1.2 * percentile_of(fixed_2, 0.9)  # the fixed budget meets it on 2 threads
     fixed_1 = chunk_steps(fixed, threads=1)
-    if percentile_of(fixed_1, 0.5) < 1.3 * percentile_of(fixed_2, 0.5):
-        pytest.skip("1 thread is not markedly slower than 2 here")
-    assert percentile_of(fixed_1, 0.5) > target  # the same budget misses it on 1 thread
+    if percentile_of(fixed_1, 0.5) <= target:  # the premise: the same budget misses it on 1 thread
+        median = percentile_of(fixed_1, 0.5)
+        pytest.skip(f"1 thread is not slower than 2 here: p50 {median:.3f} s, target {target:.3f} s")
 
     adaptive = EngineConfig(max_num_batched_tokens=1024, tbt_slo_s=target, enable_prefix_caching=False)
     for threads in (1, 2):
         steps = chunk_steps(adaptive, threads)
+        assert steps, "no step carried a prompt chunk of 32 tokens or more"
         assert percentile_of(steps, 0.9) <= TOLERANCE * target, (threads, target, sorted(steps))

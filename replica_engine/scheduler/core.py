@@ -148,8 +148,8 @@ class Scheduler:
         if self.slo_budget is None or owed == 1 or limit <= 0:
             return limit
         shape, start = plan.shape(), request.num_tokens - owed
-        if plan.budget is None:  # the step's first prompt chunk
-            allowed, plan.budget = self.slo_budget.decide(shape, start, plan.budget_left)
+        if plan.budget_decision is None:  # the step's first prompt chunk
+            allowed, plan.budget_decision = self.slo_budget.decide(shape, start, plan.budget_left)
         else:
             allowed = self.slo_budget.allowance(shape, start, plan.budget_left)
         return min(owed, allowed)

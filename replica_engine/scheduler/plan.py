@@ -67,7 +67,7 @@ class ScheduledBatch:
 
     rows: tuple[ScheduledRow, ...]
     num_preempted: int = 0
-    budget: BudgetDecision | None = None  # set when a TBT target sized the step
+    budget_decision: BudgetDecision | None = None  # set when a TBT target sized the step
 
     def shape(self) -> StepShape:
         return StepShape.of((row.start_position, row.num_tokens, row.is_decode) for row in self.rows)
@@ -92,7 +92,7 @@ class ScheduledBatch:
         """The rows of these requests alone (the step's preemptions stay counted)."""
         keep = set(request_ids)
         rows = tuple(row for row in self.rows if row.request_id in keep)
-        return ScheduledBatch(rows, self.num_preempted, self.budget)
+        return ScheduledBatch(rows, self.num_preempted, self.budget_decision)
 
     def summary(self, duration_s: float = 0.0) -> StepSummary:
         num_decodes = sum(row.is_decode for row in self.rows)
@@ -111,7 +111,7 @@ class StepPlan:
     token_budget: int
     num_scheduled_tokens: dict[Request, int] = field(default_factory=dict)  # insertion order = batch order
     preempted: list[Request] = field(default_factory=list)
-    budget: BudgetDecision | None = None
+    budget_decision: BudgetDecision | None = None
 
     def shape(self) -> StepShape:
         return StepShape.of(
@@ -137,7 +137,7 @@ class StepPlan:
         return ScheduledBatch(
             tuple(_row(request, num_tokens) for request, num_tokens in self.num_scheduled_tokens.items()),
             len(self.preempted),
-            self.budget,
+            self.budget_decision,
         )
 
 

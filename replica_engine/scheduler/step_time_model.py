@@ -101,8 +101,8 @@ class StepTimeModel:
 
 
 def _non_negative_least_squares(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
-    """Least squares, dropping the most negative coefficient until none is (an active set
-    NNLS, enough for five features)."""
+    """Least squares, dropping the most negative coefficient until none is: a greedy
+    non-negative fit (not Lawson-Hanson's optimum), enough for five features."""
     active = list(range(features.shape[1]))
     coefficients = np.zeros(features.shape[1])
     while active:
