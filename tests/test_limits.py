@@ -45,13 +45,13 @@ def test_a_request_larger_than_the_whole_kv_pool_gets_400_up_front(small_app: st
     assert error["code"] == "context_length_exceeded" and "whole KV pool" in error["message"]
 
 
-LONG = {"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True}  # several seconds of decoding
+LONG = {"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True}  # ~2 s of decoding
 
 
 @pytest.fixture(scope="module")
 def timeout_app(serve_cluster: ServeCluster) -> str:
-    """One tiny-llama replica whose requests may take at most 2 s."""
-    args = AppArgs(model="dummy:tiny-llama", num_cpus=0, cpu_threads=1, request_timeout_s=2.0)
+    """One tiny-llama replica whose requests may take at most 0.5 s (LONG takes ~2 s: ~1 ms a step)."""
+    args = AppArgs(model="dummy:tiny-llama", num_cpus=0, cpu_threads=1, request_timeout_s=0.5)
     serve.run(build_app(args), name="timeout", route_prefix="/timeout")
     url = f"{serve_cluster.base_url}/timeout"
     # Warm up: a new app's first request also waits for its handle to learn the replicas.

@@ -26,8 +26,12 @@ def chunk_steps(config: EngineConfig, threads: int) -> list[float]:
     torch.set_num_threads(threads)
     engine = LLMEngine(config)
     steps: list[StepSummary] = []
-    engine.step_listeners.append(steps.append)
     rng = random.Random(0)
+    warm_up = [rng.randrange(1000, 40000) for _ in range(600)]  # first passes at each shape are slow
+    engine.add_request(warm_up, SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step_listeners.append(steps.append)
     for _ in range(4):
         engine.add_request(
             [rng.randrange(1000, 40000) for _ in range(24)], SamplingParams(max_tokens=60, ignore_eos=True)
@@ -53,7 +57,7 @@ def restore_threads():
 def test_the_adaptive_budget_holds_a_target_on_1_and_2_threads_where_a_fixed_one_does_not(restore_threads):
     fixed = EngineConfig(max_num_batched_tokens=FIXED_BUDGET, enable_prefix_caching=False)
     fixed_2 = chunk_steps(fixed, threads=2)
-    target = 1.2 * percentile_of(fixed_2, 0.9)  # the fixed budget meets it on 2 threads
+    target = 1.25 * percentile_of(fixed_2, 0.5)  # the fixed budget meets it on 2 threads
     fixed_1 = chunk_steps(fixed, threads=1)
     if percentile_of(fixed_1, 0.5) <= target:  # the premise: the same budget misses it on 1 thread
         median = percentile_of(fixed_1, 0.5)
