@@ -23,6 +23,8 @@ Search: rates doubling from 0.5 req/s until every SLO a system is judged by fail
 bisection (geometric) between the highest pass and the lowest fail. Capacity = the highest
 rate that passed (0 when even the lowest failed).
 
+Seeds 1 and 2 (median and spread): python -m bench.capacity_seeds, after this.
+
 Same target, different hardware: at one rate, the fixed budget best under the strict SLO on 2
 threads and the adaptive budget (strict target), each on 1 and on 2 torch threads."""
 
