@@ -2,7 +2,7 @@
 1. A fixed budget chosen so its prompt-chunk steps meet the target on 2 threads takes longer than
 the target on 1; the adaptive budget (tbt_slo_s), fitted on each replica at start, holds it on
 both. The target is set from this machine's own 2-thread step, so the test holds on any CPU
-where 1 thread is markedly slower than 2 (it is skipped where that is not so)."""
+where 1 thread is more than 10% slower than 2 (it is skipped where that is not so)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def restore_threads():
 def test_the_adaptive_budget_holds_a_target_on_1_and_2_threads_where_a_fixed_one_does_not(restore_threads):
     fixed = EngineConfig(max_num_batched_tokens=FIXED_BUDGET, enable_prefix_caching=False)
     fixed_2 = chunk_steps(fixed, threads=2)
-    target = 1.25 * percentile_of(fixed_2, 0.5)  # the fixed budget meets it on 2 threads
+    target = 1.1 * percentile_of(fixed_2, 0.5)  # the fixed budget meets it on 2 threads (median)
     fixed_1 = chunk_steps(fixed, threads=1)
     if percentile_of(fixed_1, 0.5) <= target:  # the premise: the same budget misses it on 1 thread
         median = percentile_of(fixed_1, 0.5)
