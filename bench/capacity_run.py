@@ -5,7 +5,6 @@ median scheduling delay), read from the engine's own metrics."""
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import statistics
 import time
@@ -15,7 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from bench import serve_cluster
-from bench.workload import percentile
+from bench.text_prompts import log_uniform
+from bench.workload import percentile, random_tokens
 
 if TYPE_CHECKING:
     from replica_engine.scheduler.plan import StepSummary
@@ -25,7 +25,6 @@ OUTPUT_RANGE = (16, 128)  # uniform; ignore_eos, so each request decodes exactly
 TBT = "stallfree_inter_token_latency_seconds"
 QUEUE_TIME = "stallfree_request_queue_time_seconds"
 BUDGET = "stallfree_step_token_budget"
-STEP = "stallfree_step_duration_seconds"
 
 
 @dataclass(frozen=True)
@@ -38,15 +37,10 @@ class Arrival:
 def workload(num_requests: int, seed: int) -> list[Arrival]:
     """Random-token prompts (nothing shared: prefix caching is off anyway), exponential gaps."""
     rng = random.Random(seed)
-    low, high = PROMPT_RANGE
     arrivals, clock = [], 0.0
     for _ in range(num_requests):
-        prompt_len = round(math.exp(rng.uniform(math.log(low), math.log(high))))
-        arrivals.append(
-            Arrival(
-                clock, [rng.randrange(1000, 40000) for _ in range(prompt_len)], rng.randint(*OUTPUT_RANGE)
-            )
-        )
+        prompt = random_tokens(rng, log_uniform(rng, *PROMPT_RANGE))
+        arrivals.append(Arrival(clock, prompt, rng.randint(*OUTPUT_RANGE)))
         clock += rng.expovariate(1.0)
     return arrivals
 
@@ -126,7 +120,7 @@ class System:
             "tbt_p99_s": percentile(tbt, 0.99),
             "scheduling_delay_p50_s": statistics.median(delay),
             "output_tok_per_s": sum(a.output_len for a in arrivals) / wall,
-            "step_p50_s": percentile(values[STEP], 0.5),
+            "step_p50_s": percentile([step.duration_s for step in self.steps], 0.5),
             "token_budget_p50": percentile(budget, 0.5) if budget else None,
         }
 
@@ -141,9 +135,7 @@ def decode_step_s() -> float:
     system = System({"enable_prefix_caching": False})
     try:
         rng = random.Random(7)
-        arrivals = [
-            Arrival(0.0, [rng.randrange(1000, 40000) for _ in range(prompt_len)], 48) for _ in range(batch)
-        ]
+        arrivals = [Arrival(0.0, random_tokens(rng, prompt_len), 48) for _ in range(batch)]
         system.run(arrivals, rate=1.0)
     finally:
         system.shutdown()

@@ -33,11 +33,10 @@ from pathlib import Path
 
 from bench import serve_cluster
 from bench.text_prompts import log_uniform
-from bench.workload import percentile, result_header, write_result
+from bench.workload import percentile, random_tokens, result_header, write_result
 
 SEEDS = (0, 1, 2)
 NO_SHARED_PAIRS = 5
-TOKENS = (1000, 40000)  # random prompt ids from the ordinary vocabulary
 OUTPUT_TOKENS = 32
 GOALS = {
     "shared_prefix_ttft_p50_ratio_max": 0.3,
@@ -59,10 +58,6 @@ class Conversation:
     arrival_s: float
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(*TOKENS) for _ in range(n)]
-
-
 def _arrivals(rng: random.Random, n: int, rate: float | None) -> list[float]:
     if rate is None:
         return [0.0] * n
@@ -75,22 +70,24 @@ def _arrivals(rng: random.Random, n: int, rate: float | None) -> list[float]:
 
 def shared_prefix(seed: int, rate: float | None) -> list[Turn]:
     rng = random.Random(seed)
-    systems = [_tokens(rng, 512) for _ in range(4)]
-    prompts = [system + _tokens(rng, 32) for system in systems for _ in range(8)]
+    systems = [random_tokens(rng, 512) for _ in range(4)]
+    prompts = [system + random_tokens(rng, 32) for system in systems for _ in range(8)]
     rng.shuffle(prompts)
     return [Turn(p, t) for p, t in zip(prompts, _arrivals(rng, len(prompts), rate), strict=True)]
 
 
 def no_shared(seed: int) -> list[Turn]:
     rng = random.Random(seed)
-    return [Turn(_tokens(rng, log_uniform(rng, 64, 512)), 0.0) for _ in range(32)]
+    return [Turn(random_tokens(rng, log_uniform(rng, 64, 512)), 0.0) for _ in range(32)]
 
 
 def conversations(seed: int, rate: float | None) -> list[Conversation]:
     rng = random.Random(seed)
     return [
         Conversation(
-            _tokens(rng, 128), [_tokens(rng, rng.randint(32, 64)) for _ in range(rng.randint(4, 8))], start
+            random_tokens(rng, 128),
+            [random_tokens(rng, rng.randint(32, 64)) for _ in range(rng.randint(4, 8))],
+            start,
         )
         for start in _arrivals(rng, 8, rate)
     ]

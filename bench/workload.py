@@ -42,6 +42,13 @@ def uniform_workload(
     )
 
 
+RANDOM_TOKEN_RANGE = (1000, 40000)  # random prompt ids from the ordinary vocabulary
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*RANDOM_TOKEN_RANGE) for _ in range(n)]
+
+
 def write_result(path: Path, result: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))

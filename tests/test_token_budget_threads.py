@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bench.workload import percentile as percentile_of
+from bench.workload import random_tokens
 from replica_engine import EngineConfig, SamplingParams
 from replica_engine.engine import LLMEngine
 from replica_engine.scheduler.plan import StepSummary
@@ -26,19 +27,15 @@ def chunk_steps(config: EngineConfig, threads: int) -> list[float]:
     engine = LLMEngine(config)
     steps: list[StepSummary] = []
     rng = random.Random(0)
-    warm_up = [rng.randrange(1000, 40000) for _ in range(600)]  # first passes at each shape are slow
+    warm_up = random_tokens(rng, 600)  # first passes at each shape are slow
     engine.add_request(warm_up, SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     engine.step_listeners.append(steps.append)
     for _ in range(4):
-        engine.add_request(
-            [rng.randrange(1000, 40000) for _ in range(24)], SamplingParams(max_tokens=60, ignore_eos=True)
-        )
+        engine.add_request(random_tokens(rng, 24), SamplingParams(max_tokens=60, ignore_eos=True))
     for _ in range(2):  # long prompts arriving while they decode
-        engine.add_request(
-            [rng.randrange(1000, 40000) for _ in range(900)], SamplingParams(max_tokens=2, ignore_eos=True)
-        )
+        engine.add_request(random_tokens(rng, 900), SamplingParams(max_tokens=2, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.core.kv_cache.num_free_blocks == engine.core.kv_cache.num_blocks

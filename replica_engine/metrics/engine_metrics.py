@@ -129,16 +129,16 @@ class EngineMetrics:
             self.preemptions.inc(summary.num_preempted, self.labels)
 
     def record_budget(
-        self, budget: BudgetDecision | None, predicted_s: float, measured_s: float, tbt_slo_s: float
+        self, decision: BudgetDecision | None, predicted_s: float, measured_s: float, tbt_slo_s: float
     ) -> None:
         """A step run under a TBT target: the budget it was given (if it had a prompt chunk) and how
         well its time was predicted."""
         self.step_time_prediction_ratio.observe(measured_s / max(predicted_s, 1e-9), self.labels)
         if measured_s > tbt_slo_s:
             self.steps_over_slo.inc(1, self.labels)
-        if budget is not None:
-            self.step_token_budget.observe(budget.token_budget, self.labels)
-            if budget.decodes_over_slo:
+        if decision is not None:
+            self.step_token_budget.observe(decision.token_budget, self.labels)
+            if decision.decodes_over_slo:
                 self.steps_decodes_over_slo.inc(1, self.labels)
 
     def record_token(self, request: Request, now: float, previous_token_time: float | None) -> None:

@@ -93,10 +93,8 @@ class StepTimeModel:
         features = np.stack([f for f, _ in samples])
         seconds = np.array([s for _, s in samples])
         self.coefficients = _non_negative_least_squares(features, seconds)
-        recent = list(self._window) or self._profile
-        predicted = np.stack([f for f, _ in recent]) @ self.coefficients
-        measured = np.array([s for _, s in recent])
-        ratios = measured / np.maximum(predicted, 1e-9)
+        recent = slice(len(self._profile) if self._window else 0, None)  # the window, else the profile
+        ratios = seconds[recent] / np.maximum(features[recent] @ self.coefficients, 1e-9)
         self.calibration = float(np.quantile(ratios, self.quantile))
 
 
