@@ -1,6 +1,6 @@
 """The startup profile of the step-time model: a few synthetic steps of known composition (prompt
 chunks 64 and 512 tokens into a sequence, decode batches at those contexts, and a mix), timed on
-the real model before the replica takes requests. ~2-12 s on a CPU, once."""
+the real model before the replica takes requests, once (the replica logs how long it took)."""
 
 from __future__ import annotations
 
