@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test serve lint bench
+.PHONY: setup test test-fast serve lint bench
 
 setup: $(STAMP)
 
@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml Makefile
 
 test: setup
 	$(PY) -m pytest -q
+
+# Everything that needs no Ray cluster: engine, kernels, scheduler, routers' logic (a few minutes).
+test-fast: setup
+	$(PY) -m pytest -q -m "not ray"
 
 serve: setup
 	$(VENV)/bin/serve run serve_config.yaml

@@ -6,7 +6,7 @@ EngineReplica killed mid-load, on a real local Ray cluster. Writes a JSON report
 
 Each request is a random-token prompt of 8-512 tokens (log-uniform) asking for 1-128 greedy
 tokens (uniform) with ignore_eos, so a completed request must return exactly max_tokens tokens
-(and, where the expected outputs were computed offline, as tests/test_load.py does, exactly those
+(and, where the expected outputs were computed offline, as tests/serve/test_load.py does, exactly those
 tokens: a hang-up must have received a prefix of them). A
 client picked to hang up does so after a random number of chunks. Once `--kill-after` of the
 requests have ended, one of the app's two replicas is killed as a crash would (ray.kill); Serve

@@ -1,7 +1,7 @@
 """Prompt text to token ids without transformers or torch: the model's `tokenizer.json` through
 the `tokenizers` library (what transformers' fast tokenizers run), and its chat template through
 jinja2 set up as transformers sets it up (sandboxed, trim_blocks, lstrip_blocks, the special
-tokens as variables). tests/test_common.py checks both against transformers' tokenizer."""
+tokens as variables). tests/common/test_common.py checks both against transformers' tokenizer."""
 
 from __future__ import annotations
 

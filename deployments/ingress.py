@@ -2,7 +2,7 @@
 
 It parses and checks requests, tokenizes them (the chat template applied), decides max_tokens,
 asks a replica through a streaming DeploymentHandle with token ids, and writes OpenAI bodies or
-Server-Sent Events. It imports no torch (tests/test_common.py checks): the model lives in the
+Server-Sent Events. It imports no torch (tests/common/test_common.py checks): the model lives in the
 replicas, and the router that runs in this process sees exact prompt lengths."""
 
 import asyncio

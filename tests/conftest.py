@@ -18,9 +18,18 @@ from common.model_source import DEFAULT_MODEL, resolve_model
 from replica_engine import LLM
 
 
+# Fixtures that start (or stand on) the session's Ray cluster.
+RAY_FIXTURES = {"serve_cluster", "small_app", "prometheus"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests with a Ray cluster of their own run first: their `ray stop` stops every Ray process
-    on the machine, which must not include the session's shared cluster (started later)."""
+    """Every test that starts Ray is marked `ray` (so `make test-fast` can leave them out). Tests
+    with a Ray cluster of their own run first: their `ray stop` stops every Ray process on the
+    machine, which must not include the session's shared cluster (started later)."""
+    for item in items:
+        uses_shared = RAY_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if uses_shared or item.get_closest_marker("own_ray_cluster") is not None:
+            item.add_marker(pytest.mark.ray)
     items.sort(key=lambda item: item.get_closest_marker("own_ray_cluster") is None)
 
 
@@ -97,7 +106,7 @@ def small_app(serve_cluster):
 @pytest.fixture(scope="session")
 def prometheus(serve_cluster, tmp_path_factory: pytest.TempPathFactory):
     """A real Prometheus scraping the cluster (installed from Debian's package when missing)."""
-    from tests import prometheus_server
+    from tests.serve import prometheus_server
 
     binary, why_not = prometheus_server.find_or_install()
     if binary is None:

@@ -18,7 +18,7 @@ from bench.serve_cluster import (
     scrape_by_replica,
     wait_for,
 )
-from tests import prometheus_server
+from tests.serve import prometheus_server
 
 DASHBOARD = REPO / "dashboards" / "stallfree.json"
 MAIN_APP = {"application": "stallfree", "deployment": "EngineReplica"}

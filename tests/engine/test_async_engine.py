@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from replica_engine import AsyncEngine, EngineConfig, InvalidRequestError, SamplingParams
-from tests.engine_idle import is_idle, wait_idle
+from tests.engine.engine_idle import is_idle, wait_idle
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from router.prefix_index import PrefixIndex, summary_stats
 from router.prefix_policy import BY_LOAD_GUARD, BY_PREFIX, PrefixPolicy, rank_by_prefix
 from router.prefix_router import KVPrefixRouter
 from router.pressure import BY_KV, BY_QUEUE, PressureTracker, ReplicaLoad
-from tests.test_router import report
+from tests.fleet.test_router import report
 
 NOW = 1000.0
 ROOT = root_hash("model", None)

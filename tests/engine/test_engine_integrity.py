@@ -23,8 +23,8 @@ from replica_engine.flat_batch import build_flat_batch
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID
 from replica_engine.request import FinishReason, Request
 from replica_engine.scheduler.plan import ScheduledBatch, ScheduledRow
-from tests.engine_idle import wait_idle
-from tests.scheduler_harness import make_scheduler
+from tests.engine.engine_idle import wait_idle
+from tests.engine.scheduler_harness import make_scheduler
 
 STORY = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps as his "

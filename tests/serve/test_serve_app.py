@@ -15,7 +15,7 @@ from ray import serve
 
 from bench.serve_cluster import ServeCluster, post_concurrently, scrape, wait_for
 from replica_engine import LLM, EngineStats, SamplingParams
-from tests.engine_idle import wait_idle
+from tests.engine.engine_idle import wait_idle
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from replica_engine.attention import get_backend
-from tests.attention_batches import paged_batch
+from tests.engine.attention_batches import paged_batch
 
 
 def _dense_attention(q, k, v, scale):

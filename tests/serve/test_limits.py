@@ -14,7 +14,7 @@ from bench.serve_cluster import ServeCluster, scrape, wait_for
 from bench.sse_client import stream_completion
 from deployments.app import AppArgs, build_app
 from replica_engine import LLM, EngineStats, SamplingParams
-from tests.engine_idle import wait_idle
+from tests.engine.engine_idle import wait_idle
 
 SMALL_APP = {"application": "small", "deployment": "EngineReplica"}
 

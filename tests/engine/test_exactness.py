@@ -1,12 +1,12 @@
 """Greedy outputs of our engine against Hugging Face `generate` on the same fp32 weights, up to
-near-ties (tests/hf_reference.py)."""
+near-ties (tests/engine/hf_reference.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from replica_engine import LLM, SamplingParams
-from tests.hf_reference import assert_matches_up_to_ties, hf_greedy
+from tests.engine.hf_reference import assert_matches_up_to_ties, hf_greedy
 
 PROMPTS = [
     "The capital of France is",

@@ -11,7 +11,7 @@ from common.messages import ChoiceDelta, GenerateError, GenerateRequest
 from deployments.engine_replica import EngineReplica, wrap_int64
 from replica_engine import EngineConfig, SamplingParams
 from replica_engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
-from tests.engine_idle import is_idle, wait_idle
+from tests.engine.engine_idle import is_idle, wait_idle
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
 from replica_engine.request import FinishReason, Request, RequestStatus
 from replica_engine.scheduler import Scheduler
 from replica_engine.scheduler.plan import ScheduledBatch
-from tests.scheduler_harness import Arrival, arrival_order, make_scheduler, run_to_completion
+from tests.engine.scheduler_harness import Arrival, arrival_order, make_scheduler, run_to_completion
 
 
 def _add(scheduler: Scheduler, name: str, prompt_len: int, max_tokens: int = 8) -> Request:

@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (it is in
 
 from replica_engine.attention import get_backend  # noqa: E402
 from replica_engine.attention.triton_paged import TritonAttention  # noqa: E402
-from tests.attention_batches import paged_batch  # noqa: E402
+from tests.engine.attention_batches import paged_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = {

@@ -1,5 +1,5 @@
 """The step-time model and the token budget it sets from a TBT target (no model: the scheduler is
-driven by tests/scheduler_harness.py, step times are synthetic)."""
+driven by tests/engine/scheduler_harness.py, step times are synthetic)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from replica_engine.scheduler.step_time_model import StepShape, StepTimeModel
 from replica_engine.scheduler.token_budget import MIN_PREFILL_CHUNK, SLOTokenBudget
-from tests.scheduler_harness import Arrival, run_to_completion
+from tests.engine.scheduler_harness import Arrival, run_to_completion
 
 # A CPU-like step: 15 ms over the weights, 0.4 ms a prompt token, 0.5 ms a decode, attention 0.3 µs
 # a query-key pair, 0.8 ms a request.
