@@ -17,7 +17,6 @@ if not torch.cuda.is_available():
 from common.model_source import DEFAULT_MODEL, resolve_model
 from replica_engine import LLM
 
-
 # Fixtures that start (or stand on) the session's Ray cluster.
 RAY_FIXTURES = {"serve_cluster", "small_app", "prometheus"}
 
