@@ -16,6 +16,7 @@ from ray import serve
 from common.block_hash import root_hash
 from common.block_summary import BlockSummary
 from common.messages import ChoiceDelta, GenerateError, GenerateRequest
+from common.routing_stats import RoutingStats
 from common.sampling_params import INT64_MIN
 from replica_engine import (
     AsyncEngine,
@@ -29,7 +30,6 @@ from replica_engine.metrics import EngineMetrics, RayServeSink
 from replica_engine.outputs import RequestOutput
 from replica_engine.request import FinishReason
 from router.autoscaling import KV_USAGE, WAITING
-from router.prefix_index import summary_stats
 
 # A summary sized for the whole pool, up to this many keys (39 KiB at 1%); a larger pool's full
 # cache raises the false-positive rate instead (common/block_summary.py gives the formula).
@@ -179,19 +179,20 @@ class EngineReplica:
         return self.engine.stats()
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """For the routers (router.pressure.ReplicaLoad, router.prefix_index), every ~0.5 s."""
+        """For the routers, every ~0.5 s: a RoutingStats, as the plain dict Serve carries."""
         stats = self.engine.stats()
-        return {
-            **summary_stats(self._block_summary(stats), self._hash_root),
-            "num_total_blocks": stats.num_total_blocks,
-            "num_free_blocks": stats.num_free_blocks,  # cached but unheld blocks count as free
-            "num_cached_free_blocks": stats.num_cached_free_blocks,
-            "num_waiting_prompt_tokens": stats.num_waiting_prompt_tokens,
-            "num_waiting": stats.num_waiting,
-            "num_running": stats.num_running,
-            "block_size": self.engine.inputs.config.block_size,
-            "report_seq": next(self._report_seq),
-        }
+        return RoutingStats(
+            num_total_blocks=stats.num_total_blocks,
+            num_free_blocks=stats.num_free_blocks,
+            num_cached_free_blocks=stats.num_cached_free_blocks,
+            num_waiting_prompt_tokens=stats.num_waiting_prompt_tokens,
+            num_waiting=stats.num_waiting,
+            num_running=stats.num_running,
+            block_size=self.engine.inputs.config.block_size,
+            report_seq=next(self._report_seq),
+            block_summary=self._block_summary(stats),
+            hash_root=self._hash_root,
+        ).to_report()
 
     def _block_summary(self, stats: EngineStats) -> BlockSummary:
         """A Bloom filter of every block key the pool holds, rebuilt only when they changed."""

@@ -6,6 +6,7 @@ per rank, best first (router/pressure.py says how)."""
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from typing import Any
@@ -21,9 +22,13 @@ from ray.serve.request_router import (
 
 from common.messages import GenerateRequest
 from common.metrics_sinks import Counter, MetricsSink, RayServeSink
-from router.pressure import PressureTracker, ReplicaLoad
+from common.routing_stats import MalformedRoutingStats, RoutingStats
+from router.pressure import PressureTracker
 
 ROUTED_METRIC = "stallfree_router_requests_routed"
+MALFORMED_METRIC = "stallfree_router_malformed_routing_stats"
+
+logger = logging.getLogger(__name__)
 
 
 def requested_tokens(request: PendingRequest) -> int:
@@ -34,12 +39,33 @@ def requested_tokens(request: PendingRequest) -> int:
 
 class KVPressureRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, sink: MetricsSink | None = None, **kwargs: Any) -> None:
+        sink = sink or RayServeSink()
         self.tracker = PressureTracker()
-        self._routed: Counter = (sink or RayServeSink()).counter(
+        self._routed: Counter = sink.counter(
             ROUTED_METRIC,
             "Requests routed to an EngineReplica, by replica and reason",
             ("target_replica", "reason"),
         )
+        self._malformed: Counter = sink.counter(
+            MALFORMED_METRIC,
+            "Routing-stats reports a router could not read (each replica counted once a spell)",
+            ("target_replica",),
+        )
+        self._malformed_replicas: set[ReplicaID] = set()
+
+    def read_stats(self, replica: RunningReplica) -> RoutingStats | None:
+        """The replica's latest report; None if it has none yet, or (logged and counted once
+        until it sends a good one) if it is malformed: routed as a replica without stats."""
+        try:
+            stats = RoutingStats.from_report(replica.routing_stats)
+        except MalformedRoutingStats as error:
+            if replica.replica_id not in self._malformed_replicas:
+                self._malformed_replicas.add(replica.replica_id)
+                logger.error("replica %s sent malformed routing stats: %s", replica.replica_id, error)
+                self._malformed.inc(1, {"target_replica": replica.replica_id.unique_id})
+            return None
+        self._malformed_replicas.discard(replica.replica_id)
+        return stats
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -52,7 +78,7 @@ class KVPressureRouter(FIFOMixin, RequestRouter):
             for replica_id in by_id
             if (queue_len := self.replica_queue_len_cache.get(replica_id)) is not None
         }
-        stats = {replica_id: replica.routing_stats for replica_id, replica in by_id.items()}
+        stats = {replica_id: self.read_stats(replica) for replica_id, replica in by_id.items()}
         now = time.monotonic()
         ranking = self.rank(stats, queue_lens, pending_request, now)
         if pending_request is not None and ranking:
@@ -65,7 +91,7 @@ class KVPressureRouter(FIFOMixin, RequestRouter):
 
     def rank(
         self,
-        stats: dict[ReplicaID, dict[str, Any] | None],
+        stats: dict[ReplicaID, RoutingStats | None],
         queue_lens: dict[ReplicaID, int],
         pending_request: PendingRequest | None,
         now: float,
@@ -82,10 +108,11 @@ class KVPressureRouter(FIFOMixin, RequestRouter):
         """Note when each report was received; forget replicas that are gone."""
         now = time.monotonic()
         for replica in replicas:
-            load = ReplicaLoad.parse(replica.routing_stats)
-            if load is not None:
-                self.tracker.observe(replica.replica_id, load, now)
+            stats = self.read_stats(replica)
+            if stats is not None:
+                self.tracker.observe(replica.replica_id, stats, now)
         self.tracker.keep_only(replica.replica_id for replica in replicas)
+        self._malformed_replicas &= {replica.replica_id for replica in replicas}
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
@@ -106,7 +133,7 @@ class KVPressureRouter(FIFOMixin, RequestRouter):
         # The reason follows from the chosen replica's report, so no per-request state is kept
         # (state per pending request would leak for requests cancelled before routing).
         replica = self.curr_replicas.get(replica_id)
-        return self.tracker.reason(replica_id, ReplicaLoad.parse(replica.routing_stats if replica else None))
+        return self.tracker.reason(replica_id, self.read_stats(replica) if replica else None)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.tracker.on_finished(internal_request_id)

@@ -10,38 +10,17 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from common.block_hash import BlockHash
 from common.block_summary import BlockSummary
+from common.routing_stats import RoutingStats
 
 RECENT_TTL_S = 10.0
 MAX_RECENT_KEYS = 1 << 16  # per replica: a bound on this router's memory, not a tuning knob
-
-# Routing-stats keys (EngineReplica.record_routing_stats).
-SUMMARY_BITS = "block_summary_bits"
-SUMMARY_PROBES = "block_summary_probes"
-HASH_ROOT = "block_hash_root"
-
-
-def summary_stats(summary: BlockSummary, hash_root: BlockHash) -> dict[str, Any]:
-    """A summary as plain routing-stats values (bytes and ints travel through Serve's controller
-    without it importing this package)."""
-    return {SUMMARY_BITS: summary.bits, SUMMARY_PROBES: summary.num_probes, HASH_ROOT: hash_root}
-
-
-def parse_summary(stats: Mapping[str, Any] | None) -> tuple[BlockSummary, BlockHash] | None:
-    try:
-        bits, probes, root = stats[SUMMARY_BITS], stats[SUMMARY_PROBES], stats[HASH_ROOT]  # type: ignore[index]
-    except (KeyError, TypeError):
-        return None
-    if not isinstance(bits, bytes) or not bits or not isinstance(probes, int) or probes < 1:
-        return None
-    return BlockSummary(len(bits) * 8, probes, bits), root
 
 
 @dataclass
@@ -57,17 +36,13 @@ class PrefixIndex:
     _held: dict[Hashable, _Held] = field(default_factory=dict)  # replica -> its latest summary
     _recent: dict[Hashable, OrderedDict[BlockHash, float]] = field(default_factory=dict)  # -> sent at
 
-    def observe(self, replica: Hashable, stats: Mapping[str, Any] | None, report_seq: int) -> None:
+    def observe(self, replica: Hashable, stats: RoutingStats) -> None:
         """A replica's report: its summary replaces the last one, and sent keys it holds go."""
         held = self._held.get(replica)
-        if held is not None and held.report_seq == report_seq:
+        if held is not None and held.report_seq == stats.report_seq:
             return
-        parsed = parse_summary(stats)
-        if parsed is None:
-            self._held.pop(replica, None)
-            return
-        summary, root = parsed
-        self._held[replica] = _Held(report_seq, summary, root)
+        summary = stats.block_summary
+        self._held[replica] = _Held(stats.report_seq, summary, stats.hash_root)
         recent = self._recent.get(replica)
         if recent:
             keys = list(recent)

@@ -19,11 +19,11 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from common.block_hash import BlockHash
+from common.routing_stats import RoutingStats
 from router.prefix_index import PrefixIndex
-from router.pressure import BY_KV, PressureTracker, ReplicaLoad
+from router.pressure import BY_KV, PressureTracker
 
 BY_PREFIX = "prefix-hit"  # fresh stats, chosen replica holds part of the prompt
 BY_LOAD_GUARD = "load-guard"  # the cheapest replica was too busy: ranked by requests instead
@@ -60,7 +60,7 @@ def rank_by_prefix(
     policy: PrefixPolicy,
     tracker: PressureTracker,
     index: PrefixIndex,
-    stats: Mapping[Hashable, Mapping[str, Any] | None],
+    stats: Mapping[Hashable, RoutingStats | None],
     queue_lens: Mapping[Hashable, int],
     prompt_keys: Sequence[BlockHash],
     now: float,
@@ -72,8 +72,8 @@ def rank_by_prefix(
         return Decision(by_load, {})
     candidates = []
     for replica in fresh:
-        load = ReplicaLoad.parse(stats[replica])
-        assert load is not None
+        load = stats[replica]
+        assert load is not None  # ranked by KV: it has stats
         pressure = tracker.pressure(replica, load, now)
         overlap = index.overlap(replica, prompt_keys, now)
         load_blocks = pressure * max(1, load.num_total_blocks)

@@ -19,10 +19,10 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from common.block_hash import BlockHash, chain_block_hashes
 from common.messages import GenerateRequest
 from common.metrics_sinks import MetricsSink, RayServeSink
+from common.routing_stats import RoutingStats
 from router.kv_router import KVPressureRouter
 from router.prefix_index import PrefixIndex
 from router.prefix_policy import PrefixPolicy, rank_by_prefix
-from router.pressure import ReplicaLoad
 
 OVERLAP_METRIC = "stallfree_router_prefix_overlap_tokens"
 OVERLAP_BUCKETS = (1, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384)  # Ray: bounds > 0; le=1 is "none"
@@ -54,15 +54,14 @@ class KVPrefixRouter(KVPressureRouter):
 
     def rank(
         self,
-        stats: dict[ReplicaID, dict[str, Any] | None],
+        stats: dict[ReplicaID, RoutingStats | None],
         queue_lens: dict[ReplicaID, int],
         pending_request: PendingRequest | None,
         now: float,
     ) -> list[tuple[ReplicaID, str]]:
         for replica_id, replica_stats in stats.items():  # Serve updates a replica's stats in place
-            load = ReplicaLoad.parse(replica_stats)
-            if load is not None:
-                self.index.observe(replica_id, replica_stats, load.report_seq)
+            if replica_stats is not None:
+                self.index.observe(replica_id, replica_stats)
         pending = self._pending_for(pending_request, stats)
         keys = pending.keys if pending is not None else []
         decision = rank_by_prefix(self.policy, self.tracker, self.index, stats, queue_lens, keys, now)
@@ -75,7 +74,9 @@ class KVPrefixRouter(KVPressureRouter):
             self.index.on_sent(decision.ranking[0][0], keys, now)
         return decision.ranking
 
-    def _pending_for(self, request: PendingRequest | None, stats: dict[Any, Any]) -> _Pending | None:
+    def _pending_for(
+        self, request: PendingRequest | None, stats: dict[ReplicaID, RoutingStats | None]
+    ) -> _Pending | None:
         """This request's prompt keys (hashed once, kept across Serve's retries)."""
         if request is None:
             return None
@@ -87,7 +88,9 @@ class KVPrefixRouter(KVPressureRouter):
                 self._pending.popitem(last=False)
         return pending
 
-    def _prompt_keys(self, request: PendingRequest, stats: dict[Any, Any]) -> list[BlockHash]:
+    def _prompt_keys(
+        self, request: PendingRequest, stats: dict[ReplicaID, RoutingStats | None]
+    ) -> list[BlockHash]:
         """The first prompt's full blocks' keys; none for a salted request (routed by load) or
         before any replica has reported its chain root and block size."""
         generate = next((arg for arg in request.args if isinstance(arg, GenerateRequest)), None)
@@ -128,5 +131,5 @@ class KVPrefixRouter(KVPressureRouter):
             self._overlap.observe(overlap, {"target_replica": replica_id.unique_id})
 
 
-def _block_size(stats: dict[Any, Any]) -> int:
-    return next((load.block_size for s in stats.values() if (load := ReplicaLoad.parse(s))), 16)
+def _block_size(stats: dict[ReplicaID, RoutingStats | None]) -> int:
+    return next((s.block_size for s in stats.values() if s is not None), 16)

@@ -17,7 +17,8 @@ import math
 import time
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+
+from common.routing_stats import RoutingStats
 
 STALE_AFTER_S = 2.0  # four missed reports at the 0.5 s period
 # A report received this long after a request finished was taken after it (0.5 s period plus
@@ -31,32 +32,6 @@ MAX_IN_FLIGHT_S = 600.0
 BY_KV = "kv"  # fresh stats: ranked by predicted KV pressure
 BY_QUEUE = "queue-fallback"  # stale stats: ranked by queue length, after every fresh replica
 NO_STATS = "no-stats"  # never reported: as stale
-
-
-@dataclass(frozen=True)
-class ReplicaLoad:
-    """What a replica reports (EngineReplica.record_routing_stats)."""
-
-    num_total_blocks: int
-    num_free_blocks: int  # cached but unheld blocks count as free (evictable)
-    num_cached_free_blocks: int  # of the free blocks, those still holding a prefix-cache key
-    num_waiting_prompt_tokens: int
-    num_waiting: int
-    num_running: int
-    block_size: int
-    report_seq: int  # counts the replica's reports: a new number is a new report
-
-    @classmethod
-    def parse(cls, stats: Mapping[str, Any] | None) -> ReplicaLoad | None:
-        try:
-            return cls(**{name: stats[name] for name in cls.__dataclass_fields__})  # type: ignore[index]
-        except (KeyError, TypeError):
-            return None
-
-    def used_blocks(self) -> float:
-        """Blocks held, plus the blocks its queue will need for prompts alone."""
-        waiting_blocks = math.ceil(self.num_waiting_prompt_tokens / self.block_size)
-        return self.num_total_blocks - self.num_free_blocks + waiting_blocks
 
 
 @dataclass
@@ -88,7 +63,7 @@ class PressureTracker:
     _freed: dict[Hashable, list[_Freed]] = field(default_factory=dict)  # replica -> finished since
     _received: dict[Hashable, _Received] = field(default_factory=dict)  # replica -> its latest report
 
-    def observe(self, replica: Hashable, load: ReplicaLoad, now: float | None = None) -> float:
+    def observe(self, replica: Hashable, load: RoutingStats, now: float | None = None) -> float:
         """When this router first saw `load` (now, if it is a new report)."""
         seen = self._received.get(replica)
         if seen is None or seen.report_seq != load.report_seq:
@@ -134,14 +109,14 @@ class PressureTracker:
         """Requests sent to `replica` that its latest report cannot know."""
         return sum(1 for s in self._sent.values() if s.replica == replica and not s.reported)
 
-    def pressure(self, replica: Hashable, load: ReplicaLoad, now: float | None = None) -> float:
+    def pressure(self, replica: Hashable, load: RoutingStats, now: float | None = None) -> float:
         self.observe(replica, load, now)
         in_flight_blocks = math.ceil(self.in_flight_tokens(replica) / load.block_size)
         freed_blocks = self.freed_tokens(replica) // load.block_size
         used = max(0, load.used_blocks() + in_flight_blocks - freed_blocks)
         return used / max(1, load.num_total_blocks)
 
-    def reason(self, replica: Hashable, load: ReplicaLoad | None, now: float | None = None) -> str:
+    def reason(self, replica: Hashable, load: RoutingStats | None, now: float | None = None) -> str:
         """How a replica with this report ranks: by KV pressure if it is fresh, else by queue."""
         if load is None:
             return NO_STATS
@@ -151,7 +126,7 @@ class PressureTracker:
     def rank(
         self,
         replicas: Iterable[Hashable],
-        stats: Mapping[Hashable, Mapping[str, Any] | None],
+        stats: Mapping[Hashable, RoutingStats | None],
         queue_lens: Mapping[Hashable, int],
         now: float | None = None,
     ) -> list[tuple[Hashable, str]]:
@@ -160,7 +135,7 @@ class PressureTracker:
         now = _now(now)
         fresh, fallback = [], []
         for replica in replicas:
-            load = ReplicaLoad.parse(stats.get(replica))
+            load = stats.get(replica)
             queue_len = queue_lens.get(replica, math.inf)
             reason = self.reason(replica, load, now)
             if reason == BY_KV:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import prometheus_client
@@ -18,11 +19,12 @@ from common.block_hash import chain_block_hashes, root_hash
 from common.block_summary import BlockSummary
 from common.messages import GenerateRequest
 from common.metrics_sinks import PrometheusSink
+from common.routing_stats import RoutingStats
 from common.sampling_params import SamplingParams
-from router.prefix_index import PrefixIndex, summary_stats
+from router.prefix_index import PrefixIndex
 from router.prefix_policy import BY_LOAD_GUARD, BY_PREFIX, PrefixPolicy, rank_by_prefix
 from router.prefix_router import KVPrefixRouter
-from router.pressure import BY_KV, BY_QUEUE, PressureTracker, ReplicaLoad
+from router.pressure import BY_KV, BY_QUEUE, PressureTracker
 from tests.fleet.test_router import report
 
 NOW = 1000.0
@@ -33,15 +35,16 @@ def chain(token_ids: list[int]) -> list[bytes]:
     return chain_block_hashes(ROOT, token_ids, 16)
 
 
-def stats_holding(keys: list[bytes], seq: int = 0, free: int = 90, **load: int) -> dict:
-    return {**report(free, seq=seq, **load), **summary_stats(BlockSummary.of(keys, capacity=256), ROOT)}
+def stats_holding(keys: list[bytes], seq: int = 0, free: int = 90, **load: int) -> RoutingStats:
+    summary = BlockSummary.of(keys, capacity=256)
+    return replace(report(free, seq=seq, **load), block_summary=summary, hash_root=ROOT)
 
 
 def index_of(stats: dict) -> PrefixIndex:
     index = PrefixIndex()
     for replica, replica_stats in stats.items():
         if replica_stats is not None:
-            index.observe(replica, replica_stats, ReplicaLoad.parse(replica_stats).report_seq)
+            index.observe(replica, replica_stats)
     return index
 
 
@@ -66,10 +69,10 @@ def test_what_the_router_sent_counts_until_a_report_holds_it_or_it_expires():
     index = index_of({"a": stats_holding([], seq=0)})
     index.on_sent("a", PROMPT[:6], now=NOW)
     assert index.overlap("a", PROMPT, now=NOW + 1) == 6
-    index.observe("a", stats_holding(PROMPT[:6], seq=1), report_seq=1)  # now the summary covers them
+    index.observe("a", stats_holding(PROMPT[:6], seq=1))  # now the summary covers them
     assert index.overlap("a", PROMPT, now=NOW + 1) == 6
     index.on_sent("a", PROMPT, now=NOW + 2)
-    index.observe("a", stats_holding([], seq=2), report_seq=2)  # evicted, and nothing computed yet
+    index.observe("a", stats_holding([], seq=2))  # evicted, and nothing computed yet
     assert index.overlap("a", PROMPT, now=NOW + 3) == 10  # the sent prompt still counts ...
     assert index.overlap("a", PROMPT, now=NOW + 2 + index.recent_ttl_s + 0.1) == 0  # ... for a while
 
@@ -101,13 +104,13 @@ def test_the_replica_holding_the_prompt_wins_unless_its_load_outweighs_the_prefi
 def test_a_prefix_nobody_holds_goes_where_less_idle_content_would_be_crowded_out():
     # Equal load; a's cache holds an idle tenant's 60 blocks, b's holds 20: a new tenant goes to b.
     stats = {
-        "a": {**stats_holding([], free=90), "num_cached_free_blocks": 60},
-        "b": {**stats_holding([], free=90), "num_cached_free_blocks": 20},
+        "a": replace(stats_holding([], free=90), num_cached_free_blocks=60),
+        "b": replace(stats_holding([], free=90), num_cached_free_blocks=20),
     }
     assert decide(stats, PROMPT).ranking[0] == ("b", BY_KV)
     # but the tenant's own idle prefix keeps it there (held blocks save 2 each, cost 0.5): a 0 +
     # 10 used + 0.5 * 50 = 35 against b's 10 + 10 + 10 + 0.5 * 20 = 40
-    stats["a"] = {**stats_holding(PROMPT, free=90), "num_cached_free_blocks": 50}
+    stats["a"] = replace(stats_holding(PROMPT, free=90), num_cached_free_blocks=50)
     assert decide(stats, PROMPT).ranking[0] == ("a", BY_PREFIX)
 
 
@@ -123,13 +126,13 @@ def test_with_no_overlap_anywhere_it_ranks_as_kv_pressure():
 def test_the_load_guard_sends_a_hot_prefix_elsewhere_when_its_holder_is_much_busier():
     policy = PrefixPolicy(prefill_weight=100.0)  # the prefix alone would always win
     idle = stats_holding([], free=90)  # 1 running request
-    busy = {"a": {**stats_holding(PROMPT, free=90), "num_running": 10}, "b": idle}
+    busy = {"a": replace(stats_holding(PROMPT, free=90), num_running=10), "b": idle}
     assert decide(busy, PROMPT, policy).ranking[0] == ("b", BY_LOAD_GUARD)
     # within the slack (8 requests more) it stays with the prefix ...
-    near = {**busy, "a": {**busy["a"], "num_running": 9}}
+    near = {**busy, "a": replace(busy["a"], num_running=9)}
     assert decide(near, PROMPT, policy).ranking[0] == ("a", BY_PREFIX)
     # ... and within 50% of the least busy one's count, however many more that is
-    crowded = {"a": {**busy["a"], "num_running": 30}, "b": {**idle, "num_running": 21}}
+    crowded = {"a": replace(busy["a"], num_running=30), "b": replace(idle, num_running=21)}
     assert decide(crowded, PROMPT, policy).ranking[0] == ("a", BY_PREFIX)
     # KV load alone never trips it: the cost weighs it
     full = {**busy, "a": stats_holding(PROMPT, free=20)}
@@ -139,7 +142,7 @@ def test_the_load_guard_sends_a_hot_prefix_elsewhere_when_its_holder_is_much_bus
 def test_stale_and_missing_stats_rank_after_fresh_ones_whatever_they_hold():
     stats = {"stale": stats_holding(PROMPT, free=99), "fresh": stats_holding([], free=10), "none": None}
     tracker = PressureTracker()
-    tracker.observe("stale", ReplicaLoad.parse(stats["stale"]), now=NOW - 10)
+    tracker.observe("stale", stats["stale"], now=NOW - 10)
     ranking = decide(stats, PROMPT, tracker=tracker).ranking
     assert ranking[0] == ("fresh", BY_KV) and ("stale", BY_QUEUE) in ranking
 
@@ -172,7 +175,7 @@ def route(router: KVPrefixRouter, replicas: list, prompts: list[list[int]], salt
 def router_over(stats: dict[str, dict]) -> tuple[KVPrefixRouter, list]:
     """A router that has seen these replicas' reports (stand-ins for Serve's RunningReplica: the
     router reads only replica_id and routing_stats)."""
-    replicas = [SimpleNamespace(replica_id=name, routing_stats=s) for name, s in stats.items()]
+    replicas = [SimpleNamespace(replica_id=name, routing_stats=s.to_report()) for name, s in stats.items()]
     router = make_router()
     router.observe_reports(replicas)
     return router, replicas

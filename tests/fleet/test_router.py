@@ -9,37 +9,43 @@ from types import SimpleNamespace
 import prometheus_client
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
-from ray.serve.request_router import PendingRequest
+from ray.serve.request_router import PendingRequest, ReplicaID
 
+from common.block_hash import root_hash
+from common.block_summary import BlockSummary
 from common.messages import GenerateRequest
 from common.metrics_sinks import PrometheusSink
+from common.routing_stats import MalformedRoutingStats, RoutingStats
 from common.sampling_params import SamplingParams
 from router.autoscaling import KVPressurePolicy
-from router.kv_router import KVPressureRouter
+from router.kv_router import MALFORMED_METRIC, KVPressureRouter
 from router.pressure import (
     BY_KV,
     BY_QUEUE,
     MAX_IN_FLIGHT_S,
     NO_STATS,
-    REPORT_LAG_S,
     PressureTracker,
-    ReplicaLoad,
 )
 
 NOW = 1000.0
 
 
-def report(free: int, total: int = 100, waiting_tokens: int = 0, seq: int = 0, block_size: int = 16) -> dict:
-    return {
-        "num_total_blocks": total,
-        "num_free_blocks": free,
-        "num_cached_free_blocks": 0,
-        "num_waiting_prompt_tokens": waiting_tokens,
-        "num_waiting": 0,
-        "num_running": 1,
-        "block_size": block_size,
-        "report_seq": seq,
-    }
+def report(
+    free: int, total: int = 100, waiting_tokens: int = 0, seq: int = 0, block_size: int = 16
+) -> RoutingStats:
+    """A replica's report that holds no cached blocks."""
+    return RoutingStats(
+        num_total_blocks=total,
+        num_free_blocks=free,
+        num_cached_free_blocks=0,
+        num_waiting_prompt_tokens=waiting_tokens,
+        num_waiting=0,
+        num_running=1,
+        block_size=block_size,
+        report_seq=seq,
+        block_summary=BlockSummary.of([], capacity=total),
+        hash_root=root_hash("model", None),
+    )
 
 
 def test_fresh_replicas_rank_by_kv_pressure_including_their_queues_prompts():
@@ -56,7 +62,7 @@ def test_stale_and_missing_stats_rank_after_fresh_ones_by_queue_length():
     stats = {"fresh": report(free=1), "stale": report(free=99), "old": report(free=99)}
     tracker = PressureTracker()
     for replica in ("stale", "old"):  # last heard from 10 s ago
-        tracker.observe(replica, ReplicaLoad.parse(stats[replica]), now=NOW - 10)
+        tracker.observe(replica, stats[replica], now=NOW - 10)
     ranking = tracker.rank(
         ["none", "stale", "fresh", "old"], stats, {"stale": 5, "old": 2, "none": 0}, now=NOW
     )
@@ -67,53 +73,58 @@ def test_a_report_is_dated_by_its_arrival_on_the_routers_clock():
     # No replica clock is read: a report is fresh from when this router first saw its number,
     # however far the replica's own clock is from this router's.
     tracker = PressureTracker()
-    tracker.observe("a", ReplicaLoad.parse(report(free=50, seq=7)), now=NOW)
-    assert tracker.reason("a", ReplicaLoad.parse(report(free=50, seq=7)), now=NOW + 1.9) == BY_KV
-    assert tracker.reason("a", ReplicaLoad.parse(report(free=50, seq=7)), now=NOW + 2.1) == BY_QUEUE
-    assert tracker.reason("a", ReplicaLoad.parse(report(free=48, seq=8)), now=NOW + 2.2) == BY_KV  # a new one
+    tracker.observe("a", report(free=50, seq=7), now=NOW)
+    assert tracker.reason("a", report(free=50, seq=7), now=NOW + 1.9) == BY_KV
+    assert tracker.reason("a", report(free=50, seq=7), now=NOW + 2.1) == BY_QUEUE
+    assert tracker.reason("a", report(free=48, seq=8), now=NOW + 2.2) == BY_KV  # a new one
     tracker.keep_only(["b"])  # a is gone: its report is forgotten
-    assert tracker.reason("a", ReplicaLoad.parse(report(free=48, seq=8)), now=NOW + 9) == BY_KV
+    assert tracker.reason("a", report(free=48, seq=8), now=NOW + 9) == BY_KV
 
 
-def test_malformed_stats_count_as_missing():
-    assert ReplicaLoad.parse({"num_free_blocks": 3}) is None
-    assert ReplicaLoad.parse(None) is None
-    assert PressureTracker().rank(["x"], {"x": {"bogus": 1}}, {}, now=NOW) == [("x", NO_STATS)]
+def test_a_report_round_trips_and_a_malformed_one_is_rejected_naming_the_field():
+    stats = report(free=50, waiting_tokens=33, seq=7)
+    assert RoutingStats.from_report(stats.to_report()) == stats
+    assert RoutingStats.from_report(None) is None and RoutingStats.from_report({}) is None  # not yet
+    wire = stats.to_report()
+    renamed = {("num_free" if k == "num_free_blocks" else k): v for k, v in wire.items()}
+    for bad, field in [
+        (renamed, "num_free_blocks"),
+        ({**wire, "block_size": 0}, "block_size"),
+        ({**wire, "num_running": "1"}, "num_running"),
+        ({**wire, "report_seq": True}, "report_seq"),
+        ({**wire, "block_summary_bits": b""}, "block_summary_bits"),
+        ({**wire, "block_hash_root": None}, "block_hash_root"),
+    ]:
+        with pytest.raises(MalformedRoutingStats, match=field):
+            RoutingStats.from_report(bad)
 
 
-def test_in_flight_requests_correct_the_last_report_until_a_newer_one_counts_them():
-    tracker = PressureTracker()
-    stats = {"a": report(free=50), "b": report(free=45)}
-    assert tracker.rank(["a", "b"], stats, {}, now=NOW)[0][0] == "a"
-    tracker.on_sent("r1", "a", num_tokens=16 * 10, now=NOW + 0.1)  # 10 blocks: a is at 60 used
-    assert tracker.rank(["a", "b"], stats, {}, now=NOW + 0.2)[0][0] == "b"
-    # a's next report, arriving after r1 was sent, already holds r1: it is not counted twice.
-    stats["a"] = report(free=40, seq=1)
-    assert tracker.pressure("a", ReplicaLoad.parse(stats["a"]), now=NOW + 0.5) == pytest.approx(0.6)
-    # A request sent after that report counts until it finishes.
-    tracker.on_sent("r2", "a", num_tokens=16 * 20, now=NOW + 0.6)
-    assert tracker.pressure("a", ReplicaLoad.parse(stats["a"]), now=NOW + 0.7) == pytest.approx(0.8)
-    tracker.on_finished("r2", now=NOW + 0.75)
-    assert tracker.pressure("a", ReplicaLoad.parse(stats["a"]), now=NOW + 0.8) == pytest.approx(0.6)
-
-
-def test_a_request_finished_after_the_last_report_frees_its_blocks_until_a_report_shows_it():
-    # A conversation's next turn comes the moment the last one ends: the last report still shows
-    # the finished turn's blocks in use, and the router must not see that replica as loaded.
-    tracker = PressureTracker()
-    tracker.observe("a", ReplicaLoad.parse(report(free=90, seq=0)), now=NOW)
-    tracker.on_sent("turn-1", "a", num_tokens=16 * 30, now=NOW + 0.1)
-    busy = ReplicaLoad.parse(report(free=60, seq=1))  # counts turn-1: 40 used
-    assert tracker.pressure("a", busy, now=NOW + 0.5) == pytest.approx(0.4)
-    tracker.on_finished("turn-1", now=NOW + 0.6)
-    assert tracker.pressure("a", busy, now=NOW + 0.7) == pytest.approx(0.1)
-    # a report taken too soon after (received within REPORT_LAG_S) may still hold them ...
-    assert tracker.pressure("a", ReplicaLoad.parse(report(free=60, seq=2)), now=NOW + 1.0) == pytest.approx(
-        0.1
+def test_a_malformed_report_is_logged_and_counted_once_and_the_replica_ranked_without_stats(caplog):
+    registry = prometheus_client.CollectorRegistry()
+    router = KVPressureRouter(DeploymentID("EngineReplica", "app"), DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(sink=PrometheusSink(registry))
+    bad_id = ReplicaID("bad", DeploymentID("EngineReplica", "app"))
+    bad = SimpleNamespace(
+        replica_id=bad_id, routing_stats={**report(free=99).to_report(), "num_free_blocks": -1}
     )
-    # ... a later one does not, and the correction goes
-    idle = ReplicaLoad.parse(report(free=90, seq=3))
-    assert tracker.pressure("a", idle, now=NOW + 0.6 + REPORT_LAG_S + 0.1) == pytest.approx(0.1)
+    good = SimpleNamespace(replica_id="good", routing_stats=report(free=1).to_report())
+    with caplog.at_level("ERROR", logger="router.kv_router"):
+        router.observe_reports([bad, good])
+        ranks = asyncio.run(router.choose_replicas([bad, good]))
+        router.observe_reports([bad, good])
+    assert [rank[0].replica_id for rank in ranks] == ["good", bad_id]  # ranked as no stats: last
+    assert router.routed_reason(None, bad_id) == NO_STATS
+    assert sum("num_free_blocks" in record.getMessage() for record in caplog.records) == 1
+
+    def malformed_count() -> float | None:
+        return registry.get_sample_value(f"{MALFORMED_METRIC}_total", {"target_replica": "bad"})
+
+    assert malformed_count() == 1
+    bad.routing_stats = report(free=99, seq=1).to_report()  # mended: read again ...
+    router.observe_reports([bad, good])
+    bad.routing_stats = {"report_seq": 2}  # ... so a new spell counts again
+    router.observe_reports([bad, good])
+    assert malformed_count() == 2
 
 
 def test_the_router_counts_a_burst_on_the_replicas_it_ranks_first_before_any_acceptance():
@@ -123,8 +134,8 @@ def test_the_router_counts_a_burst_on_the_replicas_it_ranks_first_before_any_acc
     router.initialize_state(sink=PrometheusSink(prometheus_client.CollectorRegistry()))
     # Stand-ins for Serve's RunningReplica: the router reads only these two attributes.
     replicas = [
-        SimpleNamespace(replica_id="a", routing_stats=report(free=24, total=24)),
-        SimpleNamespace(replica_id="b", routing_stats=report(free=23, total=24)),
+        SimpleNamespace(replica_id="a", routing_stats=report(free=24, total=24).to_report()),
+        SimpleNamespace(replica_id="b", routing_stats=report(free=23, total=24).to_report()),
     ]
 
     async def choose_for_burst() -> list[str]:
@@ -141,14 +152,14 @@ def test_the_router_counts_a_burst_on_the_replicas_it_ranks_first_before_any_acc
 
 def test_a_newer_report_counts_the_sends_before_it_and_unfinished_ones_are_forgotten_in_time():
     tracker = PressureTracker()
-    tracker.observe("a", ReplicaLoad.parse(report(free=50, seq=0)), now=NOW)
+    tracker.observe("a", report(free=50, seq=0), now=NOW)
     tracker.on_sent("cancelled-before-accepted", "a", num_tokens=16 * 10, now=NOW + 0.1)
     tracker.on_sent("to-b", "b", num_tokens=16, now=NOW + 0.1)
-    tracker.observe("a", ReplicaLoad.parse(report(free=50, seq=1)), now=NOW + 0.5)
+    tracker.observe("a", report(free=50, seq=1), now=NOW + 0.5)
     assert tracker.in_flight_tokens("a") == 0
     assert tracker.in_flight_tokens("b") == 16
     # never reported finished: dropped once older than MAX_IN_FLIGHT_S (no leak)
-    tracker.observe("a", ReplicaLoad.parse(report(free=50, seq=2)), now=NOW + MAX_IN_FLIGHT_S + 1)
+    tracker.observe("a", report(free=50, seq=2), now=NOW + MAX_IN_FLIGHT_S + 1)
     assert "cancelled-before-accepted" not in tracker._sent
 
 

@@ -7,7 +7,9 @@ import asyncio
 
 import pytest
 
+from common.block_hash import root_hash
 from common.messages import ChoiceDelta, GenerateError, GenerateRequest
+from common.routing_stats import RoutingStats
 from deployments.engine_replica import EngineReplica, wrap_int64
 from replica_engine import EngineConfig, SamplingParams
 from replica_engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
@@ -101,3 +103,11 @@ def test_health_check_fails_once_every_step_keeps_failing(replica: EngineReplica
 def test_seeds_of_choices_stay_in_int64():
     assert wrap_int64(2**63 - 1 + 1) == -(2**63)
     assert wrap_int64(5) == 5 and wrap_int64(-(2**63)) == -(2**63)
+
+
+def test_the_routing_report_is_a_whole_routing_stats_message(replica):
+    first, second = (RoutingStats.from_report(replica.record_routing_stats()) for _ in range(2))
+    assert first is not None and second is not None
+    assert first.num_free_blocks == first.num_total_blocks == replica.engine.stats().num_total_blocks
+    assert second.report_seq == first.report_seq + 1
+    assert first.hash_root == root_hash(replica.engine.inputs.config.model, None)

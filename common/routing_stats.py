@@ -1,0 +1,91 @@
+"""The one message a replica sends its routers every ~0.5 s: what its KV pool holds and owes.
+
+Built by the replica (EngineReplica.record_routing_stats), carried by Serve's controller as a
+plain dict (bytes and ints: the controller never imports this package), and parsed back by every
+router with `RoutingStats.from_report`. A report that is not a whole message raises
+MalformedRoutingStats naming the field: a renamed or mistyped key must be seen (the routers log
+and count it), not read as "no stats yet", which would silently send every request by queue
+length."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from common.block_hash import BlockHash
+from common.block_summary import BlockSummary
+
+# The Bloom filter travels as its parts (a BlockSummary instance would need this package to unpickle).
+_SUMMARY_BITS = "block_summary_bits"
+_SUMMARY_PROBES = "block_summary_probes"
+_HASH_ROOT = "block_hash_root"
+
+
+class MalformedRoutingStats(ValueError):
+    """A replica's report that is not a RoutingStats: the message names the field."""
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    num_total_blocks: int
+    num_free_blocks: int  # cached but unheld blocks count as free (evictable)
+    num_cached_free_blocks: int  # of the free blocks, those still holding a prefix-cache key
+    num_waiting_prompt_tokens: int  # net of the prefix each waiting request will find cached
+    num_waiting: int
+    num_running: int
+    block_size: int
+    report_seq: int  # counts the replica's reports: a new number is a new report
+    block_summary: BlockSummary  # every block key the pool holds
+    hash_root: BlockHash  # the chain root (model, no salt) the keys start from
+
+    def used_blocks(self) -> float:
+        """Blocks held, plus the blocks its queue will need for prompts alone."""
+        waiting_blocks = math.ceil(self.num_waiting_prompt_tokens / self.block_size)
+        return self.num_total_blocks - self.num_free_blocks + waiting_blocks
+
+    def to_report(self) -> dict[str, Any]:
+        return {
+            **{name: getattr(self, name) for name in _COUNT_FIELDS},
+            _SUMMARY_BITS: self.block_summary.bits,
+            _SUMMARY_PROBES: self.block_summary.num_probes,
+            _HASH_ROOT: self.hash_root,
+        }
+
+    @classmethod
+    def from_report(cls, report: Mapping[str, Any] | None) -> RoutingStats | None:
+        """None when the replica has not reported yet (Serve holds an empty dict until then)."""
+        if report is None or (isinstance(report, Mapping) and not report):
+            return None
+        if not isinstance(report, Mapping):
+            raise MalformedRoutingStats(f"routing stats must be a mapping, got {type(report).__name__}")
+        counts = {name: _count(report, name, minimum=int(name == "block_size")) for name in _COUNT_FIELDS}
+        bits = _field(report, _SUMMARY_BITS, bytes)
+        if not bits:
+            raise MalformedRoutingStats(f"routing stats field {_SUMMARY_BITS!r} is empty")
+        probes = _count(report, _SUMMARY_PROBES, minimum=1)
+        summary = BlockSummary(len(bits) * 8, probes, bits)
+        return cls(**counts, block_summary=summary, hash_root=_field(report, _HASH_ROOT, bytes))
+
+
+_COUNT_FIELDS = tuple(f.name for f in dataclasses.fields(RoutingStats) if f.type in ("int", int))
+
+
+def _field(report: Mapping[str, Any], name: str, kind: type) -> Any:
+    if name not in report:
+        raise MalformedRoutingStats(f"routing stats lack field {name!r}")
+    value = report[name]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise MalformedRoutingStats(
+            f"routing stats field {name!r} must be {kind.__name__}, got {type(value).__name__}"
+        )
+    return value
+
+
+def _count(report: Mapping[str, Any], name: str, minimum: int) -> int:
+    value = _field(report, name, int)
+    if value < minimum:
+        raise MalformedRoutingStats(f"routing stats field {name!r} must be >= {minimum}, got {value}")
+    return value
