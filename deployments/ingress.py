@@ -242,6 +242,9 @@ class Ingress:
         deadline = None
         if self.request_timeout_s is not None:
             deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        # The router hop: this handle's `.remote` asks the deployment's RequestRouter (router/,
+        # attached by deployments/app.py `_routing`: kv_prefix by default) which EngineReplica
+        # gets the request; it reads `generate`'s prompt token ids and the replicas' RoutingStats.
         stream: DeploymentResponseGenerator = self.engine.options(stream=True).generate.remote(generate)
         replies = _replies(stream, deadline)
         try:
