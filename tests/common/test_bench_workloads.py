@@ -1,0 +1,123 @@
+"""Every benchmark's workload generator makes the same requests as when these hashes were recorded
+(before bench/ moved onto one driver): a sha256 of each workload's canonical JSON (prompt token
+ids, lengths, arrival times, in order). No Ray, no model: text comes from a fixed stand-in text
+and a stand-in tokenizer, so the hashes depend on the generators' draws alone."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from bench import capacity_run, chat_workload, cpu_serving, prefix, router, soak
+from bench.text_prompts import log_uniform, text_prompts
+from bench.workload import random_tokens, uniform_workload
+
+STAND_IN_TEXT = "".join(f"word{i} " for i in range(20000))
+VOCAB_SIZE = 49152  # SmolLM2's
+RECORDED = {
+    "capacity": "7e5c217722aa2d2e4b51c0c1f056dbd4ccface7b90093a81b93126445fda7dfd",
+    "capacity_decode_batch": "388bf7717ba2bee4aaf8a61ad32acad26fd796e1c6ad52be15888b07fb20c7cb",
+    "prefix": "3cf7d4231161396a985aa51b0c7735858079336e89363ebcb8e7aa276876ffa1",
+    "cpu_serving": "38e36b204367816780cb9770c08ccd9224891692967e0b3f2a49a69b5abfeb8e",
+    "router": "7e1df2b73cd622e3aa9f423a8b00d538d196f5710a888bf2226c073963af6534",
+    "soak": "865a26f332ed081bec08bb1756ee19dfa7d0b172944823702fe29a4a27e2d481",
+    "offline": "8be5ee10438ec84ae2ac3283c9b0f47380239596afff53a2fade10c6318eac1c",
+    "dtype_agreement": "c6a227179346965ea14746ad51111d21739583d2ec3bd21897f63db51d1ee6bd",
+}
+
+
+class StandInTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return list(range(5000, 25000))
+
+
+def digest(workload: object) -> str:
+    return hashlib.sha256(json.dumps(workload, separators=(",", ":")).encode()).hexdigest()
+
+
+def arrivals(workload: list) -> list[list]:
+    return [[a.unit_time if hasattr(a, "unit_time") else a.at_s, a.prompt,
+             a.output_len if hasattr(a, "output_len") else a.max_tokens] for a in workload]  # fmt: skip
+
+
+def capacity() -> object:
+    return [arrivals(capacity_run.workload(n, s)) for n, s in ((256, 0), (256, 1), (256, 2), (96, 0))]
+
+
+def capacity_decode_batch() -> object:
+    rng = random.Random(7)
+    return [[0.0, random_tokens(rng, 512), 48] for _ in range(8)]
+
+
+def prefix_workloads() -> object:
+    def turns(workload: list) -> list:
+        return [[t.arrival_s, t.prompt] for t in workload]
+
+    def chats(workload: list) -> list:
+        return [[c.arrival_s, c.system, c.messages] for c in workload]
+
+    return [
+        *[turns(prefix.shared_prefix(s, 1.0)) for s in (0, 1, 2)],
+        turns(prefix.shared_prefix(0, None)),
+        *[chats(prefix.conversations(s, 0.5)) for s in (0, 1, 2)],
+        chats(prefix.conversations(0, None)),
+        turns(prefix.no_shared(0)),
+        turns(prefix.no_shared(99)[:4]),
+    ]
+
+
+def cpu_serving_workloads(monkeypatch: pytest.MonkeyPatch) -> object:
+    import transformers
+
+    import common.model_source
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: StandInTokenizer())
+    monkeypatch.setattr(common.model_source, "resolve_model", lambda name: SimpleNamespace(hf_dir=None))
+    base = cpu_serving.workload(0)
+    return [arrivals(base), *[arrivals(cpu_serving.poisson(base, s)) for s in (0, 1, 2)]]
+
+
+def router_workloads(monkeypatch: pytest.MonkeyPatch) -> object:
+    monkeypatch.setattr(chat_workload, "english_text", lambda: STAND_IN_TEXT)
+    chats = [
+        [[c.tenant, c.user, c.start_s, c.system, c.questions, c.think_s]
+         for c in chat_workload.multi_tenant_chat(s, **router.CHAT)]
+        for s in (0, 1, 2)
+    ]  # fmt: skip
+    loads = [arrivals(router.load_workload(kind, s)) for kind in ("skewed", "uniform") for s in (0, 1, 2)]
+    return [*loads, chats]
+
+
+def soak_workloads() -> object:
+    return [
+        [[r.prompt_token_ids, r.max_tokens, r.disconnect_after_chunks] for r in soak.soak_workload(*args)]
+        for args in ((1000, VOCAB_SIZE, 0.1, 0), (1000, 512, 0.1, 7))
+    ]
+
+
+def offline() -> object:
+    workload = uniform_workload(32, (16, 512), (16, 128), (100, VOCAB_SIZE - 100), 0)
+    return [workload.prompts, workload.output_lens]
+
+
+def dtype_agreement() -> object:
+    rng = random.Random(0)
+    return text_prompts(StandInTokenizer(), [log_uniform(rng, 16, 512) for _ in range(64)], 0)
+
+
+def test_benchmark_workloads_are_the_recorded_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    made = {
+        "capacity": capacity(),
+        "capacity_decode_batch": capacity_decode_batch(),
+        "prefix": prefix_workloads(),
+        "cpu_serving": cpu_serving_workloads(monkeypatch),
+        "router": router_workloads(monkeypatch),
+        "soak": soak_workloads(),
+        "offline": offline(),
+        "dtype_agreement": dtype_agreement(),
+    }
+    assert {name: digest(workload) for name, workload in made.items()} == RECORDED
