@@ -5,7 +5,6 @@ parts and moves the core onto a step thread of its own."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,7 +24,7 @@ from replica_engine.models.loader import load_config, load_model
 from replica_engine.output_processor import RequestState
 from replica_engine.outputs import CoreOutput, EngineStats, RequestOutput
 from replica_engine.request import FinishReason
-from replica_engine.scheduler.plan import StepSummary
+from replica_engine.step_listeners import StepListener
 
 if TYPE_CHECKING:
     from replica_engine.metrics import EngineMetrics
@@ -81,7 +80,7 @@ class LLMEngine:
         return self.inputs.tokenizer
 
     @property
-    def step_listeners(self) -> list[Callable[[StepSummary], None]]:
+    def step_listeners(self) -> list[StepListener]:
         return self.core.step_listeners
 
     def tokenize(self, prompt: Prompt) -> list[int]:

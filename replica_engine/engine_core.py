@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from replica_engine.config import EngineConfig
@@ -21,12 +21,26 @@ from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from replica_engine.scheduler.plan import ScheduledBatch, StepSummary
 from replica_engine.scheduler.step_time_model import StepTimeModel
 from replica_engine.scheduler.token_budget import SLOTokenBudget
+from replica_engine.step_listeners import StepListener, StepTimeLearner
 from replica_engine.step_profile import profile_step_times
 
 if TYPE_CHECKING:
     from replica_engine.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExecutedBatch:
+    """What running a step's batch gave: the requests that ran (all, unless the batch raised and
+    its rows were rerun one by one), their sampled tokens, and the requests that failed."""
+
+    ran: ScheduledBatch
+    sampled_token_ids: list[int]
+    failed_request_ids: list[str]
+
+    def summary(self, duration_s: float) -> StepSummary:
+        return self.ran.summary(duration_s, num_failed_requests=len(self.failed_request_ids))
 
 
 class EngineCore:
@@ -44,8 +58,12 @@ class EngineCore:
         self.scheduler = SCHEDULING_POLICIES[config.scheduling_policy](
             scheduler_config, self.kv_cache, self.slo_budget
         )
-        self.step_listeners: list[Callable[[StepSummary], None]] = []
         self.metrics = metrics
+        self.step_listeners: list[StepListener] = []
+        if metrics is not None:
+            self.step_listeners.append(metrics.record_step)
+        if self.slo_budget is not None:
+            self.step_listeners.append(StepTimeLearner(self.slo_budget, metrics))
         self.stats = self._snapshot()
         self.publish_stats()
 
@@ -116,45 +134,25 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        ran, sampled, failed_ids = self._execute(batch)
-        advanced = self.scheduler.update(ran, sampled)
-        now = time.monotonic()
-        outputs = [self._token_output(request, now) for request in advanced]
-        failed = [self.abort_request(request_id, FinishReason.ERROR) for request_id in failed_ids]
-        outputs += [output for output in failed if output is not None]
+        executed = self._execute(batch)
+        outputs = self._update(executed)
         self.publish_stats()
-        if ran.is_empty:
+        if executed.ran.is_empty:  # every request failed
             raise StepFailedError(outputs)
-        summary = ran.summary(duration_s=time.perf_counter() - started)
+        summary = executed.summary(duration_s=time.perf_counter() - started)
         for listener in self.step_listeners:
             listener(summary)
-        if self.metrics is not None:
-            self.metrics.record_step(summary)
-        if self.slo_budget is not None and not failed_ids:  # a retried step's time is not its shape's
-            self._learn_step_time(ran, summary.duration_s)
         return outputs
 
-    def _learn_step_time(self, ran: ScheduledBatch, duration_s: float) -> None:
-        """Refresh the step-time model with a measured step; report its error and the budget."""
-        assert self.slo_budget is not None
-        shape = ran.shape()
-        predicted_s = self.slo_budget.model.predict_raw(shape)  # the fit's error, before calibration
-        self.slo_budget.model.observe(shape, duration_s)
-        if self.metrics is not None:
-            self.metrics.record_budget(
-                ran.budget_decision, predicted_s, duration_s, self.slo_budget.tbt_slo_s
-            )
-
-    def _execute(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[int], list[str]]:
+    def _execute(self, batch: ScheduledBatch) -> ExecutedBatch:
         """Run the batch. If it raises, run each request's rows alone to find the ones that fail
-        (the rest of the work is redone: K/V slots are simply written again). Returns the batch
-        of the requests that ran, their sampled tokens, and the ids of the failed requests."""
+        (the rest of the work is redone: K/V slots are simply written again)."""
         try:
-            return batch, self.runner.execute(batch), []
+            return ExecutedBatch(batch, self.runner.execute(batch), [])
         except Exception:
             logger.exception("a step of %d requests failed", len(batch.rows))
         if len(batch.rows) == 1:
-            return batch.only([]), [], [batch.rows[0].request_id]
+            return ExecutedBatch(batch.only([]), [], [batch.rows[0].request_id])
         tokens: dict[str, list[int]] = {}
         failed: list[str] = []
         for row in batch.rows:
@@ -164,7 +162,19 @@ class EngineCore:
                 logger.exception("request %s fails on its own", row.request_id)
                 failed.append(row.request_id)
         survivors = batch.only(tokens)
-        return survivors, [tokens[row.request_id][0] for row in survivors.sampling_rows], failed
+        return ExecutedBatch(
+            survivors, [tokens[row.request_id][0] for row in survivors.sampling_rows], failed
+        )
+
+    def _update(self, executed: ExecutedBatch) -> list[CoreOutput]:
+        """Advance the requests that ran (an output each); finish the failed ones, reason error."""
+        advanced = self.scheduler.update(executed.ran, executed.sampled_token_ids)
+        now = time.monotonic()
+        outputs = [self._token_output(request, now) for request in advanced]
+        failed = [
+            self.abort_request(request_id, FinishReason.ERROR) for request_id in executed.failed_request_ids
+        ]
+        return outputs + [output for output in failed if output is not None]
 
     def _token_output(self, request: Request, now: float) -> CoreOutput:
         if self.metrics is not None:

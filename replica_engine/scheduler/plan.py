@@ -18,14 +18,30 @@ from replica_engine.scheduler.token_budget import BudgetDecision
 
 @dataclass(frozen=True)
 class StepSummary:
-    """What one step did; passed to step listeners (metrics, tests)."""
+    """What one step did; passed to step listeners (metrics, the step-time model, tests)."""
 
-    num_requests: int
-    num_decode_requests: int
-    num_prefill_requests: int
-    num_prefill_tokens: int
+    shape: StepShape  # of the requests that ran
     num_preempted: int
     duration_s: float
+    budget_decision: BudgetDecision | None = None  # set when a TBT target sized the step
+    # Requests finished with reason error: the batch raised and its rows were rerun one by one.
+    num_failed_requests: int = 0
+
+    @property
+    def num_requests(self) -> int:
+        return self.shape.num_requests
+
+    @property
+    def num_decode_requests(self) -> int:
+        return self.shape.num_decodes
+
+    @property
+    def num_prefill_requests(self) -> int:
+        return self.shape.num_requests - self.shape.num_decodes
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.shape.num_prefill_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -94,15 +110,9 @@ class ScheduledBatch:
         rows = tuple(row for row in self.rows if row.request_id in keep)
         return ScheduledBatch(rows, self.num_preempted, self.budget_decision)
 
-    def summary(self, duration_s: float = 0.0) -> StepSummary:
-        num_decodes = sum(row.is_decode for row in self.rows)
+    def summary(self, duration_s: float = 0.0, num_failed_requests: int = 0) -> StepSummary:
         return StepSummary(
-            num_requests=len(self.rows),
-            num_decode_requests=num_decodes,
-            num_prefill_requests=len(self.rows) - num_decodes,
-            num_prefill_tokens=self.total_tokens - num_decodes,
-            num_preempted=self.num_preempted,
-            duration_s=duration_s,
+            self.shape(), self.num_preempted, duration_s, self.budget_decision, num_failed_requests
         )
 
 

@@ -31,21 +31,26 @@ class StepShape:
 
     @staticmethod
     def of(rows: Iterable[tuple[int, int, bool]]) -> StepShape:
-        """From (start position, tokens, is decode) per request."""
-        shape = StepShape()
+        """From (start position, tokens, is decode) per request. Plain counters, not `plus` per
+        row: every step's summary computes its shape, and a StepShape a row cost ~0.6 us a row."""
+        num_prefill_tokens = num_decodes = num_attention_pairs = num_requests = 0
         for start, num_tokens, is_decode in rows:
-            shape = shape.plus(start, num_tokens, is_decode)
-        return shape
+            if num_tokens <= 0:
+                continue
+            num_prefill_tokens += 0 if is_decode else num_tokens
+            num_decodes += is_decode
+            num_attention_pairs += attention_pairs(start, num_tokens)
+            num_requests += 1
+        return StepShape(num_prefill_tokens, num_decodes, num_attention_pairs, num_requests)
 
     def plus(self, start: int, num_tokens: int, is_decode: bool = False) -> StepShape:
         """This step with one more request's `num_tokens` tokens at positions start.. ."""
         if num_tokens <= 0:
             return self
-        pairs = num_tokens * start + num_tokens * (num_tokens + 1) // 2
         return StepShape(
             self.num_prefill_tokens + (0 if is_decode else num_tokens),
             self.num_decodes + (1 if is_decode else 0),
-            self.num_attention_pairs + pairs,
+            self.num_attention_pairs + attention_pairs(start, num_tokens),
             self.num_requests + 1,
         )
 
@@ -53,6 +58,11 @@ class StepShape:
         return np.array(
             [1.0, self.num_prefill_tokens, self.num_decodes, self.num_attention_pairs, self.num_requests]
         )
+
+
+def attention_pairs(start: int, num_tokens: int) -> int:
+    """Query-key pairs causal attention scores for `num_tokens` tokens after `start` cached ones."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
 
 
 class StepTimeModel:

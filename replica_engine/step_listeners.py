@@ -1,0 +1,37 @@
+"""What listens to the engine's steps: each is called on the step thread with the StepSummary of
+every step in which some request ran. The engine registers the metrics (EngineMetrics.record_step)
+and, with a TBT target, the step-time model's learning; tests and benchmarks add their own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from replica_engine.scheduler.plan import StepSummary
+from replica_engine.scheduler.token_budget import SLOTokenBudget
+
+if TYPE_CHECKING:
+    from replica_engine.metrics import EngineMetrics
+
+StepListener = Callable[[StepSummary], None]
+
+
+@dataclass(frozen=True)
+class StepTimeLearner:
+    """Refreshes the TBT budget's step-time model with each measured step, and reports the model's
+    error and the budget it set."""
+
+    slo_budget: SLOTokenBudget
+    metrics: EngineMetrics | None
+
+    def __call__(self, step: StepSummary) -> None:
+        if step.num_failed_requests:  # its time includes the rows rerun one by one: not its shape's
+            return
+        model = self.slo_budget.model
+        predicted_s = model.predict_raw(step.shape)  # the fit's error, before calibration
+        model.observe(step.shape, step.duration_s)
+        if self.metrics is not None:
+            self.metrics.record_budget(
+                step.budget_decision, predicted_s, step.duration_s, self.slo_budget.tbt_slo_s
+            )
