@@ -108,7 +108,7 @@ class Runner:
 
     def set_caching(self, enabled: bool) -> None:
         """Between runs, while the engine is idle: the step thread reads the flag only in a step."""
-        self.engine.core.kv_cache.enable_prefix_caching = enabled
+        self.engine.core.kv_cache_manager.enable_prefix_caching = enabled
 
     async def serve(self, prompt: list[int], salt: str, arrived: float) -> Served:
         from replica_engine import SamplingParams
@@ -179,7 +179,7 @@ def measure(runner: Runner) -> dict:
     results["burst"]["no_shared"] = {system: [] for system in SYSTEMS}
     for pair in range(NO_SHARED_PAIRS):
         for system, enabled in list(SYSTEMS.items())[:: 1 if pair % 2 == 0 else -1]:
-            timer = BookkeepingTimer(runner.engine.core.kv_cache) if enabled else None
+            timer = BookkeepingTimer(runner.engine.core.kv_cache_manager) if enabled else None
             run = runner.run(no_shared(0), enabled)
             if timer is not None:
                 run["prefix_cache_bookkeeping_s"] = timer.stop()

@@ -50,13 +50,13 @@ class EngineCore:
         self.config = config
         self.runner = runner
         runner.allocate_kv_cache(num_kv_blocks + 1)  # + the null block
-        self.kv_cache = KVCacheManager(
+        self.kv_cache_manager = KVCacheManager(
             num_kv_blocks, config.block_size, config.enable_prefix_caching, model=config.model
         )
         scheduler_config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)
         self.slo_budget = self._slo_budget(num_kv_blocks)
         self.scheduler = SCHEDULING_POLICIES[config.scheduling_policy](
-            scheduler_config, self.kv_cache, self.slo_budget
+            scheduler_config, self.kv_cache_manager, self.slo_budget
         )
         self.metrics = metrics
         self.step_listeners: list[StepListener] = []
@@ -118,12 +118,12 @@ class EngineCore:
             num_waiting_prompt_tokens=sum(
                 r.num_owed_tokens - r.num_expected_cached_tokens for r in scheduler.waiting
             ),
-            num_free_blocks=self.kv_cache.num_free_blocks,
-            num_total_blocks=self.kv_cache.num_blocks,
-            kv_cache_usage=self.kv_cache.usage,
-            num_cached_free_blocks=self.kv_cache.num_free_cached_blocks,
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            num_total_blocks=self.kv_cache_manager.num_blocks,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_cached_free_blocks=self.kv_cache_manager.num_free_cached_blocks,
             num_preemptions=scheduler.num_preemptions,
-            cached_block_hashes=self.kv_cache.cached_hashes(),
+            cached_block_hashes=self.kv_cache_manager.cached_hashes(),
         )
 
     def step(self) -> list[CoreOutput]:

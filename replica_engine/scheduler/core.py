@@ -24,10 +24,13 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, slo_budget: SLOTokenBudget | None = None
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        slo_budget: SLOTokenBudget | None = None,
     ) -> None:
         self.config = config
-        self.kv_cache = kv_cache
+        self.kv_cache_manager = kv_cache_manager
         self.slo_budget = slo_budget  # sizes prompt chunks from a TBT target; None: the budget alone
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
@@ -45,7 +48,7 @@ class Scheduler:
     def _expect_cache_hit(self, request: Request) -> None:
         """What the prefix cache holds of it as it queues: load reports count only the rest."""
         request.num_expected_cached_tokens = (
-            len(self.kv_cache.find_cached_blocks(request)) * self.kv_cache.block_size
+            len(self.kv_cache_manager.find_cached_blocks(request)) * self.kv_cache_manager.block_size
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -59,7 +62,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.kv_cache.free(request)
+        self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -80,7 +83,7 @@ class Scheduler:
         for row in batch.rows:
             request = self.requests[row.request_id]
             request.num_computed_tokens += row.num_tokens
-            self.kv_cache.cache_computed_blocks(request)
+            self.kv_cache_manager.cache_computed_blocks(request)
         advanced = []
         for row, token_id in zip(batch.sampling_rows, sampled_token_ids, strict=True):
             request = self.requests[row.request_id]
@@ -103,7 +106,7 @@ class Scheduler:
             num_tokens = self._chunk(plan, request, owed) if chunked else owed
             if num_tokens <= 0 or num_tokens > plan.budget_left:
                 break
-            while not self.kv_cache.allocate(request, num_tokens):
+            while not self.kv_cache_manager.allocate(request, num_tokens):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
                 if victim is request:
@@ -119,8 +122,8 @@ class Scheduler:
             return
         while self.waiting and len(self.running) < self.config.max_num_seqs and plan.budget_left > 0:
             request = self.waiting[0]
-            cached_block_ids = self.kv_cache.find_cached_blocks(request)
-            owed = request.num_owed_tokens - len(cached_block_ids) * self.kv_cache.block_size
+            cached_block_ids = self.kv_cache_manager.find_cached_blocks(request)
+            owed = request.num_owed_tokens - len(cached_block_ids) * self.kv_cache_manager.block_size
             if chunked:
                 num_tokens = self._chunk(plan, request, owed)
                 if num_tokens <= 0:
@@ -130,7 +133,7 @@ class Scheduler:
                 num_tokens = owed
             else:
                 return
-            if not self.kv_cache.allocate(request, num_tokens, cached_block_ids):
+            if not self.kv_cache_manager.allocate(request, num_tokens, cached_block_ids):
                 return
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -160,7 +163,7 @@ class Scheduler:
         plan.num_scheduled_tokens.pop(request, None)
         plan.preempted.append(request)
         self.running.remove(request)
-        self.kv_cache.free(request)
+        self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.num_preemptions += 1

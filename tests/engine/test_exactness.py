@@ -45,7 +45,7 @@ def test_greedy_outputs_match_transformers(config_name, hf_model, tokenizer, hf_
     for prompt, ours, theirs in zip(PROMPTS, outs, hf_outputs, strict=True):
         assert_matches_up_to_ties(hf_model, tokenizer(prompt).input_ids, ours.token_ids, theirs, config_name)
 
-    assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.kv_cache.num_blocks
+    assert llm.engine.core.kv_cache_manager.num_free_blocks == llm.engine.core.kv_cache_manager.num_blocks
     if config_name == "budget_16":
         mixed = [s for s in steps if s.num_prefill_requests and s.num_decode_requests]
         assert mixed, "no step mixed a prefill chunk with decodes"

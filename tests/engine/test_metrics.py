@@ -62,7 +62,7 @@ def test_counts_add_up_after_a_run():
     assert sample(registry, "stallfree_kv_cache_usage_perc") == 0
     assert sample(registry, "stallfree_num_requests_running") == 0
     assert sample(registry, "stallfree_num_requests_waiting") == 0
-    assert sample(registry, "stallfree_num_free_kv_blocks") == engine.core.kv_cache.num_blocks
+    assert sample(registry, "stallfree_num_free_kv_blocks") == engine.core.kv_cache_manager.num_blocks
 
 
 def test_preemptions_and_aborts_are_counted():

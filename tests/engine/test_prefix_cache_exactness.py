@@ -89,7 +89,7 @@ def test_a_tiny_pool_evicts_cached_blocks_and_preempts_without_changing_outputs(
     assert cached[:3] == [64] * 3  # found the first request's prefix ...
     assert cached[5:] == [0, 0]  # ... which the other prompts then evicted
     assert llm.engine.core.scheduler.num_preemptions > 0
-    assert llm.engine.core.kv_cache.num_free_blocks == 10
+    assert llm.engine.core.kv_cache_manager.num_free_blocks == 10
 
 
 def test_blocks_filled_mid_prefill_are_found_by_the_next_request(prompts, hf_model, reference):

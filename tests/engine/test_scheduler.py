@@ -84,7 +84,7 @@ def test_abort_frees_blocks_at_once_wherever_the_request_is():
     scheduler.finish_request(a, FinishReason.ABORT)
     w = _add(scheduler, "w", 4)
     scheduler.finish_request(w, FinishReason.ABORT)
-    assert scheduler.kv_cache.num_free_blocks == 16
+    assert scheduler.kv_cache_manager.num_free_blocks == 16
     assert not scheduler.has_unfinished_requests()
     assert a.finish_reason is FinishReason.ABORT
 
@@ -107,7 +107,7 @@ def _check_stall_free_step(scheduler: Scheduler, batch: ScheduledBatch, budget: 
     assert batch.total_tokens <= budget
     assert len(batch.rows) <= max_seqs
     assert len(scheduler.running) <= max_seqs
-    block_size = scheduler.kv_cache.block_size
+    block_size = scheduler.kv_cache_manager.block_size
     for row in batch.rows:
         request = scheduler.requests[row.request_id]
         assert row.num_tokens >= 1
@@ -152,7 +152,7 @@ def test_stall_free_properties(arrivals, budget, max_seqs, block_size, spare_blo
         # Exactly max_tokens, or fewer ending in the stop token (and no token after a stop).
         assert len(outputs) == arrival.max_tokens or (outputs[-1] == 0 and len(outputs) < arrival.max_tokens)
         assert 0 not in outputs[:-1]
-    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
     assert run.first_admission_order == arrival_order(
         arrivals, run.requests
     )  # FCFS; ties keep submission order
@@ -166,7 +166,7 @@ def test_baseline_policies_finish_everything_in_fcfs_order(policy, arrivals, max
     scheduler = make_scheduler(policy, 128, max_seqs, largest + spare_blocks, 4)
     run = run_to_completion(scheduler, arrivals)
     assert all(len(r.output_token_ids) == a.max_tokens for r, a in zip(run.requests, arrivals, strict=True))
-    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
     assert run.first_admission_order == arrival_order(arrivals, run.requests)
     if policy == "prefill_first":  # no step mixes a prefill with decodes
         assert all(
@@ -187,7 +187,7 @@ operations = st.lists(
 
 
 def _check_ownership(scheduler: Scheduler, finished: list[Request]) -> None:
-    kv = scheduler.kv_cache
+    kv = scheduler.kv_cache_manager
     owned = [block for request in scheduler.requests.values() for block in request.block_ids]
     free = kv.free_block_ids
     assert len(owned) == len(set(owned)), "a block is owned twice"
@@ -226,4 +226,6 @@ def test_blocks_are_owned_once_under_any_add_abort_step_interleaving(
     while scheduler.has_unfinished_requests():  # drain
         _step(scheduler)
         _check_ownership(scheduler, [r for r in added if r.is_finished])
-    assert sorted(scheduler.kv_cache.free_block_ids) == list(range(1, scheduler.kv_cache.num_blocks + 1))
+    assert sorted(scheduler.kv_cache_manager.free_block_ids) == list(
+        range(1, scheduler.kv_cache_manager.num_blocks + 1)
+    )

@@ -38,7 +38,7 @@ def chunk_steps(config: EngineConfig, threads: int) -> list[float]:
         engine.add_request(random_tokens(rng, 900), SamplingParams(max_tokens=2, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.core.kv_cache.num_free_blocks == engine.core.kv_cache.num_blocks
+    assert engine.core.kv_cache_manager.num_free_blocks == engine.core.kv_cache_manager.num_blocks
     return [s.duration_s for s in steps if s.num_prefill_tokens >= 32 and s.num_decode_requests]
 
 
