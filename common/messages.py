@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 
 
@@ -42,7 +43,7 @@ class ChoiceDelta:
     text: str
     token_ids: list[int]
     num_prompt_tokens: int
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0  # of the prompt, found in the replica's prefix cache
 
 

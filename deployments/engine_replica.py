@@ -15,6 +15,7 @@ from ray import serve
 
 from common.block_hash import root_hash
 from common.block_summary import BlockSummary
+from common.finish_reason import FinishReason
 from common.messages import ChoiceDelta, GenerateError, GenerateRequest
 from common.routing_stats import RoutingStats
 from common.sampling_params import INT64_MIN
@@ -28,7 +29,6 @@ from replica_engine import (
 )
 from replica_engine.metrics import EngineMetrics, RayServeSink
 from replica_engine.outputs import RequestOutput
-from replica_engine.request import FinishReason
 from router.autoscaling import KV_USAGE, WAITING
 
 # A summary sized for the whole pool, up to this many keys (39 KiB at 1%); a larger pool's full
@@ -141,7 +141,7 @@ class EngineReplica:
             async with aclosing(merge_streams(streams)) as batches:  # closing aborts what still runs
                 async for batch in batches:
                     deltas = _coalesce(batch)
-                    failed = [d.index for d in deltas if d.finish_reason == FinishReason.ERROR]
+                    failed = [d.index for d in deltas if d.finish_reason is FinishReason.ERROR]
                     if failed:
                         message = f"the engine failed while computing choice {failed[0]}; it goes on serving"
                         yield GenerateError(message, None, "engine_error", status=500)

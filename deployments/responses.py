@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
+from common.finish_reason import FinishReason
 from common.messages import ChoiceDelta
 
 
@@ -20,14 +21,14 @@ class Endpoint:
     is_chat: bool
 
     def choice(
-        self, index: int, text: str, finish_reason: str | None, token_ids: list[int] | None
+        self, index: int, text: str, finish_reason: FinishReason | None, token_ids: list[int] | None
     ) -> dict[str, object]:
         body: dict[str, object] = {"index": index}
         if self.is_chat:
             body["message"] = {"role": "assistant", "content": text}
         else:
             body["text"] = text
-        return {**body, "finish_reason": finish_reason, "logprobs": None, **_token_ids(token_ids)}
+        return {**body, **_finish_reason(finish_reason), "logprobs": None, **_token_ids(token_ids)}
 
     def sends(self, delta: ChoiceDelta, first: bool) -> bool:
         """Whether a delta gets a chunk. Completions send one per delta with tokens, even when
@@ -44,7 +45,12 @@ class Endpoint:
         else:
             body["text"] = delta.text
         token_ids = _token_ids(delta.token_ids if with_token_ids else None)
-        return {**body, "finish_reason": delta.finish_reason, "logprobs": None, **token_ids}
+        return {**body, **_finish_reason(delta.finish_reason), "logprobs": None, **token_ids}
+
+
+def _finish_reason(reason: FinishReason | None) -> dict[str, object]:
+    """OpenAI's finish_reason: the enum's string, null while the choice goes on."""
+    return {"finish_reason": None if reason is None else reason.value}
 
 
 def _token_ids(token_ids: list[int] | None) -> dict[str, object]:
@@ -105,7 +111,7 @@ class ResponseWriter:
     async def whole(self, batches: AsyncIterator[list[ChoiceDelta]]) -> dict[str, object]:
         texts: dict[int, str] = {}
         token_ids: dict[int, list[int]] = {}
-        finish_reasons: dict[int, str | None] = {}
+        finish_reasons: dict[int, FinishReason | None] = {}
         async for batch in batches:
             for delta in batch:
                 self.usage.add(delta)

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from common.errors import InvalidRequestError
+from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from replica_engine.config import EngineConfig
 from replica_engine.engine import build_engine
@@ -27,7 +28,7 @@ from replica_engine.input_processor import Prompt
 from replica_engine.metrics import EngineMetrics
 from replica_engine.output_processor import RequestState
 from replica_engine.outputs import CoreOutput, EngineStats, RequestOutput
-from replica_engine.request import FinishReason, Request
+from replica_engine.request import Request
 
 logger = logging.getLogger(__name__)
 GAUGE_REFRESH_S = 0.5
@@ -52,7 +53,7 @@ class _Stream:
 
     def fail(self, error: BaseException) -> None:
         if not self.state.finished:
-            self.state.finish_reason = FinishReason.ERROR.value
+            self.state.finish_reason = FinishReason.ERROR
             self.queue.put_nowait(error)
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.errors import InvalidRequestError
+from common.finish_reason import FinishReason
 from common.model_source import resolve_model
 from common.prompts import Prompt, PromptProcessor
 from common.sampling_params import SamplingParams
@@ -23,7 +24,6 @@ from replica_engine.model_runner import ModelRunner
 from replica_engine.models.loader import load_config, load_model
 from replica_engine.output_processor import RequestState
 from replica_engine.outputs import CoreOutput, EngineStats, RequestOutput
-from replica_engine.request import FinishReason
 from replica_engine.step_listeners import StepListener
 
 if TYPE_CHECKING:

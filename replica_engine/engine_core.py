@@ -11,12 +11,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.finish_reason import FinishReason
 from replica_engine.config import EngineConfig
 from replica_engine.errors import StepFailedError
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.model_runner import ModelRunner
 from replica_engine.outputs import CoreOutput, EngineStats
-from replica_engine.request import FinishReason, Request
+from replica_engine.request import Request
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from replica_engine.scheduler.plan import ScheduledBatch, StepSummary
 from replica_engine.scheduler.step_time_model import StepTimeModel
@@ -93,7 +94,7 @@ class EngineCore:
         self.scheduler.finish_request(request, reason)
         if self.metrics is not None:
             self.metrics.record_finished(request, time.monotonic())
-        return CoreOutput(request_id, [], request.num_prompt_tokens, reason.value, request.num_cached_tokens)
+        return CoreOutput(request_id, [], request.num_prompt_tokens, reason, request.num_cached_tokens)
 
     def fail_all_requests(self) -> list[CoreOutput]:
         """The engine cannot go on: finish every request with reason error."""
@@ -182,11 +183,10 @@ class EngineCore:
             if request.is_finished:
                 self.metrics.record_finished(request, now)
         request.last_token_time = now
-        reason = request.finish_reason.value if request.finish_reason is not None else None
         return CoreOutput(
             request.request_id,
             [request.output_token_ids[-1]],
             request.num_prompt_tokens,
-            reason,
+            request.finish_reason,
             request.num_cached_tokens,
         )

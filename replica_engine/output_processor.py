@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+from common.finish_reason import FinishReason
 from replica_engine.detokenizer import IncrementalDetokenizer
 from replica_engine.outputs import CoreOutput, RequestOutput
-from replica_engine.request import FinishReason, Request
+from replica_engine.request import Request
 
 
 class RequestState:
@@ -25,7 +26,7 @@ class RequestState:
         )
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
 
     @property
     def finished(self) -> bool:
@@ -43,15 +44,15 @@ class RequestState:
         for token_id in output.new_token_ids:
             new_token_ids.append(token_id)
             if self.detokenizer is not None and self.detokenizer.add_token(token_id):
-                finish_reason = FinishReason.STOP.value
+                finish_reason = FinishReason.STOP
                 break
         return self._output(new_token_ids, finish_reason)
 
     def finish(self, reason: FinishReason) -> RequestOutput | None:
         """End the request here (abort, timeout): the last output, with any held-back text."""
-        return None if self.finished else self._output([], reason.value)
+        return None if self.finished else self._output([], reason)
 
-    def _output(self, new_token_ids: list[int], finish_reason: str | None) -> RequestOutput:
+    def _output(self, new_token_ids: list[int], finish_reason: FinishReason | None) -> RequestOutput:
         self.num_output_tokens += len(new_token_ids)
         self.finish_reason = finish_reason
         finished = finish_reason is not None

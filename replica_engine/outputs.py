@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.finish_reason import FinishReason
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -30,7 +32,7 @@ class CoreOutput:
     request_id: str
     new_token_ids: list[int]
     num_prompt_tokens: int
-    finish_reason: str | None = None  # stop | length | abort | error, once finished
+    finish_reason: FinishReason | None = None  # once finished
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
 
     @property
@@ -48,7 +50,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # so far, including new_token_ids
     finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort | error, once finished
+    finish_reason: FinishReason | None = None  # once finished
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache (OpenAI cached_tokens)
 
 
@@ -60,7 +62,7 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
 
     def add(self, output: RequestOutput) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.block_hash import BlockHash
+from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 
 
@@ -17,13 +18,6 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # holds no KV blocks
     RUNNING = "running"  # admitted: holds KV blocks for its computed tokens
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # a stop token or stop string
-    LENGTH = "length"  # max_tokens reached
-    ABORT = "abort"  # cancelled by the caller
-    ERROR = "error"  # the engine failed while serving it
 
 
 @dataclass(eq=False)  # identity semantics: a request is a dict key in step plans

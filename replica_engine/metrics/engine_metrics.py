@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from common.finish_reason import FinishReason
 from common.metrics_sinks import MetricsSink
-from replica_engine.request import FinishReason, Request
+from replica_engine.request import Request
 from replica_engine.scheduler.plan import StepSummary
 from replica_engine.scheduler.token_budget import BudgetDecision
 

@@ -10,8 +10,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from common.finish_reason import FinishReason
 from replica_engine.kv_cache_manager import KVCacheManager
-from replica_engine.request import FinishReason, Request, RequestStatus
+from replica_engine.request import Request, RequestStatus
 from replica_engine.scheduler.plan import ScheduledBatch, StepPlan
 from replica_engine.scheduler.token_budget import SLOTokenBudget
 

@@ -17,11 +17,12 @@ import threading
 
 import pytest
 
+from common.finish_reason import FinishReason
 from replica_engine import AsyncEngine, EngineConfig, SamplingParams
 from replica_engine.attention import NullBlockWriteError
 from replica_engine.flat_batch import build_flat_batch
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID
-from replica_engine.request import FinishReason, Request
+from replica_engine.request import Request
 from replica_engine.scheduler.plan import ScheduledBatch, ScheduledRow
 from tests.engine.engine_idle import wait_idle
 from tests.engine.scheduler_harness import make_scheduler

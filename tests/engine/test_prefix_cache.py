@@ -7,9 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.block_hash import next_block_hash, root_hash
+from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from replica_engine.kv_cache_manager import KVCacheManager
-from replica_engine.request import FinishReason, Request, RequestStatus
+from replica_engine.request import Request, RequestStatus
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 
 BLOCK = 4

@@ -6,9 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
-from replica_engine.request import FinishReason, Request, RequestStatus
+from replica_engine.request import Request, RequestStatus
 from replica_engine.scheduler import Scheduler
 from replica_engine.scheduler.plan import ScheduledBatch
 from tests.engine.scheduler_harness import Arrival, arrival_order, make_scheduler, run_to_completion
