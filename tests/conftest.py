@@ -62,7 +62,7 @@ def serve_cluster(tmp_path_factory: pytest.TempPathFactory):
     driver (for replica handles). Started once per session: it takes ~30 s on 2 cores."""
     import ray
 
-    from bench import serve_cluster as cluster_lib
+    from harness import serve_cluster as cluster_lib
 
     log_dir = tmp_path_factory.mktemp("serve")
     cluster = cluster_lib.start(cluster_lib.REPO / "serve_config.yaml", log_dir)

@@ -11,10 +11,11 @@ import httpx
 import pytest
 from ray import serve
 
-from bench import soak
-from bench.serve_cluster import ServeCluster, scrape, wait_for
-from bench.sse_client import StreamResult, stream_completion
 from deployments.app import AppArgs, build_app
+from harness.metrics_scrape import ENGINE_PREFIX, scrape
+from harness.replicas import kill_replica, wait_replaced
+from harness.serve_cluster import ServeCluster, wait_for
+from harness.sse_client import StreamResult, stream_completion
 from replica_engine import SamplingParams
 
 LONG_PROMPT = "Summarise the history of the Roman Empire in detail. " * 12  # ~130 tokens
@@ -167,11 +168,11 @@ def test_killing_a_replica_mid_load_fails_only_its_requests_and_serve_replaces_i
     expected = [o.text for o in llm.generate(prompts, params)]
     url = f"{fleet}/v1/completions"
     bodies = [{"prompt": p, "max_tokens": 100, "temperature": 0, "ignore_eos": True} for p in prompts]
-    running = f"{soak.METRIC}num_requests_running"
+    running = f"{ENGINE_PREFIX}num_requests_running"
 
     def kill_once_all_run() -> str:
         wait_for(lambda: scrape(serve_cluster, running, {"application": "fleet"}) == 6, "all 6 running")
-        return soak.kill_replica(serve_cluster, "fleet")
+        return kill_replica(serve_cluster, "fleet")
 
     async def load_then_kill() -> tuple[str, list[StreamResult]]:
         async with httpx.AsyncClient(timeout=120) as http:
@@ -191,4 +192,4 @@ def test_killing_a_replica_mid_load_fails_only_its_requests_and_serve_replaces_i
     # New requests succeed at once (on the survivor), and Serve starts a replacement.
     after = httpx.post(url, json=bodies[0], timeout=120)
     assert after.status_code == 200 and after.json()["choices"][0]["text"] == expected[0]
-    assert soak.wait_replaced("fleet", victim, num_replicas=2, timeout_s=120) < 120
+    assert wait_replaced("fleet", victim, num_replicas=2, timeout_s=120) < 120

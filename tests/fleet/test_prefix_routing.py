@@ -14,9 +14,10 @@ import ray
 from ray import serve
 from ray.util.state import list_actors
 
-from bench import soak
-from bench.serve_cluster import ServeCluster, scrape, scrape_by_replica, wait_for
 from deployments.app import AppArgs, build_app
+from harness.metrics_scrape import scrape, scrape_by_replica
+from harness.replicas import replica_actor_names, wait_replaced
+from harness.serve_cluster import ServeCluster, wait_for
 
 APP = "prefix"
 HITS = "ray_stallfree_prefix_cache_hits_total"
@@ -115,9 +116,9 @@ def test_a_restarted_replica_loses_its_cache_and_the_tenant_settles_again(
     )
     after = scrape_by_replica(serve_cluster, HITS, {"application": APP})
     holder = max(after, key=lambda replica: after[replica] - before.get(replica, 0))
-    victim = next(name for name in soak.replica_actor_names(APP) if name.endswith(f"#{holder}"))
+    victim = next(name for name in replica_actor_names(APP) if name.endswith(f"#{holder}"))
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
-    assert soak.wait_replaced(APP, victim, num_replicas=2, timeout_s=180) < 180
+    assert wait_replaced(APP, victim, num_replicas=2, timeout_s=180) < 180
     # The holder's cache is gone with it: the router must not keep steering by it (the other
     # replica may hold the tenant too, after the load guard spread it), and once a request has
     # computed the prompt again the next ones find it.

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.serve_cluster import REPO, free_port
+from harness.serve_cluster import REPO, free_port
 
 READY_TIMEOUT_S = 60
 

@@ -6,8 +6,8 @@ import pydantic
 import pytest
 import yaml
 
-from bench.serve_cluster import REPO
 from deployments.app import AppArgs, build_app
+from harness.serve_cluster import REPO
 
 
 @pytest.mark.parametrize("config", ["serve_config.yaml", "serve_config.gpu.yaml"])

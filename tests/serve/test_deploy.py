@@ -19,8 +19,8 @@ import openai
 import pytest
 import yaml
 
-from bench.serve_cluster import BIN, REPO
 from common.model_source import cache_root
+from harness.serve_cluster import BIN, REPO
 
 pytestmark = pytest.mark.own_ray_cluster
 DEPLOY_TIMEOUT_S = 300

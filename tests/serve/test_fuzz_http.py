@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray import serve
 
-from bench.serve_cluster import ServeCluster
 from deployments.app import AppArgs, build_app
+from harness.serve_cluster import ServeCluster
 
 FIELDS = [
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",

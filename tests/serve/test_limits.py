@@ -10,9 +10,10 @@ import httpx
 import pytest
 from ray import serve
 
-from bench.serve_cluster import ServeCluster, scrape, wait_for
-from bench.sse_client import stream_completion
 from deployments.app import AppArgs, build_app
+from harness.metrics_scrape import scrape
+from harness.serve_cluster import ServeCluster, wait_for
+from harness.sse_client import stream_completion
 from replica_engine import LLM, EngineStats, SamplingParams
 from tests.engine.engine_idle import wait_idle
 

@@ -2,7 +2,7 @@
 two replicas, scheduler, KV cache, streaming, cancellation) under 1,000 requests at concurrency
 64. The replicas run `dummy:tiny-llama`, a 2-layer random-weight Llama: on 2 CPU cores the real
 SmolLM2 would need ~16 minutes for this workload (bench.soak runs it), and the model's math is
-not what this test is about. Shares its workload, client and report with bench.soak."""
+not what this test is about. Shares its workload, client and report (harness.soak_load) with bench.soak."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import asyncio
 import pytest
 from ray import serve
 
-from bench import soak
-from bench.serve_cluster import ServeCluster, wait_for
 from deployments.app import AppArgs, build_app
+from harness import soak_load
+from harness.metrics_scrape import DRAIN_TIMEOUT_S, EngineCounters, wait_drained
+from harness.serve_cluster import ServeCluster, wait_for
 
 APP = "load"
 
@@ -37,11 +38,11 @@ def load_app(serve_cluster: ServeCluster) -> str:
 def test_a_thousand_requests_with_disconnects_lose_nothing_and_leak_nothing(
     serve_cluster: ServeCluster, load_app: str
 ):
-    workload = soak.soak_workload(1000, vocab_size=512, disconnect_fraction=0.1, seed=7)
-    requests = soak.with_expected_outputs(workload, "dummy:tiny-llama")  # greedy, offline
-    before = soak.engine_counters(serve_cluster, APP)
-    wall_s, results = asyncio.run(soak.run_load(load_app, requests, concurrency=64))
-    report = soak.client_report(requests, results, wall_s)
+    workload = soak_load.soak_workload(1000, vocab_size=512, disconnect_fraction=0.1, seed=7)
+    requests = soak_load.with_expected_outputs(workload, "dummy:tiny-llama")  # greedy, offline
+    before = EngineCounters.scrape(serve_cluster, APP)
+    wall_s, results = asyncio.run(soak_load.run_load(load_app, requests, concurrency=64))
+    report = soak_load.client_report(requests, results, wall_s)
     print(report)
     outcomes = report["outcomes"]
     # Every client that stayed got exactly its greedy output, and every one that hung up a prefix
@@ -49,17 +50,16 @@ def test_a_thousand_requests_with_disconnects_lose_nothing_and_leak_nothing(
     assert set(outcomes) <= {"completed", "disconnected"}, outcomes
     assert outcomes["disconnected"] >= report["disconnects_planned"] // 2, outcomes
 
-    def engine_delta() -> dict[str, float]:
-        after = soak.engine_counters(serve_cluster, APP)
-        return {key: after[key] - before[key] for key in after}
+    def finished() -> dict[str, float]:
+        return EngineCounters.scrape(serve_cluster, APP).since(before).finished_by_reason
 
     # Every request reached an end in an engine: run to its length, or aborted on hang-up.
     wait_for(
-        lambda: engine_delta()["finished_length"] + engine_delta()["finished_abort"] == len(requests),
+        lambda: finished()["length"] + finished()["abort"] == len(requests),
         "every request is counted as finished",
     )
-    delta = engine_delta()
-    assert 0 < delta["finished_abort"] <= outcomes["disconnected"], delta
-    assert delta["finished_error"] == 0 and delta["preemptions"] > 0, delta
-    drain_s, held = soak.wait_drained(serve_cluster, APP)
-    assert drain_s < soak.DRAIN_TIMEOUT_S, held  # no request still running, no block held
+    delta = EngineCounters.scrape(serve_cluster, APP).since(before)
+    assert 0 < delta.finished_by_reason["abort"] <= outcomes["disconnected"], delta
+    assert delta.finished_by_reason["error"] == 0 and delta.preemptions > 0, delta
+    drain_s, held = wait_drained(serve_cluster, APP)
+    assert drain_s < DRAIN_TIMEOUT_S, held  # no request still running, no block held

@@ -9,15 +9,8 @@ import time
 
 import httpx
 
-from bench.serve_cluster import (
-    REPO,
-    REPORT_WAIT_S,
-    ServeCluster,
-    post_concurrently,
-    scrape,
-    scrape_by_replica,
-    wait_for,
-)
+from harness.metrics_scrape import scrape, scrape_by_replica
+from harness.serve_cluster import REPO, REPORT_WAIT_S, ServeCluster, post_concurrently, wait_for
 from tests.serve import prometheus_server
 
 DASHBOARD = REPO / "dashboards" / "stallfree.json"

@@ -7,8 +7,8 @@ import openai
 import pytest
 from ray import serve
 
-from bench.serve_cluster import ServeCluster
 from deployments.app import AppArgs, build_app
+from harness.serve_cluster import ServeCluster
 
 KEY = "sk-test-4f1c"
 

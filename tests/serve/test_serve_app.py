@@ -13,7 +13,8 @@ import openai
 import pytest
 from ray import serve
 
-from bench.serve_cluster import ServeCluster, post_concurrently, scrape, wait_for
+from harness.metrics_scrape import scrape
+from harness.serve_cluster import ServeCluster, post_concurrently, wait_for
 from replica_engine import LLM, EngineStats, SamplingParams
 from tests.engine.engine_idle import wait_idle
 

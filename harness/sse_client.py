@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from harness.latency import RequestTiming
+
 
 @dataclass
 class StreamResult:
@@ -33,6 +35,17 @@ class StreamResult:
     @property
     def chunk_gaps_s(self) -> list[float]:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
+
+    def timing(self) -> RequestTiming:
+        """What the client measured of a finished stream (token counts from its usage chunk)."""
+        assert self.done_at is not None and self.ttft_s is not None, "a stream that ended with tokens"
+        return RequestTiming(
+            self.prompt_tokens or 0,
+            self.completion_tokens or 0,
+            self.ttft_s,
+            self.done_at - self.sent_at,
+            self.chunk_gaps_s,
+        )
 
 
 async def stream_completion(

@@ -15,14 +15,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import httpx
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
-
-if TYPE_CHECKING:
-    from replica_engine.metrics import EngineMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -30,39 +25,23 @@ START_TIMEOUT_S = 300
 REPORT_WAIT_S = 20  # Ray's workers report metrics every second in the test cluster; leave slack
 
 
-def engine_as_served(
-    engine_settings: dict | None = None, metrics: EngineMetrics | None = None, num_threads: int | None = None
-):
-    """An AsyncEngine in this process, built as serve_config.yaml's app builds its replica's
-    (`engine_settings` over the shipped ones, every core for torch unless `num_threads`): the
-    engine without Ray."""
-    import torch
+def shipped_app_config() -> dict:
+    """serve_config.yaml, parsed: its one application is the app as shipped."""
+    return yaml.safe_load((REPO / "serve_config.yaml").read_text())
 
-    from deployments.app import AppArgs
-    from replica_engine import AsyncEngine
 
-    base = yaml.safe_load((REPO / "serve_config.yaml").read_text())["applications"][0]["args"]
-    settings = {**base, "engine": {**base["engine"], **(engine_settings or {})}}
-    torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))  # as the replica sets it
-    return AsyncEngine(AppArgs.model_validate(settings).engine_config(), metrics)
+def with_app_args(shipped: dict, app_args: dict) -> dict:
+    """`app_args` over the shipped app's args, `engine` merged setting by setting."""
+    return {**shipped, **app_args, "engine": {**shipped["engine"], **app_args.get("engine", {})}}
 
 
 def config_with_apps(path: Path, app_args: dict[str, dict]) -> Path:
     """serve_config.yaml with its app once per name, at /<name>, each with its own args over the
     shipped ones (`engine` merged setting by setting). Written to `path`, which is returned."""
-    config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+    config = shipped_app_config()
     base = config["applications"][0]
     config["applications"] = [
-        {
-            **base,
-            "name": name,
-            "route_prefix": f"/{name}",
-            "args": {
-                **base["args"],
-                **args,
-                "engine": {**base["args"]["engine"], **args.get("engine", {})},
-            },
-        }
+        {**base, "name": name, "route_prefix": f"/{name}", "args": with_app_args(base["args"], args)}
         for name, args in app_args.items()
     ]
     path.write_text(yaml.safe_dump(config))
@@ -146,23 +125,6 @@ def post_concurrently(url: str, body: dict, count: int) -> list[httpx.Response]:
             return await asyncio.gather(*(http.post(url, json=body) for _ in range(count)))
 
     return asyncio.run(post_all())
-
-
-def scrape(cluster: ServeCluster, name: str, labels: dict[str, str]) -> float:
-    """Sum of the samples called `name` whose labels include `labels` (0 if none)."""
-    return sum(scrape_by_replica(cluster, name, labels).values())
-
-
-def scrape_by_replica(cluster: ServeCluster, name: str, labels: dict[str, str]) -> dict[str, float]:
-    """The samples called `name` whose labels include `labels`, summed per `replica` label."""
-    text = httpx.get(cluster.metrics_url, timeout=30).text
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and labels.items() <= sample.labels.items():
-                replica = sample.labels.get("replica", "")
-                values[replica] = values.get(replica, 0.0) + sample.value
-    return values
 
 
 def wait_for(condition, what: str) -> None:

@@ -1,0 +1,113 @@
+"""The engines' metrics as a served app exports them (Ray's metrics endpoint on this node): single
+samples, the counters benchmarks and tests take before and after a run, and what a replica still
+holds once the load has drained."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness.serve_cluster import ServeCluster
+from replica_engine.metrics.engine_metrics import PREFIX, REASON_LABEL
+from replica_engine.request import FinishReason
+
+# RayServeSink's instruments are exported as ray_<name>.
+ENGINE_PREFIX = "ray_" + PREFIX
+DRAIN_TIMEOUT_S = 30
+
+
+class MetricsPage:
+    """One read of the metrics endpoint, so figures taken together come from the same moment."""
+
+    def __init__(self, cluster: ServeCluster) -> None:
+        text = httpx.get(cluster.metrics_url, timeout=30).text
+        self.samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    def by_replica(self, name: str, labels: dict[str, str]) -> dict[str, float]:
+        """The samples called `name` whose labels include `labels`, summed per `replica` label."""
+        values: dict[str, float] = {}
+        for sample in self.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                replica = sample.labels.get("replica", "")
+                values[replica] = values.get(replica, 0.0) + sample.value
+        return values
+
+    def total(self, name: str, labels: dict[str, str]) -> float:
+        """Sum of the samples called `name` whose labels include `labels` (0 if none)."""
+        return sum(self.by_replica(name, labels).values())
+
+
+def scrape(cluster: ServeCluster, name: str, labels: dict[str, str]) -> float:
+    return MetricsPage(cluster).total(name, labels)
+
+
+def scrape_by_replica(cluster: ServeCluster, name: str, labels: dict[str, str]) -> dict[str, float]:
+    return MetricsPage(cluster).by_replica(name, labels)
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """An app's engine counters, summed over its replicas; finished requests also per replica."""
+
+    preemptions: float
+    prefix_cache_hits: float
+    prefix_cache_queries: float
+    finished_by_reason: dict[str, float]
+    finished_by_replica: dict[str, float]
+
+    @classmethod
+    def scrape(cls, cluster: ServeCluster, app: str) -> EngineCounters:
+        page, labels = MetricsPage(cluster), {"application": app}
+        finished = f"{ENGINE_PREFIX}requests_finished_total"
+        return cls(
+            page.total(f"{ENGINE_PREFIX}num_preemptions_total", labels),
+            page.total(f"{ENGINE_PREFIX}prefix_cache_hits_total", labels),
+            page.total(f"{ENGINE_PREFIX}prefix_cache_queries_total", labels),
+            {r.value: page.total(finished, {**labels, REASON_LABEL: r.value}) for r in FinishReason},
+            page.by_replica(finished, labels),
+        )
+
+    def since(self, before: EngineCounters) -> EngineCounters:
+        return EngineCounters(
+            self.preemptions - before.preemptions,
+            self.prefix_cache_hits - before.prefix_cache_hits,
+            self.prefix_cache_queries - before.prefix_cache_queries,
+            {r: n - before.finished_by_reason.get(r, 0.0) for r, n in self.finished_by_reason.items()},
+            {r: n - before.finished_by_replica.get(r, 0.0) for r, n in self.finished_by_replica.items()},
+        )
+
+
+def held_after_drain(cluster: ServeCluster, app: str) -> dict[str, dict[str, float]]:
+    """Per live replica: requests running or waiting, and KV blocks still held."""
+    page, labels = MetricsPage(cluster), {"application": app}
+
+    def gauge(name: str) -> dict[str, float]:
+        return page.by_replica(f"{ENGINE_PREFIX}{name}", labels)
+
+    running, waiting = gauge("num_requests_running"), gauge("num_requests_waiting")
+    free, usage = gauge("num_free_kv_blocks"), gauge("kv_cache_usage_perc")
+    held = {}
+    for replica in free:
+        used = round(free[replica] * usage[replica] / (1 - usage[replica])) if usage[replica] < 1 else -1
+        held[replica] = {
+            "running": running.get(replica, 0),
+            "waiting": waiting.get(replica, 0),
+            "kv_blocks_held": used,  # -1: every block
+        }
+    return held
+
+
+def wait_drained(cluster: ServeCluster, app: str) -> tuple[float, dict[str, dict[str, float]]]:
+    """Until every replica reports nothing running, waiting or held (or the timeout)."""
+    started = time.monotonic()
+    while True:
+        held = held_after_drain(cluster, app)
+        if held and all(not any(values.values()) for values in held.values()):
+            return time.monotonic() - started, held
+        if time.monotonic() - started > DRAIN_TIMEOUT_S:
+            return math.inf, held
+        time.sleep(0.5)

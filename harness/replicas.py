@@ -1,0 +1,48 @@
+"""An app's EngineReplica actors on the local cluster: find them, kill one as a crash would, and
+wait for Serve to replace it."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from harness.metrics_scrape import ENGINE_PREFIX, scrape_by_replica
+from harness.serve_cluster import ServeCluster
+
+
+def replica_actor_names(app: str) -> list[str]:
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#EngineReplica#"
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    return sorted(a["name"] for a in actors if a["name"].startswith(prefix))
+
+
+def kill_replica(cluster: ServeCluster, app: str) -> str:
+    """Kill the app's EngineReplica actor with the most running requests (by its last metrics
+    report), as a crash would; return its actor name."""
+    import ray
+
+    running = scrape_by_replica(cluster, f"{ENGINE_PREFIX}num_requests_running", {"application": app})
+    names = replica_actor_names(app)
+    victim = max(names, key=lambda name: running.get(name.rsplit("#", 1)[1], 0))
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    return victim
+
+
+def wait_replaced(app: str, victim: str, num_replicas: int, timeout_s: float = 300) -> float:
+    """Seconds until Serve runs `num_replicas` replicas again, none of them the victim."""
+    from ray import serve
+
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        names = replica_actor_names(app)
+        deployment = serve.status().applications[app].deployments["EngineReplica"]
+        if (
+            victim not in names
+            and len(names) == num_replicas
+            and deployment.replica_states.get("RUNNING", 0) == num_replicas
+        ):
+            return time.monotonic() - started
+        time.sleep(1)
+    return math.inf
