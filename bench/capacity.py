@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.capacity_run import Arrival, System, decode_step_s, workload
-from bench.workload import result_header, write_result
+from bench.capacity_run import System, decode_step_s, workload
+from bench.driver import Arrival, BenchmarkRun, print_verdicts, pyplot
 
 FIXED = {
     "prefill_first": {"scheduling_policy": "prefill_first", "max_num_batched_tokens": 2048},
@@ -129,11 +128,7 @@ def thread_comparison(replay: Replay, fixed_settings: dict, strict_s: float, rat
 
 
 def plot(path: Path, curves: dict[str, list[dict]], slos: dict[str, float], delay_bound_s: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, (tbt_axis, delay_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
     for system, points in curves.items():
         rates = [p["rate"] for p in points]
@@ -196,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="~10 minutes: 12 s windows, one bisection step")
     parser.add_argument("--output", type=Path, default=Path("bench/results/capacity_cpu.json"))
     args = parser.parse_args(argv)
-    started = time.monotonic()
+    run = BenchmarkRun("capacity", args.output, GOALS)
     window_s, min_requests, steps = (12.0, 16, 1) if args.quick else (32.0, 48, 2)
     replay = Replay(workload(max(min_requests, round(MAX_RATE * window_s)), SEED), window_s, min_requests)
     decode_s = decode_step_s()
@@ -241,13 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     met["adaptive_holds_strict_on_1_thread"] = (
         threads["adaptive, 1 thread"]["tbt_p99_s"] <= slos["strict"] < threads["fixed, 1 thread"]["tbt_p99_s"]
     )
-    for goal, ok in met.items():
-        print(f"{goal}: {'PASS' if ok else 'MISS'}")
-    plot(args.output.with_suffix(".png"), curves, slos, delay_bound_s)
-    run_s = round(time.monotonic() - started, 1)
-    print(f"run time {run_s} s")
-    write_result(args.output, {
-        **result_header("capacity"),
+    print_verdicts(met)
+    run.write({
         "method": __doc__,
         "quick": args.quick,
         "arrival_window_s": window_s,
@@ -261,10 +251,8 @@ def main(argv: list[str] | None = None) -> None:
         "threads": {
             "rate": threads_rate, "fixed": best_strict, "target_s": slos["strict"], "points": threads
         },
-        "goals": GOALS,
-        "goals_met": met,
-        "run_s": run_s,
-    })  # fmt: skip
+    }, met)  # fmt: skip
+    plot(args.output.with_suffix(".png"), curves, slos, delay_bound_s)
 
 
 if __name__ == "__main__":

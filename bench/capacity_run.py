@@ -7,15 +7,14 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
-import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from bench import serve_cluster
-from bench.text_prompts import log_uniform
-from bench.workload import percentile, random_tokens
+from bench.driver import Arrival, EngineClient, engine_as_served, greedy
+from harness.latency import percentile
+from harness.pacing import open_loop
+from harness.random_workload import log_uniform, random_tokens
 
 if TYPE_CHECKING:
     from replica_engine.scheduler.plan import StepSummary
@@ -27,15 +26,9 @@ QUEUE_TIME = "stallfree_request_queue_time_seconds"
 BUDGET = "stallfree_step_token_budget"
 
 
-@dataclass(frozen=True)
-class Arrival:
-    unit_time: float  # arrival time at rate 1 req/s; at rate r it arrives at unit_time / r
-    prompt: list[int]
-    output_len: int
-
-
 def workload(num_requests: int, seed: int) -> list[Arrival]:
-    """Random-token prompts (nothing shared: prefix caching is off anyway), exponential gaps."""
+    """Random-token prompts (nothing shared: prefix caching is off anyway), exponential gaps at
+    rate 1 req/s (replayed at rate r, each arrives at at_s / r)."""
     rng = random.Random(seed)
     arrivals, clock = [], 0.0
     for _ in range(num_requests):
@@ -86,29 +79,19 @@ class System:
         from replica_engine.metrics import EngineMetrics
 
         self.sink = RecordingSink()
-        self.engine = serve_cluster.engine_as_served(settings, EngineMetrics(self.sink, "bench"), num_threads)
+        self.engine = engine_as_served(settings, EngineMetrics(self.sink, "bench"), num_threads)
         self.steps: list[StepSummary] = []  # every step of the latest run
         self.engine.core.step_listeners.append(self.steps.append)  # idle: the step thread reads it later
 
     def run(self, arrivals: list[Arrival], rate: float) -> dict:
-        """Replay the workload at `rate` requests/s; the point's figures."""
-        from replica_engine import SamplingParams
-
+        """Replay the workload at `rate` requests/s; the point's figures (read from the engine's
+        own metrics and steps, not the client's)."""
         self.sink.values.clear()
         self.steps.clear()
-
-        async def one(arrival: Arrival, start: float) -> None:
-            await asyncio.sleep(max(0.0, start + arrival.unit_time / rate - time.monotonic()))
-            params = SamplingParams(max_tokens=arrival.output_len, temperature=0, ignore_eos=True)
-            async for _ in await self.engine.add_request(arrival.prompt, params):
-                pass
-
-        async def everything() -> float:
-            start = time.monotonic()
-            await asyncio.gather(*(one(arrival, start) for arrival in arrivals))
-            return time.monotonic() - start
-
-        wall = asyncio.run(everything())
+        client = EngineClient(self.engine)
+        wall, _ = asyncio.run(
+            open_loop(lambda arrival: client.send(arrival.prompt, greedy(arrival.max_tokens)), arrivals, rate)
+        )
         values = self.sink.values
         tbt, delay, budget = values[TBT], values[QUEUE_TIME], values[BUDGET]
         return {
@@ -119,7 +102,7 @@ class System:
             "tbt_p50_s": percentile(tbt, 0.5),
             "tbt_p99_s": percentile(tbt, 0.99),
             "scheduling_delay_p50_s": statistics.median(delay),
-            "output_tok_per_s": sum(a.output_len for a in arrivals) / wall,
+            "output_tok_per_s": sum(a.max_tokens for a in arrivals) / wall,
             "step_p50_s": percentile([step.duration_s for step in self.steps], 0.5),
             "token_budget_p50": percentile(budget, 0.5) if budget else None,
         }

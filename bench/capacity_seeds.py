@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 from bench.capacity import ADAPTIVE, COMMON, FIXED, MAX_RATE, Replay, meets, print_table, summarize
 from bench.capacity_run import System, workload
-from bench.workload import write_result
+from bench.driver import Spread, print_verdicts, write_result
 
 GRID_STEP = 2 ** (1 / 4)  # bench.capacity's two bisection steps between doubling rates
 SEEDS = (1, 2)
@@ -64,20 +63,17 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     result = json.loads(args.result.read_text())
     per_seed = {0: result["capacity_req_per_s"]} | {seed: seed_capacities(seed, result) for seed in SEEDS}
-    by_seed = {
-        system: {slo: [per_seed[seed][system][slo] for seed in per_seed] for slo in caps}
+    over_seeds = {
+        system: {slo: Spread.of(per_seed[seed][system][slo] for seed in per_seed) for slo in caps}
         for system, caps in result["capacity_req_per_s"].items()
     }
-    median = {
-        system: {slo: statistics.median(v) for slo, v in caps.items()} for system, caps in by_seed.items()
-    }
-    spread = {system: {slo: [min(v), max(v)] for slo, v in caps.items()} for system, caps in by_seed.items()}
+    median = {system: {slo: s.median for slo, s in caps.items()} for system, caps in over_seeds.items()}
+    spread = {system: {slo: s.range for slo, s in caps.items()} for system, caps in over_seeds.items()}
     summary, met = summarize(median)
     print("median of 3 seeds:")
     print_table(median, summary, result["slos_s"])
     met["adaptive_holds_strict_on_1_thread"] = result["goals_met"]["adaptive_holds_strict_on_1_thread"]
-    for goal, ok in met.items():
-        print(f"{goal}: {'PASS' if ok else 'MISS'}")
+    print_verdicts(met)
     result |= {
         "seed_check": {"method": __doc__, "per_seed": {str(s): c for s, c in per_seed.items()}},
         "capacity_median_req_per_s": median,

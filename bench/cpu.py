@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench.workload import result_header, write_result
+from bench.driver import BenchmarkRun
 from replica_engine import EngineConfig, LLMEngine, SamplingParams
 from replica_engine.scheduler.plan import ScheduledBatch
 
@@ -216,7 +216,7 @@ def main() -> None:
 
 
 def run_steps(decode_steps: int, output: Path) -> None:
-    started = time.monotonic()
+    run = BenchmarkRun("cpu", output, {"decode_ratio_max": GOAL_RATIO, "prefill_ratio_max": GOAL_RATIO})
     floors = measure_floors()
     print("floors: " + ", ".join(f"{k} {v:.1f}" for k, v in floors.items()))
     results = [r for dtype in DTYPES for r in measure_steps(dtype, floors, decode_steps)]
@@ -229,18 +229,14 @@ def run_steps(decode_steps: int, output: Path) -> None:
             f"{r.floor_ms:>10.1f}  {r.floor_kind:8}{r.ratio:>6.2f}x{verdict}"
         )
     goals_met = {f"{r.dtype}/{r.case} <= {GOAL_RATIO}x floor": r.goal_met for r in results}
-    result = {
-        **result_header("cpu"),
+    body = {
         "settings": {"decode_steps": decode_steps, "context": CONTEXT, "prefill_tokens": PREFILL_TOKENS},
         "floor_definition": "max(bytes read / read bandwidth, FLOPs / matmul rate) for decode; FLOPs / "
         "matmul rate for prefill; bytes = every weight once + the KV cache of every context",
         "floors": floors,
         "steps": [asdict(r) for r in results],
-        "goals": {"decode_ratio_max": GOAL_RATIO, "prefill_ratio_max": GOAL_RATIO},
-        "goals_met": goals_met,
-        "run_s": round(time.monotonic() - started, 1),
     }
-    write_result(output, result)
+    run.write(body, goals_met)
 
 
 if __name__ == "__main__":

@@ -22,16 +22,26 @@ import json
 import random
 import statistics
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench import http_load, serve_cluster
-from bench.http_load import Arrival, StreamTiming
-from bench.text_prompts import log_uniform, text_prompts
-from bench.workload import result_header, write_result
+from bench import http_load
+from bench.driver import (
+    Arrival,
+    BenchmarkRun,
+    EngineClient,
+    Spread,
+    engine_as_served,
+    greedy,
+    print_verdicts,
+    pyplot,
+)
+from bench.text_prompts import text_prompts
+from harness import serve_cluster
+from harness.latency import RequestTiming, summarize
+from harness.pacing import closed_loop
+from harness.random_workload import log_uniform, poisson_times
 
-METRIC = "ray_stallfree_"
 NUM_REQUESTS = 32
 POISSON_RATE = 0.5
 POISSON_SEEDS = (0, 1, 2)
@@ -46,12 +56,15 @@ PEERS = {
 GOALS = {"c1_tbt_p50_s_max": 0.010, "c16_output_tok_per_s_min": 240.0, "tbt_p99_s_under_load_max": 0.3}
 
 
-def workload(seed: int) -> list[Arrival]:
+def shipped_tokenizer():
     from transformers import AutoTokenizer
 
     from common.model_source import DEFAULT_MODEL, resolve_model
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL).hf_dir)
+    return AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL).hf_dir)
+
+
+def workload(seed: int, tokenizer) -> list[Arrival]:
     rng = random.Random(seed)
     prompt_lens = [log_uniform(rng, 16, 1024) for _ in range(NUM_REQUESTS)]
     output_lens = [log_uniform(rng, 16, 256) for _ in range(NUM_REQUESTS)]
@@ -60,43 +73,27 @@ def workload(seed: int) -> list[Arrival]:
 
 
 def poisson(arrivals: list[Arrival], seed: int) -> list[Arrival]:
-    rng = random.Random(seed)
-    now, timed = 0.0, []
-    for arrival in arrivals:
-        now += rng.expovariate(POISSON_RATE)
-        timed.append(Arrival(now, arrival.prompt, arrival.max_tokens))
-    return timed
+    times = poisson_times(random.Random(seed), len(arrivals), POISSON_RATE)
+    return [Arrival(t, a.prompt, a.max_tokens) for a, t in zip(arrivals, times, strict=True)]
 
 
 def engine_alone_c1(arrivals: list[Arrival], engine_settings: dict) -> dict[str, float]:
     """The c=1 run straight into an AsyncEngine in this process (no Ray, no HTTP), built as the
     app builds it: what the engine costs per token and per request without the serving around it."""
-    from replica_engine import SamplingParams
-
-    engine = serve_cluster.engine_as_served(engine_settings)
-    intervals: list[float] = []
-    ttfts: list[float] = []
-
-    async def one(arrival: Arrival) -> None:
-        params = SamplingParams(max_tokens=arrival.max_tokens, temperature=0, ignore_eos=True)
-        first, last = True, time.monotonic()
-        async for _ in await engine.add_request(arrival.prompt, params):  # one token per output at c=1
-            now = time.monotonic()
-            (ttfts if first else intervals).append(now - last)
-            first, last = False, now
-
-    async def all_in_turn() -> None:
-        for arrival in arrivals:
-            await one(arrival)
-
+    client = EngineClient(engine_as_served(engine_settings))
     try:
-        asyncio.run(all_in_turn())
+        _, served = asyncio.run(
+            closed_loop(lambda arrival: client.send(arrival.prompt, greedy(arrival.max_tokens)), arrivals, 1)
+        )
     finally:
-        engine.shutdown()
-    return {"tbt_mean_s": statistics.fmean(intervals), "ttft_mean_s": statistics.fmean(ttfts)}
+        client.engine.shutdown()
+    return {
+        "tbt_mean_s": statistics.fmean(i for s in served for i in s.timing.token_intervals_s),
+        "ttft_mean_s": statistics.fmean(s.timing.ttft_s for s in served),
+    }
 
 
-def serving_overhead(timings: list[StreamTiming], alone: dict[str, float]) -> dict[str, float]:
+def serving_overhead(timings: list[RequestTiming], alone: dict[str, float]) -> dict[str, float]:
     """The client's means at c=1 over HTTP minus the engine's own, on the same requests."""
     client_tbt = statistics.fmean(i for t in timings for i in t.token_intervals_s)
     client_ttft = statistics.fmean(t.ttft_s for t in timings)
@@ -113,27 +110,27 @@ def serving_overhead(timings: list[StreamTiming], alone: dict[str, float]) -> di
 def measure(cluster: serve_cluster.ServeCluster, system: str, arrivals: list[Arrival]) -> dict:
     url = f"{cluster.base_url}/{system}/v1/completions"
     wall_s, c1_timings = asyncio.run(http_load.closed_loop(url, arrivals, 1))
-    c1 = http_load.summarize(wall_s, c1_timings)
+    c1 = summarize(wall_s, c1_timings)
     print(system, "c=1", json.dumps(c1), flush=True)
     wall_s, c16_timings = asyncio.run(http_load.closed_loop(url, arrivals, 16))
-    c16 = http_load.summarize(wall_s, c16_timings)
+    c16 = summarize(wall_s, c16_timings)
     print(system, "c=16", json.dumps(c16), flush=True)
     runs: list[dict[str, float]] = []
-    poisson_timings: list[StreamTiming] = []
+    poisson_timings: list[RequestTiming] = []
     for seed in POISSON_SEEDS:
         wall_s, timings = asyncio.run(http_load.open_loop(url, poisson(arrivals, seed)))
-        runs.append(http_load.summarize(wall_s, timings))
+        runs.append(summarize(wall_s, timings))
         poisson_timings += timings
         print(system, f"poisson seed {seed}", json.dumps(runs[-1]), flush=True)
-    spread = {
-        key: {"median": statistics.median(r[key] for r in runs), "min": min(r[key] for r in runs),
-              "max": max(r[key] for r in runs)}
-        for key in runs[0]
-    }  # fmt: skip
+    spread = {key: Spread.of_runs(runs, key) for key in runs[0]}
     return {
         "c1": c1,
         "c16": c16,
-        "poisson": {"median": {k: v["median"] for k, v in spread.items()}, "spread": spread, "runs": runs},
+        "poisson": {
+            "median": {key: s.median for key, s in spread.items()},
+            "spread": {key: asdict(s) for key, s in spread.items()},
+            "runs": runs,
+        },
         "timings": {"c1": c1_timings, "c16": c16_timings, "poisson": poisson_timings},
     }
 
@@ -177,11 +174,7 @@ def print_table(results: dict, overheads: dict, offered_tok_s: float) -> None:
 
 
 def plot(path: Path, results: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, axes = plt.subplots(1, 3, figsize=(13, 4))
     for axis, run in zip(axes, ("c1", "c16", "poisson"), strict=True):
         for system, r in results.items():
@@ -210,8 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="workload seed (prompts, lengths)")
     parser.add_argument("--output", type=Path, default=Path("bench/results/cpu_serving.json"))
     args = parser.parse_args(argv)
-    started = time.monotonic()
-    arrivals = workload(args.seed)
+    run = BenchmarkRun("cpu_serving", args.output, GOALS)
+    arrivals = workload(args.seed, shipped_tokenizer())
     # First, before Ray starts and before this process runs any other torch work (see AsyncEngine).
     alone = engine_alone_c1(arrivals, SYSTEMS["auto"])
     print("engine alone, c=1:", json.dumps(alone), flush=True)
@@ -235,12 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     overheads = {"auto": serving_overhead(results["auto"]["timings"]["c1"], alone)}
     print_table(results, overheads, offered)
     met = goals_met(results)
-    for goal, ok in met.items():
-        print(f"{goal}: {'PASS' if ok else 'MISS'}")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    plot(args.output.with_suffix(".png"), results)
-    result = {
-        **result_header("cpu_serving"),
+    print_verdicts(met)
+    body = {
         "workload": {
             "num_requests": NUM_REQUESTS,
             "seed": args.seed,
@@ -258,11 +247,9 @@ def main(argv: list[str] | None = None) -> None:
             system: {run: [asdict(t) for t in ts] for run, ts in r["timings"].items()}
             for system, r in results.items()
         },
-        "goals": GOALS,
-        "goals_met": met,
-        "run_s": round(time.monotonic() - started, 1),
     }
-    write_result(args.output, result)
+    run.write(body, met)
+    plot(args.output.with_suffix(".png"), results)
 
 
 if __name__ == "__main__":

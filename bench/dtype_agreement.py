@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 from pathlib import Path
 
-from bench.text_prompts import log_uniform, text_prompts
-from bench.workload import result_header, write_result
+from bench.driver import BenchmarkRun
+from bench.text_prompts import text_prompts
+from harness.random_workload import log_uniform
 from replica_engine import LLM, SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -25,6 +25,12 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
+def held_prompts(tokenizer, num_prompts: int, seed: int) -> list[list[int]]:
+    """Windows of real English text, 16-512 tokens (log-uniform)."""
+    rng = random.Random(seed)
+    return text_prompts(tokenizer, [log_uniform(rng, 16, 512) for _ in range(num_prompts)], seed)
+
+
 def measure(num_prompts: int, max_tokens: int, seed: int) -> dict:
     outputs: dict[str, list[list[int]]] = {}
     answers: dict[str, str] = {}
@@ -32,10 +38,7 @@ def measure(num_prompts: int, max_tokens: int, seed: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for dtype in ("float32", "bfloat16"):
         llm = LLM(dtype=dtype, num_kv_blocks=1024)
-        if not prompts:
-            rng = random.Random(seed)
-            lengths = [log_uniform(rng, 16, 512) for _ in range(num_prompts)]
-            prompts = text_prompts(llm.tokenizer, lengths, seed)
+        prompts = prompts or held_prompts(llm.tokenizer, num_prompts, seed)
         outputs[dtype] = [o.token_ids for o in llm.generate(prompts, params)]
         answers[dtype] = llm.chat(QUESTION, SamplingParams(max_tokens=32, temperature=0))[0].text
     agreed = [_common_prefix(a, b) for a, b in zip(outputs["float32"], outputs["bfloat16"], strict=True)]
@@ -69,18 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=Path("bench/results/dtype_agreement.json"))
     args = parser.parse_args(argv)
-    started = time.monotonic()
+    run = BenchmarkRun("dtype_agreement", args.output, {"bf16_chat_answer": EXPECTED_ANSWER})
     result = measure(args.num_prompts, args.max_tokens, args.seed)
     print(report(result))
-    goals_met = {"bf16 answers the README's chat question": result["bf16_chat_answer_correct"]}
-    full = {
-        **result_header("dtype_agreement"),
-        **result,
-        "goals": {"bf16_chat_answer": EXPECTED_ANSWER},
-        "goals_met": goals_met,
-        "run_s": round(time.monotonic() - started, 1),
-    }
-    write_result(args.output, full)
+    run.write(result, {"bf16 answers the README's chat question": result["bf16_chat_answer_correct"]})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
-from bench.workload import RequestTiming, Workload
+from bench.driver import Workload
+from harness.latency import RequestTiming
 
 
 class _FirstTokenClock(StoppingCriteria):

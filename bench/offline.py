@@ -5,14 +5,15 @@ greedy with ignore_eos, so both produce exactly the requested tokens."""
 from __future__ import annotations
 
 import argparse
-import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from bench import hf_static
-from bench.workload import RequestTiming, Workload, records, result_header, summarize, uniform_workload
+from bench.driver import BenchmarkRun, Workload, greedy, pyplot, uniform_workload
 from common.model_source import DEFAULT_MODEL, resolve_model
-from replica_engine import LLM, SamplingParams
+from harness.latency import RequestTiming, summarize
+from replica_engine import LLM
 
 GOALS = {"throughput_ratio_min": 2.0, "ttft_p50_ratio_max": 0.3}
 
@@ -21,7 +22,7 @@ def run_engine(llm: LLM, workload: Workload) -> tuple[float, list[RequestTiming]
     engine = llm.engine
     start = time.perf_counter()
     ids = [
-        engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        engine.add_request(prompt, greedy(n))
         for prompt, n in zip(workload.prompts, workload.output_lens, strict=True)
     ]
     first_token: dict[str, float] = {}
@@ -49,14 +50,7 @@ def _print_table(rows: dict[str, dict[str, float]]) -> None:
 
 
 def _plot(path: Path, timings: dict[str, list[RequestTiming]]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-        return
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, values in timings.items():
         for axis, field in zip(axes, ("ttft_s", "e2e_s"), strict=True):
@@ -83,6 +77,7 @@ def main() -> None:
     )
     parser.add_argument("--output", type=Path, default=Path("bench/results/offline_cpu.json"))
     args = parser.parse_args()
+    run = BenchmarkRun("offline", args.output, GOALS)
 
     llm = LLM(DEFAULT_MODEL, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
     tokenizer = llm.tokenizer
@@ -126,9 +121,7 @@ def main() -> None:
     print(f"throughput vs {best_throughput}: {throughput:.2f}x (goal >= 2.0: {verdict[met['throughput']]})")
     print(f"p50 TTFT vs {best_ttft}: {ttft:.2f}x (goal <= 0.3: {verdict[met['ttft_p50']]})")
 
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    result = {
-        **result_header("offline"),
+    body = {
         "workload": {
             "num_requests": args.num_requests,
             "seed": args.seed,
@@ -148,12 +141,9 @@ def main() -> None:
         "baseline": "transformers generate on static batches in arrival order, left-padded, same dtype",
         "summaries": summaries,
         "ratios": ratios,
-        "goals": GOALS,
-        "goals_met": met,
-        "requests": {name: records(records_) for name, (_, records_) in timings.items()},
+        "requests": {name: [asdict(t) for t in records_] for name, (_, records_) in timings.items()},
     }
-    args.output.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.output}")
+    run.write(body, met)
     _plot(args.output.with_suffix(".png"), {name: records_ for name, (_, records_) in timings.items()})
 
 

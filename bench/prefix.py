@@ -24,16 +24,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import random
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import serve_cluster
-from bench.text_prompts import log_uniform
-from bench.workload import percentile, random_tokens, result_header, write_result
+from bench.driver import (
+    Arrival,
+    BenchmarkRun,
+    EngineClient,
+    Served,
+    Spread,
+    engine_as_served,
+    greedy,
+    print_verdicts,
+    pyplot,
+)
+from harness.latency import percentile
+from harness.pacing import open_loop
+from harness.random_workload import log_uniform, poisson_times, random_tokens
 
 SEEDS = (0, 1, 2)
 NO_SHARED_PAIRS = 5
@@ -46,39 +55,24 @@ GOALS = {
 
 
 @dataclass
-class Turn:
-    prompt: list[int]
-    arrival_s: float  # from the run's start
-
-
-@dataclass
 class Conversation:
     system: list[int]
     messages: list[list[int]]  # the user's, one per turn; each turn resends the whole history
-    arrival_s: float
+    at_s: float  # from the run's start
 
 
-def _arrivals(rng: random.Random, n: int, rate: float | None) -> list[float]:
-    if rate is None:
-        return [0.0] * n
-    times, now = [], 0.0
-    for _ in range(n):
-        now += rng.expovariate(rate)
-        times.append(now)
-    return times
-
-
-def shared_prefix(seed: int, rate: float | None) -> list[Turn]:
+def shared_prefix(seed: int, rate: float | None) -> list[Arrival]:
     rng = random.Random(seed)
     systems = [random_tokens(rng, 512) for _ in range(4)]
     prompts = [system + random_tokens(rng, 32) for system in systems for _ in range(8)]
     rng.shuffle(prompts)
-    return [Turn(p, t) for p, t in zip(prompts, _arrivals(rng, len(prompts), rate), strict=True)]
+    times = poisson_times(rng, len(prompts), rate)
+    return [Arrival(t, p, OUTPUT_TOKENS) for p, t in zip(prompts, times, strict=True)]
 
 
-def no_shared(seed: int) -> list[Turn]:
+def no_shared(seed: int) -> list[Arrival]:
     rng = random.Random(seed)
-    return [Turn(random_tokens(rng, log_uniform(rng, 64, 512)), 0.0) for _ in range(32)]
+    return [Arrival(0.0, random_tokens(rng, log_uniform(rng, 64, 512)), OUTPUT_TOKENS) for _ in range(32)]
 
 
 def conversations(seed: int, rate: float | None) -> list[Conversation]:
@@ -89,78 +83,52 @@ def conversations(seed: int, rate: float | None) -> list[Conversation]:
             [random_tokens(rng, rng.randint(32, 64)) for _ in range(rng.randint(4, 8))],
             start,
         )
-        for start in _arrivals(rng, 8, rate)
+        for start in poisson_times(rng, 8, rate)
     ]
-
-
-@dataclass
-class Served:
-    ttft_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    output: list[int]
 
 
 class Runner:
     def __init__(self) -> None:
-        self.engine = serve_cluster.engine_as_served()
+        self.client = EngineClient(engine_as_served())
         self.salt = 0
 
     def set_caching(self, enabled: bool) -> None:
         """Between runs, while the engine is idle: the step thread reads the flag only in a step."""
-        self.engine.core.kv_cache_manager.enable_prefix_caching = enabled
+        self.client.engine.core.kv_cache_manager.enable_prefix_caching = enabled
 
-    async def serve(self, prompt: list[int], salt: str, arrived: float) -> Served:
-        from replica_engine import SamplingParams
+    async def converse(self, chat: Conversation, salt: str) -> list[Served]:
+        history, served = list(chat.system), []
+        for index, message in enumerate(chat.messages):
+            if index:
+                await asyncio.sleep(0.5)  # the user reads, then writes the next message
+            history += message
+            served.append(await self.client.send(list(history), greedy(OUTPUT_TOKENS, cache_salt=salt)))
+            history += served[-1].output
+        return served
 
-        params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True, cache_salt=salt)
-        ttft, output, cached = math.nan, [], 0
-        async for out in await self.engine.add_request(prompt, params):
-            if not output:
-                ttft = time.monotonic() - arrived
-            output += out.new_token_ids
-            cached = out.num_cached_tokens
-        return Served(ttft, len(prompt), cached, output)
-
-    def run(self, workload: list[Turn] | list[Conversation], enabled: bool) -> dict:
+    def run(self, workload: list[Arrival] | list[Conversation], enabled: bool) -> dict:
         """Serve a workload (single turns, or conversations); its summary."""
         self.set_caching(enabled)
         self.salt += 1
         salt = f"run-{self.salt}"
 
-        async def one(turn: Turn, start: float) -> list[Served]:
-            await asyncio.sleep(max(0.0, start + turn.arrival_s - time.monotonic()))
-            return [await self.serve(turn.prompt, salt, start + turn.arrival_s)]
+        async def one(item: Arrival | Conversation) -> list[Served]:
+            if isinstance(item, Conversation):
+                return await self.converse(item, salt)
+            return [await self.client.send(item.prompt, greedy(item.max_tokens, cache_salt=salt))]
 
-        async def conversation(chat: Conversation, start: float) -> list[Served]:
-            await asyncio.sleep(max(0.0, start + chat.arrival_s - time.monotonic()))
-            history, served = list(chat.system), []
-            for index, message in enumerate(chat.messages):
-                if index:
-                    await asyncio.sleep(0.5)  # the user reads, then writes the next message
-                history += message
-                served.append(await self.serve(list(history), salt, time.monotonic()))
-                history += served[-1].output
-            return served
-
-        async def everything() -> tuple[float, list[Served]]:
-            start = time.monotonic()
-            tasks = [
-                conversation(w, start) if isinstance(w, Conversation) else one(w, start) for w in workload
-            ]
-            results = await asyncio.gather(*tasks)
-            return time.monotonic() - start, [served for result in results for served in result]
-
-        wall, served = asyncio.run(everything())
-        ttft = [s.ttft_s for s in served]
+        wall, results = asyncio.run(open_loop(one, workload))
+        served = [s for result in results for s in result]
+        ttft = [s.timing.ttft_s for s in served]
+        prompt_tokens = sum(s.timing.prompt_len for s in served)
         return {
             "requests": len(served),
             "wall_s": wall,
             "output_tok_per_s": sum(len(s.output) for s in served) / wall,
             "ttft_p50_s": percentile(ttft, 0.5),
             "ttft_p99_s": percentile(ttft, 0.99),
-            "hit_rate": sum(s.cached_tokens for s in served) / sum(s.prompt_tokens for s in served),
-            "prompt_tokens": sum(s.prompt_tokens for s in served),
+            "hit_rate": sum(s.cached_tokens for s in served) / prompt_tokens,
+            "prompt_tokens": prompt_tokens,
         }
 
 
@@ -179,7 +147,7 @@ def measure(runner: Runner) -> dict:
     results["burst"]["no_shared"] = {system: [] for system in SYSTEMS}
     for pair in range(NO_SHARED_PAIRS):
         for system, enabled in list(SYSTEMS.items())[:: 1 if pair % 2 == 0 else -1]:
-            timer = BookkeepingTimer(runner.engine.core.kv_cache_manager) if enabled else None
+            timer = BookkeepingTimer(runner.client.engine.core.kv_cache_manager) if enabled else None
             run = runner.run(no_shared(0), enabled)
             if timer is not None:
                 run["prefix_cache_bookkeeping_s"] = timer.stop()
@@ -224,19 +192,15 @@ def _progress(workload: str, results: dict) -> None:
                   [round(r["output_tok_per_s"], 1) for r in runs], flush=True)  # fmt: skip
 
 
-def _median(runs: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
-
-
 def _row(workload: str, system: str, poisson: list[dict], burst: list[dict]) -> dict:
     row = {"workload": workload, "system": system, "ttft_p50_s": None, "ttft_p50_spread_s": None}
     row["ttft_p99_s"] = None
     if poisson:
-        p50s = [run["ttft_p50_s"] for run in poisson]
-        row.update(ttft_p50_s=statistics.median(p50s), ttft_p50_spread_s=[min(p50s), max(p50s)])
-        row["ttft_p99_s"] = _median(poisson, "ttft_p99_s")
-    row["burst_output_tok_per_s"] = _median(burst, "output_tok_per_s")
-    row["hit_rate"] = _median(poisson or burst, "hit_rate")
+        p50 = Spread.of_runs(poisson, "ttft_p50_s")
+        row.update(ttft_p50_s=p50.median, ttft_p50_spread_s=p50.range)
+        row["ttft_p99_s"] = Spread.of_runs(poisson, "ttft_p99_s").median
+    row["burst_output_tok_per_s"] = Spread.of_runs(burst, "output_tok_per_s").median
+    row["hit_rate"] = Spread.of_runs(poisson or burst, "hit_rate").median
     return row
 
 
@@ -256,14 +220,11 @@ def summarize(results: dict) -> tuple[list[dict], dict[str, float]]:
         "shared_prefix_ttft_p50_ratio": ratio("shared_prefix", "ttft_p50_s"),
         "shared_prefix_throughput_ratio": ratio("shared_prefix", "burst_output_tok_per_s"),
         "multi_turn_ttft_p50_ratio": ratio("multi_turn", "ttft_p50_s"),
-        "no_shared_throughput_ratio": statistics.median(
-            on_run["output_tok_per_s"] / off_run["output_tok_per_s"]
-            for on_run, off_run in zip(
-                results["burst"]["no_shared"]["caching on"],
-                results["burst"]["no_shared"]["caching off"],
-                strict=True,
-            )
-        ),
+        "no_shared_throughput_ratio": Spread.of_ratios(
+            results["burst"]["no_shared"]["caching on"],
+            results["burst"]["no_shared"]["caching off"],
+            "output_tok_per_s",
+        ).median,
     }
     return rows, ratios
 
@@ -295,11 +256,7 @@ def goals_met(ratios: dict[str, float]) -> dict[str, bool]:
 
 
 def plot(path: Path, results: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
     for axis, workload in zip(axes, ("shared_prefix", "multi_turn"), strict=True):
         for system, runs in results["poisson"][workload].items():
@@ -321,34 +278,29 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--output", type=Path, default=Path("bench/results/prefix_cpu.json"))
     args = parser.parse_args(argv)
-    started = time.monotonic()
+    run = BenchmarkRun("prefix", args.output, GOALS)
     runner = Runner()
     try:
         runner.run(no_shared(99)[:4], True)  # warm: kernels, first steps
         results = measure(runner)
     finally:
-        runner.engine.shutdown()
+        runner.client.engine.shutdown()
     rows, ratios = summarize(results)
     print_table(rows, ratios)
     on_runs = results["burst"]["no_shared"]["caching on"]
     bookkeeping = sum(r["prefix_cache_bookkeeping_s"] for r in on_runs) / sum(r["wall_s"] for r in on_runs)
     print(f"no_shared, caching on: prefix-cache bookkeeping {bookkeeping:.2%} of the run's wall time")
     met = goals_met(ratios)
-    for goal, ok in met.items():
-        print(f"{goal}: {'PASS' if ok else 'MISS'}")
-    plot(args.output.with_suffix(".png"), results)
-    write_result(args.output, {
-        **result_header("prefix"),
-        "engine": {key: str(value) for key, value in vars(runner.engine.inputs.config).items()},
+    print_verdicts(met)
+    run.write({
+        "engine": {key: str(value) for key, value in vars(runner.client.engine.inputs.config).items()},
         "workloads": __doc__,
         "summary": rows,
         "ratios": ratios,
         "no_shared_prefix_cache_bookkeeping_share": bookkeeping,
         "runs": results,
-        "goals": GOALS,
-        "goals_met": met,
-        "run_s": round(time.monotonic() - started, 1),
-    })  # fmt: skip
+    }, met)  # fmt: skip
+    plot(args.output.with_suffix(".png"), results)
 
 
 if __name__ == "__main__":

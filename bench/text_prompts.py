@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import math
 import random
 
 # Modules whose docstrings are mostly prose.
@@ -49,10 +48,6 @@ def english_text() -> str:
         for doc in _docstrings(module_name):
             paragraphs += [" ".join(p.split()) for p in doc.split("\n\n") if _is_prose(p)]
     return "\n\n".join(dict.fromkeys(paragraphs))  # each paragraph once, in a fixed order
-
-
-def log_uniform(rng: random.Random, low: int, high: int) -> int:
-    return round(math.exp(rng.uniform(math.log(low), math.log(high))))
 
 
 def text_prompts(tokenizer, lengths: list[int], seed: int) -> list[list[int]]:

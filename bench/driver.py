@@ -1,0 +1,202 @@
+"""The driver every benchmark runs on: workload records, an in-process engine as the app builds
+it with a client that times each request (paced by harness.pacing's open and closed loops, as
+the HTTP loads are), one figure's median and spread over seeds, and result files that always say
+what they were judged by."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from harness.latency import RequestTiming
+from harness.serve_cluster import shipped_app_config, with_app_args
+
+if TYPE_CHECKING:
+    from replica_engine import AsyncEngine, SamplingParams
+    from replica_engine.metrics import EngineMetrics
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at_s: float  # from the run's start (at rate r, at_s / r); closed loops ignore it
+    prompt: list[int]  # token ids
+    max_tokens: int  # exact: greedy with ignore_eos, so every system does the same work
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Every request at once (an offline batch)."""
+
+    prompts: list[list[int]]  # token ids
+    output_lens: list[int]
+
+
+def uniform_workload(
+    num_requests: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    token_range: tuple[int, int],
+    seed: int,
+) -> Workload:
+    """Prompt and output lengths uniform in their ranges; prompt tokens uniform in token_range."""
+    rng = random.Random(seed)
+    prompt_lens = [rng.randint(*prompt_range) for _ in range(num_requests)]
+    return Workload(
+        prompts=[[rng.randrange(*token_range) for _ in range(n)] for n in prompt_lens],
+        output_lens=[rng.randint(*output_range) for _ in range(num_requests)],
+    )
+
+
+def greedy(max_tokens: int, **settings: object) -> SamplingParams:
+    """Exactly `max_tokens` greedy tokens: the same work for every system under comparison."""
+    from replica_engine import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **settings)
+
+
+def engine_as_served(
+    engine_settings: dict | None = None, metrics: EngineMetrics | None = None, num_threads: int | None = None
+) -> AsyncEngine:
+    """An AsyncEngine in this process, built as serve_config.yaml's app builds its replica's
+    (`engine_settings` over the shipped ones, every core for torch unless `num_threads`): the
+    engine without Ray."""
+    import torch
+
+    from deployments.app import AppArgs
+    from replica_engine import AsyncEngine
+
+    shipped = shipped_app_config()["applications"][0]["args"]
+    settings = with_app_args(shipped, {"engine": engine_settings or {}})
+    torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))  # as the replica sets it
+    return AsyncEngine(AppArgs.model_validate(settings).engine_config(), metrics)
+
+
+@dataclass
+class Served:
+    """One request as the in-process engine's client saw it."""
+
+    timing: RequestTiming
+    output: list[int]  # token ids
+    cached_tokens: int  # of the prompt, found in the prefix cache
+
+
+class EngineClient:
+    """Requests straight into an AsyncEngine in this process, each timed token by token."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def send(self, prompt: list[int], params: SamplingParams) -> Served:
+        sent = time.monotonic()
+        token_times: list[float] = []
+        output: list[int] = []
+        cached = 0
+        async for out in await self.engine.add_request(prompt, params):
+            if out.new_token_ids:
+                token_times.append(time.monotonic())
+            output += out.new_token_ids
+            cached = out.num_cached_tokens
+        gaps = [b - a for a, b in pairwise(token_times)]
+        timing = RequestTiming(len(prompt), len(output), token_times[0] - sent, time.monotonic() - sent, gaps)
+        return Served(timing, output, cached)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One figure over seeds (or over paired runs): its median and the range it spans."""
+
+    median: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Spread:
+        values = list(values)
+        return cls(statistics.median(values), min(values), max(values))
+
+    @classmethod
+    def of_runs(cls, runs: list[dict], key: str) -> Spread:
+        return cls.of(run[key] for run in runs)
+
+    @classmethod
+    def of_ratios(cls, ours: list[dict], theirs: list[dict], key: str) -> Spread:
+        """Run by run ours / theirs (paired: the same arrivals, or back-to-back runs), then over
+        the pairs: pairing cancels most of the host's drift between runs."""
+        return cls.of(a[key] / b[key] for a, b in zip(ours, theirs, strict=True))
+
+    @property
+    def range(self) -> list[float]:
+        return [self.min, self.max]
+
+    def __format__(self, spec: str) -> str:
+        """`median [min-max]`, each number formatted by `spec`."""
+        return f"{self.median:{spec}} [{self.min:{spec}}-{self.max:{spec}}]"
+
+
+def result_header(benchmark: str) -> dict[str, object]:
+    """What every result file starts with: which benchmark, how to rerun it, when, and where."""
+    import torch
+
+    return {
+        "benchmark": benchmark,
+        "command": f"python -m bench.{benchmark}",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
+    }
+
+
+def write_result(path: Path, result: dict) -> None:
+    """A result file; every one says what it was judged by and how long it took."""
+    missing = {"goals", "goals_met", "run_s"} - result.keys()
+    if missing:
+        raise ValueError(f"a result needs {sorted(missing)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str))  # default: settings may hold Paths
+    print(f"wrote {path} ({result['run_s']} s)")
+
+
+@dataclass
+class BenchmarkRun:
+    """One run of a benchmark: where its result goes, what it is judged by, when it started."""
+
+    benchmark: str
+    output: Path
+    goals: dict
+    started: float = field(default_factory=time.monotonic)
+
+    def write(self, body: dict, goals_met: dict[str, bool]) -> None:
+        """The result so far or in full (goals_met empty: not judged)."""
+        run_s = round(time.monotonic() - self.started, 1)
+        result = {**result_header(self.benchmark), **body, "goals": self.goals, "goals_met": goals_met}
+        write_result(self.output, {**result, "run_s": run_s})
+
+
+def print_verdicts(goals_met: dict[str, bool]) -> None:
+    for goal, met in goals_met.items():
+        print(f"{goal}: {'PASS' if met else 'MISS'}")
+
+
+def pyplot():
+    """matplotlib's pyplot, drawing to files only (a benchmark host has no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
