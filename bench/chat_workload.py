@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from dataclasses import dataclass
 
 import httpx
 
-from bench.sse_client import stream_completion
 from bench.text_prompts import english_text
+from harness.latency import RequestTiming
+from harness.pacing import open_loop
+from harness.sse_client import stream_completion
 
 CHARS_PER_TOKEN = 4.4  # of this English text through SmolLM2's tokenizer (measured, for sizing only)
 
@@ -25,7 +26,7 @@ CHARS_PER_TOKEN = 4.4  # of this English text through SmolLM2's tokenizer (measu
 class Conversation:
     tenant: int
     user: int
-    start_s: float  # from the run's start
+    at_s: float  # from the run's start
     system: str
     questions: list[str]  # one per turn
     think_s: list[float]  # pause after each answer
@@ -36,12 +37,8 @@ class Turn:
     tenant: int
     user: int
     turn: int
-    prompt_tokens: int
-    cached_tokens: int
-    output_tokens: int
-    ttft_s: float
-    e2e_s: float
-    token_intervals_s: list[float]
+    cached_tokens: int  # of the prompt, found in the prefix cache
+    timing: RequestTiming
 
 
 def _excerpt(rng: random.Random, text: str, num_tokens: int) -> str:
@@ -82,11 +79,10 @@ async def run_conversations(
 ) -> tuple[float, list[Turn]]:
     """Every conversation from its start time, turn after turn; greedy answers of exactly
     `max_tokens` tokens (ignore_eos), streamed."""
-    turns: list[Turn] = []
 
-    async def converse(http: httpx.AsyncClient, conversation: Conversation, start: float) -> None:
-        await asyncio.sleep(max(0.0, start + conversation.start_s - time.monotonic()))
+    async def converse(http: httpx.AsyncClient, conversation: Conversation) -> list[Turn]:
         messages = [{"role": "system", "content": conversation.system}]
+        turns = []
         for index, (question, think_s) in enumerate(
             zip(conversation.questions, conversation.think_s, strict=True)
         ):
@@ -95,23 +91,12 @@ async def run_conversations(
             result = await stream_completion(http, url, body)
             if result.status != 200 or result.error_code is not None:
                 raise RuntimeError(f"request failed: HTTP {result.status}, {result.error_code}")
-            turns.append(
-                Turn(
-                    conversation.tenant,
-                    conversation.user,
-                    index,
-                    result.prompt_tokens or 0,
-                    result.cached_tokens or 0,
-                    result.completion_tokens or 0,
-                    result.ttft_s or 0.0,
-                    result.done_at - result.sent_at,
-                    result.chunk_gaps_s,
-                )
-            )
+            cached = result.cached_tokens or 0
+            turns.append(Turn(conversation.tenant, conversation.user, index, cached, result.timing()))
             messages.append({"role": "assistant", "content": result.text})
             await asyncio.sleep(think_s)
+        return turns
 
     async with httpx.AsyncClient(timeout=900) as http:
-        start = time.monotonic()
-        await asyncio.gather(*(converse(http, c, start) for c in conversations))
-        return time.monotonic() - start, turns
+        wall_s, turns = await open_loop(lambda conversation: converse(http, conversation), conversations)
+        return wall_s, [turn for conversation in turns for turn in conversation]

@@ -18,15 +18,17 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from bench import chat_workload, http_load, serve_cluster
-from bench.http_load import Arrival
-from bench.workload import percentile, result_header
+from bench import chat_workload, http_load
+from bench.driver import Arrival, BenchmarkRun, Spread, print_verdicts, pyplot
+from harness import serve_cluster
+from harness.latency import summarize
+from harness.metrics_scrape import EngineCounters
+from harness.random_workload import random_tokens
 
 CHAT_ROUTERS = ("kv_prefix", "kv_pressure", "prefix_cache_affinity", "power_of_two", "round_robin")
 LOAD_ROUTERS = ("kv_prefix", "kv_pressure", "power_of_two")
@@ -58,7 +60,6 @@ GOALS = {
     "uniform_ttft_p99_vs_kv_pressure_max": 1.25,
     "skewed_ttft_p99_vs_power_of_two_max": 0.67,
 }
-METRIC = "ray_stallfree_"
 
 
 def load_workload(kind: str, seed: int) -> list[Arrival]:
@@ -70,91 +71,43 @@ def load_workload(kind: str, seed: int) -> list[Arrival]:
             prompt_len, max_tokens = (300, 48) if rng.random() < 0.3 else (24, 24)
         else:
             prompt_len, max_tokens = 80, 32
-        arrivals.append(Arrival(now, [rng.randrange(100, 49000) for _ in range(prompt_len)], max_tokens))
+        arrivals.append(Arrival(now, random_tokens(rng, prompt_len, (100, 49000)), max_tokens))
     return arrivals
-
-
-@dataclass
-class Counters:
-    """An app's replica counters (summed over replicas, requests per replica)."""
-
-    hits: float
-    queries: float
-    preemptions: float
-    finished: dict[str, float]
-
-    @classmethod
-    def scrape(cls, cluster: serve_cluster.ServeCluster, app: str) -> Counters:
-        def total(name: str) -> float:
-            return serve_cluster.scrape(cluster, f"{METRIC}{name}", {"application": app})
-
-        finished = serve_cluster.scrape_by_replica(
-            cluster, f"{METRIC}requests_finished_total", {"application": app}
-        )
-        return cls(
-            total("prefix_cache_hits_total"),
-            total("prefix_cache_queries_total"),
-            total("num_preemptions_total"),
-            finished,
-        )
-
-    def since(self, before: Counters) -> Counters:
-        finished = {r: n - before.finished.get(r, 0.0) for r, n in self.finished.items()}
-        return Counters(
-            self.hits - before.hits,
-            self.queries - before.queries,
-            self.preemptions - before.preemptions,
-            finished,
-        )
 
 
 def run_once(cluster: serve_cluster.ServeCluster, workload: str, router: str, seed: int) -> dict[str, float]:
     url = f"{cluster.base_url}/{router}/v1"
-    before = Counters.scrape(cluster, router)
+    before = EngineCounters.scrape(cluster, router)
     if workload == "chat":
         conversations = chat_workload.multi_tenant_chat(seed, **CHAT)
         wall, turns = asyncio.run(
             chat_workload.run_conversations(f"{url}/chat/completions", conversations, CHAT_MAX_TOKENS)
         )
-        ttft = [t.ttft_s for t in turns]
-        intervals = [i for t in turns for i in t.token_intervals_s]
-        summary = {
-            "wall_s": wall,
-            "output_tok_per_s": sum(t.output_tokens for t in turns) / wall,
-            "ttft_p50_s": percentile(ttft, 0.5),
-            "ttft_p99_s": percentile(ttft, 0.99),
-            "tbt_p99_s": percentile(intervals, 0.99),
-        }
+        summary = summarize(wall, [turn.timing for turn in turns])
     else:
         wall, timings = asyncio.run(
             http_load.open_loop(f"{url}/completions", load_workload(workload, seed), salted=False)
         )
         summary = http_load.summarize(wall, timings)
     time.sleep(3)  # replicas report metrics every second
-    run = Counters.scrape(cluster, router).since(before)
-    served = sorted(run.finished.values(), reverse=True)
+    run = EngineCounters.scrape(cluster, router).since(before)
+    served = sorted(run.finished_by_replica.values(), reverse=True)
     fewest = served[1] if len(served) > 1 else 0.0  # a replica that served none reports none
     return {
         **summary,
-        "hit_rate": run.hits / run.queries if run.queries else 0.0,
+        "hit_rate": run.prefix_cache_hits / run.prefix_cache_queries if run.prefix_cache_queries else 0.0,
         "preemptions": run.preemptions,
         "requests_per_replica": served,
         "requests_max_ratio": served[0] / max(fewest, 1.0),
     }
 
 
-def median_and_spread(runs: list[dict], key: str) -> dict[str, float]:
-    values = [run[key] for run in runs]
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def ratio(results: dict, workload: str, key: str, ours: str, theirs: str) -> dict[str, float]:
+def ratio(results: dict, workload: str, key: str, ours: str, theirs: str) -> Spread:
     """Per seed ours/theirs, then median and spread over seeds (paired: same arrivals)."""
-    pairs = [a[key] / b[key] for a, b in zip(results[workload][ours], results[workload][theirs], strict=True)]
-    return {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs)}
+    return Spread.of_ratios(results[workload][ours], results[workload][theirs], key)
 
 
-def judge(results: dict) -> tuple[dict[str, dict], dict[str, bool]]:
+def judge(results: dict) -> tuple[dict[str, Spread], dict[str, bool]]:
     ratios = {
         "chat_ttft_p50_vs_prefix_cache_affinity": ratio(
             results, "chat", "ttft_p50_s", "kv_prefix", "prefix_cache_affinity"
@@ -168,10 +121,10 @@ def judge(results: dict) -> tuple[dict[str, dict], dict[str, bool]]:
             results, "skewed", "ttft_p99_s", "kv_prefix", "power_of_two"
         ),
     }
-    hit = {router: median_and_spread(runs, "hit_rate")["median"] for router, runs in results["chat"].items()}
-    balance = median_and_spread(results["chat"]["kv_prefix"], "requests_max_ratio")["median"]
+    hit = {router: Spread.of_runs(runs, "hit_rate").median for router, runs in results["chat"].items()}
+    balance = Spread.of_runs(results["chat"]["kv_prefix"], "requests_max_ratio").median
     met = {
-        name: ratios[name.removesuffix("_max")]["median"] <= GOALS[name]
+        name: ratios[name.removesuffix("_max")].median <= GOALS[name]
         for name in GOALS
         if name.endswith("_max") and name.removesuffix("_max") in ratios
     }
@@ -195,30 +148,24 @@ def print_table(results: dict) -> None:
     print(header)
     for workload, by_router in results.items():
         for router, runs in by_router.items():
-            p50, p99 = median_and_spread(runs, "ttft_p50_s"), median_and_spread(runs, "ttft_p99_s")
-            print(
-                f"{workload:<8} {router:<22} {p50['median']:5.2f} [{p50['min']:.2f}-{p50['max']:.2f}] "
-                f"{p99['median']:5.2f} [{p99['min']:.2f}-{p99['max']:.2f}] "
-                f"{median_and_spread(runs, 'output_tok_per_s')['median']:7.1f} "
-                f"{median_and_spread(runs, 'hit_rate')['median']:8.2f} "
-                f"{median_and_spread(runs, 'preemptions')['median']:7.0f} "
-                f"{median_and_spread(runs, 'requests_max_ratio')['median']:11.2f}"
-            )
+            p50, p99 = Spread.of_runs(runs, "ttft_p50_s"), Spread.of_runs(runs, "ttft_p99_s")
+            medians = (
+                f"{Spread.of_runs(runs, key).median:{spec}}"
+                for key, spec in (("output_tok_per_s", "7.1f"), ("hit_rate", "8.2f"),
+                                  ("preemptions", "7.0f"), ("requests_max_ratio", "11.2f"))
+            )  # fmt: skip
+            print(f"{workload:<8} {router:<22} {p50:5.2f} {p99:5.2f} {' '.join(medians)}")
 
 
 def plot(path: Path, results: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, (ttft_axis, hit_axis) = plt.subplots(1, 2, figsize=(11, 4))
     chat = results["chat"]
     for router, runs in chat.items():
         medians = [run["ttft_p50_s"] for run in runs]
         ttft_axis.scatter([router] * len(medians), medians, label=None)
-        ttft_axis.plot([router], [statistics.median(medians)], "k_", markersize=20)
-        hit_axis.bar(router, statistics.median(run["hit_rate"] for run in runs))
+        ttft_axis.plot([router], [Spread.of(medians).median], "k_", markersize=20)
+        hit_axis.bar(router, Spread.of_runs(runs, "hit_rate").median)
     ttft_axis.set_ylabel("TTFT p50 (s), one dot per seed, bar = median")
     hit_axis.set_ylabel("fleet prefix-cache hit rate (median)")
     for axis in (ttft_axis, hit_axis):
@@ -243,7 +190,7 @@ def main() -> None:
         else {"chat": CHAT_ROUTERS, "skewed": LOAD_ROUTERS, "uniform": LOAD_ROUTERS}
     )
 
-    started = time.monotonic()
+    run = BenchmarkRun("router", args.output, GOALS)
     work_dir = Path(tempfile.mkdtemp(prefix="bench-router-"))
     deployed = sorted({router for routers in plan.values() for router in routers}, key=CHAT_ROUTERS.index)
     apps = {router: {**APP_ARGS, "request_router": router} for router in deployed}
@@ -252,13 +199,11 @@ def main() -> None:
     )
     results: dict[str, dict[str, list[dict]]] = {w: {r: [] for r in routers} for w, routers in plan.items()}
     output = {
-        **result_header("router"),
         "seeds": seeds,
         "workloads": {"chat": CHAT, "chat_max_tokens": CHAT_MAX_TOKENS, "skewed_uniform": LOAD_WORKLOAD},
         "replicas": APP_ARGS,
         "results": results,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     try:
         for router in deployed:  # every app must be up, and warm
             cluster.wait_ready(f"/{router}")
@@ -270,27 +215,21 @@ def main() -> None:
                     summary = run_once(cluster, workload, router, seed)
                     results[workload][router].append({"seed": seed, **summary})
                     print(workload, router, seed, json.dumps(summary), flush=True)
-                    args.output.write_text(json.dumps(output, indent=2))  # so far, if the run breaks
+                    run.write(output, goals_met={})  # so far, if the run breaks
     finally:
         serve_cluster.stop(cluster)
 
     print_table(results)
-    output["run_time_s"] = time.monotonic() - started
+    met: dict[str, bool] = {}  # --quick: a smoke run, not judged
     if not args.quick:
         ratios, met = judge(results)
         for name, value in ratios.items():
-            goal = GOALS[f"{name}_max"]
             verdict = "PASS" if met[f"{name}_max"] else "MISS"
-            spread = f"[{value['min']:.2f}-{value['max']:.2f}]"
-            print(f"{name}: {value['median']:.2f}x {spread} (goal <= {goal}): {verdict}")
-        for name in (
-            "chat_hit_rate_above_prefix_cache_affinity_and_power_of_two",
-            "chat_requests_per_replica_max_ratio",
-        ):
-            print(f"{name}: {'PASS' if met[name] else 'MISS'}")
-        output.update({"ratios": ratios, "goals": GOALS, "goals_met": met})
-    args.output.write_text(json.dumps(output, indent=2))
-    print(f"wrote {args.output} in {time.monotonic() - started:.0f} s")
+            goal = f"goal <= {GOALS[f'{name}_max']}"
+            print(f"{name}: {value:.2f} ({goal}): {verdict}")
+        print_verdicts({name: ok for name, ok in met.items() if name.removesuffix("_max") not in ratios})
+        output["ratios"] = {name: asdict(value) for name, value in ratios.items()}
+    run.write(output, met)
     plot(args.output.with_suffix(".png"), results)
 
 

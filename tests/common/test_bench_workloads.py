@@ -8,13 +8,13 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from types import SimpleNamespace
 
 import pytest
 
-from bench import capacity_run, chat_workload, cpu_serving, prefix, router, soak
-from bench.text_prompts import log_uniform, text_prompts
-from bench.workload import random_tokens, uniform_workload
+from bench import capacity_run, chat_workload, cpu_serving, dtype_agreement, prefix, router
+from bench.driver import uniform_workload
+from harness.random_workload import random_tokens
+from harness.soak_load import soak_workload
 
 STAND_IN_TEXT = "".join(f"word{i} " for i in range(20000))
 VOCAB_SIZE = 49152  # SmolLM2's
@@ -40,8 +40,7 @@ def digest(workload: object) -> str:
 
 
 def arrivals(workload: list) -> list[list]:
-    return [[a.unit_time if hasattr(a, "unit_time") else a.at_s, a.prompt,
-             a.output_len if hasattr(a, "output_len") else a.max_tokens] for a in workload]  # fmt: skip
+    return [[a.at_s, a.prompt, a.max_tokens] for a in workload]
 
 
 def capacity() -> object:
@@ -55,10 +54,11 @@ def capacity_decode_batch() -> object:
 
 def prefix_workloads() -> object:
     def turns(workload: list) -> list:
-        return [[t.arrival_s, t.prompt] for t in workload]
+        assert {t.max_tokens for t in workload} == {prefix.OUTPUT_TOKENS}
+        return [[t.at_s, t.prompt] for t in workload]
 
     def chats(workload: list) -> list:
-        return [[c.arrival_s, c.system, c.messages] for c in workload]
+        return [[c.at_s, c.system, c.messages] for c in workload]
 
     return [
         *[turns(prefix.shared_prefix(s, 1.0)) for s in (0, 1, 2)],
@@ -70,21 +70,15 @@ def prefix_workloads() -> object:
     ]
 
 
-def cpu_serving_workloads(monkeypatch: pytest.MonkeyPatch) -> object:
-    import transformers
-
-    import common.model_source
-
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: StandInTokenizer())
-    monkeypatch.setattr(common.model_source, "resolve_model", lambda name: SimpleNamespace(hf_dir=None))
-    base = cpu_serving.workload(0)
+def cpu_serving_workloads() -> object:
+    base = cpu_serving.workload(0, StandInTokenizer())
     return [arrivals(base), *[arrivals(cpu_serving.poisson(base, s)) for s in (0, 1, 2)]]
 
 
 def router_workloads(monkeypatch: pytest.MonkeyPatch) -> object:
     monkeypatch.setattr(chat_workload, "english_text", lambda: STAND_IN_TEXT)
     chats = [
-        [[c.tenant, c.user, c.start_s, c.system, c.questions, c.think_s]
+        [[c.tenant, c.user, c.at_s, c.system, c.questions, c.think_s]
          for c in chat_workload.multi_tenant_chat(s, **router.CHAT)]
         for s in (0, 1, 2)
     ]  # fmt: skip
@@ -94,7 +88,7 @@ def router_workloads(monkeypatch: pytest.MonkeyPatch) -> object:
 
 def soak_workloads() -> object:
     return [
-        [[r.prompt_token_ids, r.max_tokens, r.disconnect_after_chunks] for r in soak.soak_workload(*args)]
+        [[r.prompt_token_ids, r.max_tokens, r.disconnect_after_chunks] for r in soak_workload(*args)]
         for args in ((1000, VOCAB_SIZE, 0.1, 0), (1000, 512, 0.1, 7))
     ]
 
@@ -104,9 +98,8 @@ def offline() -> object:
     return [workload.prompts, workload.output_lens]
 
 
-def dtype_agreement() -> object:
-    rng = random.Random(0)
-    return text_prompts(StandInTokenizer(), [log_uniform(rng, 16, 512) for _ in range(64)], 0)
+def dtype_agreement_prompts() -> object:
+    return dtype_agreement.held_prompts(StandInTokenizer(), 64, 0)
 
 
 def test_benchmark_workloads_are_the_recorded_ones(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,10 +107,10 @@ def test_benchmark_workloads_are_the_recorded_ones(monkeypatch: pytest.MonkeyPat
         "capacity": capacity(),
         "capacity_decode_batch": capacity_decode_batch(),
         "prefix": prefix_workloads(),
-        "cpu_serving": cpu_serving_workloads(monkeypatch),
+        "cpu_serving": cpu_serving_workloads(),
         "router": router_workloads(monkeypatch),
         "soak": soak_workloads(),
         "offline": offline(),
-        "dtype_agreement": dtype_agreement(),
+        "dtype_agreement": dtype_agreement_prompts(),
     }
     assert {name: digest(workload) for name, workload in made.items()} == RECORDED
