@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.finish_reason import FinishReason
 from harness.serve_cluster import ServeCluster
 from replica_engine.metrics.engine_metrics import PREFIX, REASON_LABEL
-from replica_engine.request import FinishReason
 
 # RayServeSink's instruments are exported as ray_<name>.
 ENGINE_PREFIX = "ray_" + PREFIX
