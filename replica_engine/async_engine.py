@@ -13,7 +13,6 @@ import asyncio
 import logging
 import queue
 import threading
-import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -124,12 +123,11 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Validate and queue a request (raising InvalidRequestError at once if it is bad); return
         its stream. Closing the stream early (or cancelling the task reading it) aborts it."""
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         self._check_alive()
-        request = self.inputs.make_request(prompt, params or SamplingParams(), request_id)
-        stream = _Stream(asyncio.get_running_loop(), RequestState(request, self.inputs.tokenizer))
+        request = self.inputs.make_request(prompt, params, request_id, in_flight=self._streams)
+        request_id = request.request_id
+        state = RequestState(request, self.inputs.tokenizer, self._end_by_stop_string)
+        stream = _Stream(asyncio.get_running_loop(), state)
         self._streams[request_id] = stream
         self._inbox.put(_Add(request, stream))
         # The step thread sets `error` before its last drain of the queue: if it is still unset
@@ -186,11 +184,11 @@ class AsyncEngine:
     def _receive(self, items: list[tuple[_Stream, CoreOutput]]) -> None:
         for stream, core_output in items:
             output = stream.state.process(core_output)
-            if output is None:
-                continue
-            if output.finished and not core_output.finished:  # a stop string: tell the engine
-                self._inbox.put(_Abort(core_output.request_id, FinishReason.STOP))
-            stream.queue.put_nowait(output)
+            if output is not None:
+                stream.queue.put_nowait(output)
+
+    def _end_by_stop_string(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id, FinishReason.STOP))
 
     # -- the step thread ------------------------------------------------------------------
     def _run_steps(self) -> None:

@@ -4,7 +4,6 @@ parts and moves the core onto a step thread of its own."""
 
 from __future__ import annotations
 
-import uuid
 from typing import TYPE_CHECKING
 
 import torch
@@ -92,14 +91,13 @@ class LLMEngine:
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._states:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-        request = self.inputs.make_request(prompt, params or SamplingParams(), request_id)
+        request = self.inputs.make_request(prompt, params, request_id, in_flight=self._states)
         self.core.add_request(request)
-        self._states[request_id] = RequestState(request, self.inputs.tokenizer)
+        self._states[request.request_id] = RequestState(
+            request, self.inputs.tokenizer, self._end_by_stop_string
+        )
         self.core.publish_stats()
-        return request_id
+        return request.request_id
 
     def abort_request(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT
@@ -131,14 +129,14 @@ class LLMEngine:
     def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
         outputs = []
         for core_output in core_outputs:
-            state = self._states[core_output.request_id]
-            output = state.process(core_output)
+            output = self._states[core_output.request_id].process(core_output)
             if output is None:
                 continue
             if output.finished:
                 del self._states[core_output.request_id]
-                if not core_output.finished:  # a stop string: the engine still runs it
-                    self.core.abort_request(core_output.request_id, FinishReason.STOP)
-                    self.core.publish_stats()
             outputs.append(output)
         return outputs
+
+    def _end_by_stop_string(self, request_id: str) -> None:
+        self.core.abort_request(request_id, FinishReason.STOP)
+        self.core.publish_stats()

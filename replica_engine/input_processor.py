@@ -4,6 +4,8 @@ size), so any thread may call it; a bad request is refused here, naming its fiel
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Container
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +29,19 @@ class InputProcessor:
     stop_token_ids: frozenset[int]  # eos and chat-end ids
     num_kv_blocks: int  # blocks requests may hold
 
-    def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str) -> Request:
-        """A new Request for the step thread, or InvalidRequestError naming what is wrong."""
+    def make_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str | None,
+        in_flight: Container[str],
+    ) -> Request:
+        """A new Request for the step thread (a fresh id unless the caller names one that is not
+        `in_flight`), or InvalidRequestError naming what is wrong."""
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in in_flight:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        params = params or SamplingParams()
         prompt_token_ids = self.prompts.tokenize(prompt)
         self.prompts.check_fits(len(prompt_token_ids), params.max_tokens)
         self._check_pool_fits(len(prompt_token_ids) + params.max_tokens)

@@ -2,10 +2,13 @@
 
 Each request has a RequestState on the side that reads its outputs (the offline loop, or the
 event loop of an AsyncEngine stream): its detokenizer, stop strings and what it has delivered.
-A stop string found here finishes the request for its reader at once; the caller then tells the
-engine (LLMEngine directly, AsyncEngine through its input queue), which frees the blocks."""
+A stop string found here finishes the request for its reader at once and tells the engine through
+the state's `on_stop_string` (LLMEngine directly, AsyncEngine through its input queue), which frees
+the blocks."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerBase
 
@@ -16,8 +19,14 @@ from replica_engine.request import Request
 
 
 class RequestState:
-    def __init__(self, request: Request, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    def __init__(
+        self,
+        request: Request,
+        tokenizer: PreTrainedTokenizerBase | None,
+        on_stop_string: Callable[[str], None],
+    ) -> None:
         self.request_id = request.request_id
+        self.on_stop_string = on_stop_string  # called with the id: the engine still runs the request
         self.num_prompt_tokens = request.num_prompt_tokens
         self.detokenizer = (
             IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.sampling_params.stop)
@@ -34,8 +43,7 @@ class RequestState:
 
     def process(self, output: CoreOutput) -> RequestOutput | None:
         """The user's view of one step's output; None once this request has already finished
-        here (an abort or a stop string overtook what the engine was still computing). A
-        finished result for an unfinished `output` means a stop string: the engine must be told."""
+        here (an abort or a stop string overtook what the engine was still computing)."""
         if self.finished:
             return None
         self.num_cached_tokens = output.num_cached_tokens
@@ -45,6 +53,8 @@ class RequestState:
             new_token_ids.append(token_id)
             if self.detokenizer is not None and self.detokenizer.add_token(token_id):
                 finish_reason = FinishReason.STOP
+                if not output.finished:
+                    self.on_stop_string(self.request_id)
                 break
         return self._output(new_token_ids, finish_reason)
 
