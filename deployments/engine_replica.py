@@ -36,16 +36,16 @@ from router.autoscaling import KV_USAGE, WAITING
 MAX_SUMMARY_KEYS = 32768
 SUMMARY_FALSE_POSITIVE_RATE = 0.01
 
-Stream = AsyncIterator[RequestOutput]
+ChoiceStream = AsyncIterator[RequestOutput]  # one choice's outputs, as AsyncEngine.add_request streams them
 
 
-async def merge_streams(streams: list[Stream]) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
-    """Interleave several request streams as they produce; each item is every (stream index,
+async def merge_choice_streams(streams: list[ChoiceStream]) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+    """Interleave the choices' streams as they produce; each item is every (stream index,
     output) ready at that moment, so a busy replica sends fewer, larger messages. Closing this
     closes (and so aborts) every stream still running."""
     ready: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(index: int, stream: Stream) -> None:
+    async def pump(index: int, stream: ChoiceStream) -> None:
         try:
             async for output in stream:
                 ready.put_nowait((index, output))
@@ -138,7 +138,7 @@ class EngineReplica:
             yield GenerateError(str(error), None, "engine_unavailable", status=503)
             return
         try:
-            async with aclosing(merge_streams(streams)) as batches:  # closing aborts what still runs
+            async with aclosing(merge_choice_streams(streams)) as batches:  # closing aborts what still runs
                 async for batch in batches:
                     deltas = _coalesce(batch)
                     failed = [d.index for d in deltas if d.finish_reason is FinishReason.ERROR]
@@ -150,16 +150,16 @@ class EngineReplica:
         except EngineDeadError as error:
             yield GenerateError(str(error), None, "engine_error", status=500)
 
-    async def _start(self, request: GenerateRequest) -> list[Stream]:
+    async def _start(self, request: GenerateRequest) -> list[ChoiceStream]:
         """Start every choice, or none: a refusal (e.g. the prompt needs more KV blocks than the
         pool has) aborts the ones already started."""
-        # Stream position == choice index: input i's choice j is stream i * n + j.
+        # A stream's position == choice index: input i's choice j is stream i * n + j.
         jobs = [
             (prompt, _choice_params(params, j))
             for prompt, params in zip(request.prompt_token_ids, request.params, strict=True)
             for j in range(request.n)
         ]
-        streams: list[Stream] = []
+        streams: list[ChoiceStream] = []
         try:
             for choice_index, (prompt, params) in enumerate(jobs):
                 request_id = f"{request.request_id}-{choice_index}"

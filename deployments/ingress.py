@@ -63,15 +63,15 @@ async def _server_error(_: Request, error: Exception) -> JSONResponse:
 
 
 async def _replies(
-    stream: DeploymentResponseGenerator, deadline: float | None
+    replica_call: DeploymentResponseGenerator, deadline: float | None
 ) -> AsyncIterator[list[ChoiceDelta]]:
     """The replica's deltas for one request. Every way that can end badly becomes an ApiError: a
     refusal or engine fault (the replica's GenerateError), a full queue, a dead replica, or the
-    request's deadline (loop time). The caller cancels `stream` (_cancel) when done with it."""
+    request's deadline (loop time). The caller cancels `replica_call` (_cancel) when done with it."""
     try:
         while True:
             async with asyncio.timeout_at(deadline):
-                item = await anext(stream, None)
+                item = await anext(replica_call, None)
             if item is None:
                 return
             if isinstance(item, GenerateError):
@@ -103,11 +103,11 @@ async def _replies(
         ) from None
 
 
-def _cancel(stream: DeploymentResponseGenerator) -> None:
+def _cancel(replica_call: DeploymentResponseGenerator) -> None:
     """Abort the replica call (a no-op once it has ended). Serve's cancel() re-raises a call
     that failed before reaching a replica (a full queue): that failure is already answered."""
     with contextlib.suppress(Exception):
-        stream.cancel()
+        replica_call.cancel()
 
 
 async def _prepend(
@@ -245,12 +245,13 @@ class Ingress:
         # The router hop: this handle's `.remote` asks the deployment's RequestRouter (router/,
         # attached by deployments/app.py `_routing`: kv_prefix by default) which EngineReplica
         # gets the request; it reads `generate`'s prompt token ids and the replicas' RoutingStats.
-        stream: DeploymentResponseGenerator = self.engine.options(stream=True).generate.remote(generate)
-        replies = _replies(stream, deadline)
+        # Serve's streaming call to a replica's generate: delta batches, or one GenerateError
+        replica_call: DeploymentResponseGenerator = self.engine.options(stream=True).generate.remote(generate)
+        replies = _replies(replica_call, deadline)
         try:
             first = await anext(replies)  # the engine's verdict comes before any header is sent
         except BaseException:
-            _cancel(stream)
+            _cancel(replica_call)
             raise
         writer = ResponseWriter(
             endpoint,
@@ -261,19 +262,19 @@ class Ingress:
             body.return_token_ids,
         )
         if body.stream:
-            events = self._events(writer, first, replies, stream)
+            events = self._events(writer, first, replies, replica_call)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
             return JSONResponse(await writer.whole(_prepend(first, replies)))
         finally:
-            _cancel(stream)  # a no-op once finished; aborts the request if it failed or was cancelled
+            _cancel(replica_call)  # a no-op once finished; aborts the request if it failed or was cancelled
 
     @staticmethod
     async def _events(
         writer: ResponseWriter,
         first: list[ChoiceDelta],
         replies: AsyncIterator[list[ChoiceDelta]],
-        stream: DeploymentResponseGenerator,
+        replica_call: DeploymentResponseGenerator,
     ) -> AsyncIterator[str]:
         try:
             async for event in writer.events(_prepend(first, replies)):
@@ -285,4 +286,4 @@ class Ingress:
             yield sse_event(error.body)
             yield "data: [DONE]\n\n"
         finally:
-            _cancel(stream)  # the client went away (CancelledError) or we are done: free the KV blocks
+            _cancel(replica_call)  # the client went away (CancelledError) or we are done: free the KV blocks

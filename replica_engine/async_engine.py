@@ -37,29 +37,30 @@ GAUGE_REFRESH_S = 0.5
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
-class _Stream:
-    """One request's output side. Its methods run on `loop`, the event loop reading it."""
+class _OutputQueue:
+    """One request's outputs, queued for the caller's stream (`_read`) on `loop`, the event loop
+    reading it; its methods run on that loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, state: RequestState) -> None:
         self.loop = loop
-        self.state = state
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.state = state  # detokenizing and stop strings, on this loop
+        self.ready: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def end(self, reason: FinishReason) -> None:
         output = self.state.finish(reason)
         if output is not None:
-            self.queue.put_nowait(output)
+            self.ready.put_nowait(output)
 
     def fail(self, error: BaseException) -> None:
         if not self.state.finished:
             self.state.finish_reason = FinishReason.ERROR
-            self.queue.put_nowait(error)
+            self.ready.put_nowait(error)
 
 
 @dataclass(frozen=True)
 class _Add:
     request: Request
-    stream: _Stream
+    output_queue: _OutputQueue
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,8 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, metrics: EngineMetrics | None = None) -> None:
         self.error: BaseException | None = None
         self._inbox: queue.SimpleQueue[_Add | _Abort | object] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}  # event-loop side: streams still open
-        self._sinks: dict[str, _Stream] = {}  # step-thread side: where each request's outputs go
+        self._open_queues: dict[str, _OutputQueue] = {}  # event-loop side: queues whose stream is open
+        self._sinks: dict[str, _OutputQueue] = {}  # step-thread side: where each request's outputs go
         built = threading.Event()
         self._thread = threading.Thread(
             target=self._build_and_run,
@@ -124,53 +125,53 @@ class AsyncEngine:
         """Validate and queue a request (raising InvalidRequestError at once if it is bad); return
         its stream. Closing the stream early (or cancelling the task reading it) aborts it."""
         self._check_alive()
-        request = self.inputs.make_request(prompt, params, request_id, in_flight=self._streams)
+        request = self.inputs.make_request(prompt, params, request_id, in_flight=self._open_queues)
         request_id = request.request_id
         state = RequestState(request, self.inputs.tokenizer, self._end_by_stop_string)
-        stream = _Stream(asyncio.get_running_loop(), state)
-        self._streams[request_id] = stream
-        self._inbox.put(_Add(request, stream))
+        output_queue = _OutputQueue(asyncio.get_running_loop(), state)
+        self._open_queues[request_id] = output_queue
+        self._inbox.put(_Add(request, output_queue))
         # The step thread sets `error` before its last drain of the queue: if it is still unset
         # here, this message will be taken (and answered) either way.
         if self.error is not None:
-            self._streams.pop(request_id, None)
+            self._open_queues.pop(request_id, None)
             self._check_alive()
-        return self._read(request_id, stream)
+        return self._read(request_id, output_queue)
 
     def _check_alive(self) -> None:
         if not self.is_healthy:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
 
-    async def _read(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+    async def _read(self, request_id: str, output_queue: _OutputQueue) -> AsyncIterator[RequestOutput]:
         try:
             while True:
-                item = await stream.queue.get()
+                item = await output_queue.ready.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
                 if item.finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not stream.state.finished:  # the reader left early
-                stream.state.finish(FinishReason.ABORT)
+            self._open_queues.pop(request_id, None)
+            if not output_queue.state.finished:  # the reader left early
+                output_queue.state.finish(FinishReason.ABORT)
                 self._inbox.put(_Abort(request_id, FinishReason.ABORT))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         """Stop a request from any thread: its stream ends at once with this finish_reason; its KV
         blocks are free by the end of the step running now."""
         self._inbox.put(_Abort(request_id, reason))
-        stream = self._streams.get(request_id)
-        if stream is None:
+        output_queue = self._open_queues.get(request_id)
+        if output_queue is None:
             return
         try:
-            on_its_loop = asyncio.get_running_loop() is stream.loop
+            on_its_loop = asyncio.get_running_loop() is output_queue.loop
         except RuntimeError:
             on_its_loop = False
         if on_its_loop:
-            stream.end(reason)
+            output_queue.end(reason)
         else:
-            _post(stream.loop, stream.end, reason)
+            _post(output_queue.loop, output_queue.end, reason)
 
     def stats(self) -> EngineStats:
         """The snapshot the step thread published after its latest step (or message)."""
@@ -181,11 +182,11 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     # -- the event loop's side of outputs -------------------------------------------------
-    def _receive(self, items: list[tuple[_Stream, CoreOutput]]) -> None:
-        for stream, core_output in items:
-            output = stream.state.process(core_output)
+    def _receive(self, items: list[tuple[_OutputQueue, CoreOutput]]) -> None:
+        for output_queue, core_output in items:
+            output = output_queue.state.process(core_output)
             if output is not None:
-                stream.queue.put_nowait(output)
+                output_queue.ready.put_nowait(output)
 
     def _end_by_stop_string(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id, FinishReason.STOP))
@@ -238,23 +239,23 @@ class AsyncEngine:
             request_id = message.request.request_id
             if request_id in self._sinks:  # only a caller reusing an id it has not aborted yet
                 error = InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-                _post(message.stream.loop, message.stream.fail, error)
+                _post(message.output_queue.loop, message.output_queue.fail, error)
                 return
-            self._sinks[request_id] = message.stream
+            self._sinks[request_id] = message.output_queue
             self.core.add_request(message.request)
         elif isinstance(message, _Abort):
             self._sinks.pop(message.request_id, None)  # its stream has ended already
             self.core.abort_request(message.request_id, message.reason)
 
     def _deliver(self, outputs: list[CoreOutput]) -> None:
-        """Hand outputs to their streams' event loops, one call per loop per step."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, CoreOutput]]] = defaultdict(list)
+        """Hand outputs to their queues' event loops, one call per loop per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_OutputQueue, CoreOutput]]] = defaultdict(list)
         for output in outputs:
-            stream = (
+            output_queue = (
                 self._sinks.pop(output.request_id) if output.finished else self._sinks.get(output.request_id)
             )
-            if stream is not None:
-                by_loop[stream.loop].append((stream, output))
+            if output_queue is not None:
+                by_loop[output_queue.loop].append((output_queue, output))
         for loop, items in by_loop.items():
             if not _post(loop, self._receive, items):  # nobody reads these any more
                 for _, output in items:
@@ -271,10 +272,10 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if isinstance(message, _Add):
-                self._sinks[message.request.request_id] = message.stream
+                self._sinks[message.request.request_id] = message.output_queue
         dead = EngineDeadError(f"engine stopped: {error!r}")
-        for stream in self._sinks.values():
-            _post(stream.loop, stream.fail, dead)
+        for output_queue in self._sinks.values():
+            _post(output_queue.loop, output_queue.fail, dead)
         self._sinks.clear()
         try:
             self.core.fail_all_requests()
