@@ -71,11 +71,6 @@ class KVCacheManager:
         return len(self._free)
 
     @property
-    def free_block_ids(self) -> tuple[int, ...]:
-        """In eviction order: the first is the next to be reused."""
-        return tuple(self._free)
-
-    @property
     def usage(self) -> float:
         """Fraction of blocks held by requests, 0..1 (vLLM's kv_cache_usage_perc)."""
         return 1.0 - len(self._free) / self.num_blocks

@@ -96,14 +96,6 @@ class ScheduledBatch:
     def sampling_rows(self) -> list[ScheduledRow]:
         return [row for row in self.rows if row.sampling is not None]
 
-    @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        return {row.request_id: row.num_tokens for row in self.rows}
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(row.num_tokens for row in self.rows)
-
     def only(self, request_ids: Iterable[str]) -> ScheduledBatch:
         """The rows of these requests alone (the step's preemptions stay counted)."""
         keep = set(request_ids)

@@ -1,4 +1,6 @@
-"""Drives a scheduler without a model: every step 'samples' a token chosen by a callback."""
+"""Drives a scheduler without a model: every step 'samples' a token chosen by a callback. Also
+reads what only tests check (the engine never needs it): a batch's tokens per request, the free
+queue's order."""
 
 from __future__ import annotations
 
@@ -31,6 +33,16 @@ def arrival_order(arrivals: list[Arrival], requests: list[Request]) -> list[str]
     """Request ids by arrival step; requests arriving in the same step keep submission order."""
     ordered = sorted(zip(arrivals, requests, strict=True), key=lambda pair: pair[0].step)
     return [request.request_id for _, request in ordered]
+
+
+def scheduled_tokens(batch: ScheduledBatch) -> dict[str, int]:
+    """Tokens the batch runs per request, in batch order."""
+    return {row.request_id: row.num_tokens for row in batch.rows}
+
+
+def free_block_ids(kv: KVCacheManager) -> tuple[int, ...]:
+    """The free blocks in eviction order: the first is the next to be reused."""
+    return tuple(kv._free)
 
 
 def make_scheduler(policy: str, budget: int, max_seqs: int, num_blocks: int, block_size: int) -> Scheduler:

@@ -25,7 +25,7 @@ from replica_engine.kv_cache_manager import NULL_BLOCK_ID
 from replica_engine.request import Request
 from replica_engine.scheduler.plan import ScheduledBatch, ScheduledRow
 from tests.engine.engine_idle import wait_idle
-from tests.engine.scheduler_harness import make_scheduler
+from tests.engine.scheduler_harness import make_scheduler, scheduled_tokens
 
 STORY = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps as his "
@@ -100,7 +100,7 @@ def test_an_abort_landing_mid_step_never_touches_another_requests_kv(llm, tokeni
     seen: dict[str, object] = {}
 
     def execute_aborting_the_victim(batch: ScheduledBatch) -> list[int]:
-        if "victim" in batch.num_scheduled_tokens and "aborted" not in seen:
+        if "victim" in scheduled_tokens(batch) and "aborted" not in seen:
             # On the step thread, which owns the state: may the keeper's table be read here.
             seen["keeper_blocks"] = list(engine.core.scheduler.requests["keeper"].block_ids)
             aborter = threading.Thread(target=engine.abort, args=("victim",))

@@ -1,6 +1,7 @@
 from common.sampling_params import SamplingParams
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
 from replica_engine.request import Request
+from tests.engine.scheduler_harness import free_block_ids
 
 
 def _request(prompt_len: int) -> Request:
@@ -47,9 +48,9 @@ def test_free_returns_every_block_and_blocks_are_never_shared():
 
 def test_the_null_block_is_never_handed_out():
     kv = KVCacheManager(num_blocks=5, block_size=4)
-    assert kv.pool_size == 6 and NULL_BLOCK_ID not in kv.free_block_ids
+    assert kv.pool_size == 6 and NULL_BLOCK_ID not in free_block_ids(kv)
     request = _request(20)
     assert kv.allocate(request, 20)  # the whole pool
     assert sorted(request.block_ids) == [1, 2, 3, 4, 5] and kv.num_free_blocks == 0
     kv.free(request)
-    assert sorted(kv.free_block_ids) == [1, 2, 3, 4, 5]
+    assert sorted(free_block_ids(kv)) == [1, 2, 3, 4, 5]

@@ -12,6 +12,7 @@ from common.sampling_params import SamplingParams
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.request import Request, RequestStatus
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+from tests.engine.scheduler_harness import free_block_ids
 
 BLOCK = 4
 
@@ -75,7 +76,7 @@ def test_freed_blocks_are_evicted_lru_with_a_requests_tail_first_and_lose_their_
     _compute_prompt(kv, a)
     full, partial = a.block_ids[:3], a.block_ids[3]
     kv.free(a)
-    order = kv.free_block_ids
+    order = free_block_ids(kv)
     assert order[0] == partial  # holds nothing reusable: reused first
     assert list(order[-3:]) == full[::-1]  # cached: the tail, last block nearest the head
     newcomer = _request("n", [50 + i for i in range(4 * 6)])  # needs 6 of 8 free blocks
@@ -125,11 +126,11 @@ def _check_invariants(kv: KVCacheManager, live: list[Request]) -> None:
             holders[block_id] = holders.get(block_id, 0) + 1
     for block in kv.blocks[1:]:
         assert block.ref_count == holders.get(block.block_id, 0), block
-        assert (block.block_id in kv.free_block_ids) == (block.ref_count == 0), block
+        assert (block.block_id in free_block_ids(kv)) == (block.ref_count == 0), block
     hashed = [block.block_hash for block in kv.blocks if block.block_hash is not None]
     assert len(hashed) == len(set(hashed)), "a hash maps to two blocks"
     assert kv.num_free_cached_blocks == sum(
-        1 for block_id in kv.free_block_ids if kv.blocks[block_id].block_hash is not None
+        1 for block_id in free_block_ids(kv) if kv.blocks[block_id].block_hash is not None
     )
 
 

@@ -12,7 +12,14 @@ from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
 from replica_engine.request import Request, RequestStatus
 from replica_engine.scheduler import Scheduler
 from replica_engine.scheduler.plan import ScheduledBatch
-from tests.engine.scheduler_harness import Arrival, arrival_order, make_scheduler, run_to_completion
+from tests.engine.scheduler_harness import (
+    Arrival,
+    arrival_order,
+    free_block_ids,
+    make_scheduler,
+    run_to_completion,
+    scheduled_tokens,
+)
 
 
 def _add(scheduler: Scheduler, name: str, prompt_len: int, max_tokens: int = 8) -> Request:
@@ -25,7 +32,7 @@ def _step(scheduler: Scheduler) -> dict[str, int]:
     """One step; the tokens it scheduled per request, in batch order."""
     batch = scheduler.schedule()
     scheduler.update(batch, [7] * len(batch.sampling_rows))
-    return batch.num_scheduled_tokens
+    return scheduled_tokens(batch)
 
 
 def test_stall_free_runs_decodes_first_then_chunks_prompts_to_the_budget_left():
@@ -70,7 +77,7 @@ def test_out_of_blocks_preempts_the_newest_keeps_its_tokens_and_admits_nothing()
     batch = scheduler.schedule()  # each decode needs a 2nd block: a takes the last; b, newest, is preempted
     scheduler.update(batch, [7] * len(batch.sampling_rows))
     assert batch.num_preempted == 1
-    assert batch.num_scheduled_tokens == {"a": 1}  # c is not admitted in a step that preempted
+    assert scheduled_tokens(batch) == {"a": 1}  # c is not admitted in a step that preempted
     assert b.status is RequestStatus.WAITING and b.block_ids == [] and b.num_computed_tokens == 0
     assert b.output_token_ids == [7]  # nothing lost: recomputed later from prompt + output
     assert list(scheduler.waiting) == [b, c]  # front of the queue
@@ -105,7 +112,7 @@ arrivals_strategy = st.lists(
 
 
 def _check_stall_free_step(scheduler: Scheduler, batch: ScheduledBatch, budget: int, max_seqs: int) -> None:
-    assert batch.total_tokens <= budget
+    assert sum(scheduled_tokens(batch).values()) <= budget
     assert len(batch.rows) <= max_seqs
     assert len(scheduler.running) <= max_seqs
     block_size = scheduler.kv_cache_manager.block_size
@@ -117,7 +124,7 @@ def _check_stall_free_step(scheduler: Scheduler, batch: ScheduledBatch, budget: 
             request.num_computed_tokens + row.num_tokens, block_size
         )
         assert row.block_ids == tuple(request.block_ids) and row.start_position == request.num_computed_tokens
-    scheduled = batch.num_scheduled_tokens
+    scheduled = scheduled_tokens(batch)
     skipped_decodes = [
         r for r in scheduler.running if r.num_owed_tokens == 1 and r.request_id not in scheduled
     ]
@@ -190,7 +197,7 @@ operations = st.lists(
 def _check_ownership(scheduler: Scheduler, finished: list[Request]) -> None:
     kv = scheduler.kv_cache_manager
     owned = [block for request in scheduler.requests.values() for block in request.block_ids]
-    free = kv.free_block_ids
+    free = free_block_ids(kv)
     assert len(owned) == len(set(owned)), "a block is owned twice"
     assert not set(owned) & set(free), "a block is both free and owned"
     assert NULL_BLOCK_ID not in owned and NULL_BLOCK_ID not in free
@@ -227,6 +234,6 @@ def test_blocks_are_owned_once_under_any_add_abort_step_interleaving(
     while scheduler.has_unfinished_requests():  # drain
         _step(scheduler)
         _check_ownership(scheduler, [r for r in added if r.is_finished])
-    assert sorted(scheduler.kv_cache_manager.free_block_ids) == list(
+    assert sorted(free_block_ids(scheduler.kv_cache_manager)) == list(
         range(1, scheduler.kv_cache_manager.num_blocks + 1)
     )
