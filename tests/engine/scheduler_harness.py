@@ -15,7 +15,9 @@ from replica_engine.scheduler.plan import ScheduledBatch
 
 
 @dataclass
-class Arrival:
+class StepArrival:
+    """A request arriving at a scheduler step (the benchmarks' Arrival is in seconds)."""
+
     step: int
     prompt_len: int
     max_tokens: int
@@ -29,7 +31,7 @@ class Run:
     first_admission_order: list[str] = field(default_factory=list)
 
 
-def arrival_order(arrivals: list[Arrival], requests: list[Request]) -> list[str]:
+def arrival_order(arrivals: list[StepArrival], requests: list[Request]) -> list[str]:
     """Request ids by arrival step; requests arriving in the same step keep submission order."""
     ordered = sorted(zip(arrivals, requests, strict=True), key=lambda pair: pair[0].step)
     return [request.request_id for _, request in ordered]
@@ -52,7 +54,7 @@ def make_scheduler(policy: str, budget: int, max_seqs: int, num_blocks: int, blo
 
 def run_to_completion(
     scheduler: Scheduler,
-    arrivals: list[Arrival],
+    arrivals: list[StepArrival],
     next_token: Callable[[str], int] = lambda request_id: 7,
     stop_token_ids: frozenset[int] = frozenset(),
     check_step: Callable[[Scheduler, ScheduledBatch], None] = lambda scheduler, batch: None,

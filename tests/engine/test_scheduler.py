@@ -13,7 +13,7 @@ from replica_engine.request import Request, RequestStatus
 from replica_engine.scheduler import Scheduler
 from replica_engine.scheduler.plan import ScheduledBatch
 from tests.engine.scheduler_harness import (
-    Arrival,
+    StepArrival,
     arrival_order,
     free_block_ids,
     make_scheduler,
@@ -101,7 +101,7 @@ def test_abort_frees_blocks_at_once_wherever_the_request_is():
 
 arrivals_strategy = st.lists(
     st.builds(
-        Arrival,
+        StepArrival,
         step=st.integers(0, 30),
         prompt_len=st.integers(1, 120),
         max_tokens=st.integers(1, 40),

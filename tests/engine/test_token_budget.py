@@ -16,7 +16,7 @@ from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from replica_engine.scheduler.step_time_model import StepShape, StepTimeModel
 from replica_engine.scheduler.token_budget import MIN_PREFILL_CHUNK, SLOTokenBudget
-from tests.engine.scheduler_harness import Arrival, run_to_completion
+from tests.engine.scheduler_harness import StepArrival, run_to_completion
 
 # A CPU-like step: 15 ms over the weights, 0.4 ms a prompt token, 0.5 ms a decode, attention 0.3 µs
 # a query-key pair, 0.8 ms a request.
@@ -112,7 +112,7 @@ def test_with_a_perfect_model_only_decodes_and_the_minimum_chunk_exceed_the_targ
     scheduler = SCHEDULING_POLICIES["stall_free"](
         SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16), KVCacheManager(400, 16), budget
     )
-    arrivals = [Arrival(s, p, m) for p, m, s in zip(prompt_lens, max_tokens, arrival_steps, strict=False)]
+    arrivals = [StepArrival(s, p, m) for p, m, s in zip(prompt_lens, max_tokens, arrival_steps, strict=False)]
     run = run_to_completion(scheduler, arrivals)
     for batch in run.batches:
         # one-token rows (decodes, a prompt's last token) are never held back by the target
