@@ -15,15 +15,16 @@ from bench.driver import Arrival, EngineClient, engine_as_served, greedy
 from harness.latency import percentile
 from harness.pacing import open_loop
 from harness.random_workload import log_uniform, random_tokens
+from replica_engine.metrics.engine_metrics import PREFIX
 
 if TYPE_CHECKING:
     from replica_engine.scheduler.plan import StepSummary
 
 PROMPT_RANGE = (64, 1024)  # log-uniform, as Sarathi's synthetic traces
 OUTPUT_RANGE = (16, 128)  # uniform; ignore_eos, so each request decodes exactly this many
-TBT = "stallfree_inter_token_latency_seconds"
-QUEUE_TIME = "stallfree_request_queue_time_seconds"
-BUDGET = "stallfree_step_token_budget"
+TBT = PREFIX + "inter_token_latency_seconds"
+QUEUE_TIME = PREFIX + "request_queue_time_seconds"
+BUDGET = PREFIX + "step_token_budget"
 
 
 def workload(num_requests: int, seed: int) -> list[Arrival]:
