@@ -1,9 +1,10 @@
 """`python -m bench.cpu`: engine steps on this CPU against the machine's own physical floors, both
 measured in the same run.
 
-1. Floors, measured first: memory read bandwidth (summing a 512 MiB tensor), copy bandwidth
-   (bytes copied per second), and the matmul rate of each dtype (the best of square sizes
-   1024, 2048 and 4096). This machine is shared: each is the best of 10 runs.
+1. Floors, measured first (bench/floors.py): the best bytes per second of several methods (a sum,
+   a copy, weight-streaming GEMVs in each dtype through torch and the engine's kernel) and the
+   best matmul rate of each dtype (square sizes and the shapes a step runs). This machine is
+   shared: each method is the best of 10 runs.
 2. Steps of the real SmolLM2 through LLMEngine, per dtype: decode at batch 1/8/32/64 with ~260
    tokens of context per request, and one 512-token prefill step. Each: median step time, the
    part spent inside the model runner (the rest is host work: scheduling, outputs), and the
@@ -23,13 +24,13 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from bench.driver import BenchmarkRun
+from bench.floors import DTYPES, measure_floors
 from replica_engine import EngineConfig, LLMEngine, SamplingParams
 from replica_engine.scheduler.plan import ScheduledBatch
 
@@ -37,45 +38,7 @@ GOAL_RATIO = 1.5
 DECODE_BATCHES = (1, 8, 32, 64)
 CONTEXT = 260  # tokens per request when a decode step is timed
 PREFILL_TOKENS = 512
-DTYPES = ("float32", "bfloat16")
 PARTS = ("steps", "agreement", "serving")
-
-
-def _best_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
-
-
-def _bandwidths(repeats: int) -> dict[str, float]:
-    data = torch.randn(128 << 20)  # 512 MiB of float32
-    target = torch.empty_like(data)
-    num_bytes = data.numel() * data.element_size()
-    return {
-        "read_gb_per_s": num_bytes / _best_time(data.sum, repeats) / 1e9,
-        "copy_gb_per_s": num_bytes / _best_time(lambda: target.copy_(data), repeats) / 1e9,
-    }
-
-
-def _matmul_rate(dtype: str, repeats: int) -> float:
-    """GFLOP/s of the best square matmul size: the rate this CPU can reach in this dtype."""
-    rates = []
-    for size in (1024, 2048, 4096):
-        a = torch.randn(size, size).to(getattr(torch, dtype))
-        b = torch.randn(size, size).to(getattr(torch, dtype))
-        rates.append(2 * size**3 / _best_time(lambda a=a, b=b: a @ b, repeats) / 1e9)
-    return max(rates)
-
-
-def measure_floors(repeats: int = 10) -> dict[str, float]:
-    floors = _bandwidths(repeats)
-    for dtype in DTYPES:
-        floors[f"matmul_{dtype}_gflop_per_s"] = _matmul_rate(dtype, repeats)
-    return floors
 
 
 @dataclass(frozen=True)
@@ -217,8 +180,11 @@ def main() -> None:
 
 def run_steps(decode_steps: int, output: Path) -> None:
     run = BenchmarkRun("cpu", output, {"decode_ratio_max": GOAL_RATIO, "prefill_ratio_max": GOAL_RATIO})
-    floors = measure_floors()
-    print("floors: " + ", ".join(f"{k} {v:.1f}" for k, v in floors.items()))
+    floors, floor_methods = measure_floors()
+    for kind, by_method in floor_methods.items():
+        print(
+            f"{kind}: best {floors[kind]:.1f} of " + ", ".join(f"{m} {v:.1f}" for m, v in by_method.items())
+        )
     results = [r for dtype in DTYPES for r in measure_steps(dtype, floors, decode_steps)]
     columns = f"{'step ms':>10}{'runner ms':>11}{'host ms':>9}{'floor ms':>10}"
     print(f"{'dtype':10}{'case':14}{columns}  bound   ratio")
@@ -234,6 +200,7 @@ def run_steps(decode_steps: int, output: Path) -> None:
         "floor_definition": "max(bytes read / read bandwidth, FLOPs / matmul rate) for decode; FLOPs / "
         "matmul rate for prefill; bytes = every weight once + the KV cache of every context",
         "floors": floors,
+        "floor_methods": floor_methods,
         "steps": [asdict(r) for r in results],
     }
     run.write(body, goals_met)

@@ -1,0 +1,84 @@
+"""This machine's floors, measured in the same run as what is held against them: the best rate
+it shows, each measured several ways, because one method can understate it (the host is shared,
+and a plain sum, a copy and a weight-streaming GEMV do not reach the same bandwidth).
+
+- Bytes per second: summing a 512 MiB tensor (read); copying it (read + write: both counted);
+  a GEMV over a weight matrix far larger than the caches, in each dtype, through torch's linear
+  and through the engine's own CPU kernel where it builds (the read pattern of a decode step).
+- Matmul rate per dtype: square sizes 1024/2048/4096 and the shapes a SmolLM2 step runs (256
+  and 512 rows against its projections and its logits).
+Each method is the best of `repeats` runs; each floor is the best method."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from replica_engine.kernels import cpu as cpu_kernels
+
+DTYPES = ("float32", "bfloat16")
+SQUARE_SIZES = (1024, 2048, 4096)
+# (rows, in, out): SmolLM2-135M's fused qkv, gate_up, down and logits at prompt-chunk sizes.
+STEP_SHAPES = tuple(
+    (rows, k, n) for rows in (256, 512) for k, n in ((576, 960), (576, 3072), (1536, 576), (576, 49152))
+)
+GEMV_WEIGHT_BYTES = 256 << 20  # far past every cache level
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def bandwidths(repeats: int) -> dict[str, float]:
+    """GB/s by method."""
+    data = torch.randn(128 << 20)  # 512 MiB of float32
+    target = torch.empty_like(data)
+    num_bytes = data.numel() * data.element_size()
+    rates = {
+        "sum": num_bytes / best_time(data.sum, repeats),
+        "copy_read_write": 2 * num_bytes / best_time(lambda: target.copy_(data), repeats),
+    }
+    for dtype in DTYPES:
+        torch_dtype = getattr(torch, dtype)
+        in_features = 4096
+        weight = torch.randn(GEMV_WEIGHT_BYTES // torch_dtype.itemsize // in_features, in_features)
+        weight = weight.to(torch_dtype)
+        x = torch.randn(1, in_features).to(torch_dtype)
+        weight_bytes = weight.numel() * weight.element_size()
+        rates[f"gemv_torch_{dtype}"] = weight_bytes / best_time(
+            lambda w=weight, x=x: torch.nn.functional.linear(x, w), repeats
+        )
+        if cpu_kernels.cpu_ops() is not None:
+            rates[f"gemv_engine_kernel_{dtype}"] = weight_bytes / best_time(
+                lambda w=weight, x=x: cpu_kernels.linear(x, w), repeats
+            )
+    return {method: rate / 1e9 for method, rate in rates.items()}
+
+
+def matmul_rates(dtype: str, repeats: int) -> dict[str, float]:
+    """GFLOP/s by shape."""
+    torch_dtype = getattr(torch, dtype)
+    shapes = [(size, size, size) for size in SQUARE_SIZES] + list(STEP_SHAPES)
+    rates = {}
+    for rows, k, n in shapes:
+        a = torch.randn(rows, k).to(torch_dtype)
+        b = torch.randn(n, k).to(torch_dtype)  # as a linear layer's weight
+        seconds = best_time(lambda a=a, b=b: torch.nn.functional.linear(a, b), repeats)
+        rates[f"{rows}x{k}x{n}"] = 2 * rows * k * n / seconds / 1e9
+    return rates
+
+
+def measure_floors(repeats: int = 10) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """The floors (the best of each kind) and every method's figure behind them."""
+    methods = {"read_gb_per_s": bandwidths(repeats)}
+    for dtype in DTYPES:
+        methods[f"matmul_{dtype}_gflop_per_s"] = matmul_rates(dtype, repeats)
+    return {kind: max(by_method.values()) for kind, by_method in methods.items()}, methods
