@@ -5,14 +5,15 @@ measured in the same run.
    a copy, weight-streaming GEMVs in each dtype through torch and the engine's kernel) and the
    best matmul rate of each dtype (square sizes and the shapes a step runs). This machine is
    shared: each method is the best of 10 runs.
-2. Steps of the real SmolLM2 through LLMEngine, per dtype: decode at batch 1/8/32/64 with ~260
-   tokens of context per request, and one 512-token prefill step. Each: median step time, the
+2. Steps of the real SmolLM2 through LLMEngine, per dtype: decode at batch 1/8/16/32/64 with ~260
+   tokens of context per request, one 512-token prefill step, and the mixed steps a 256-token
+   budget makes under load (16 decodes + a 240-token prompt chunk; 64 + 192). Each: median step time, the
    part spent inside the model runner (the rest is host work: scheduling, outputs), and the
    floor: the bytes a step must read (weights, plus the KV cache it attends over) at the read
    bandwidth, or its FLOPs at the dtype's matmul rate, whichever is larger.
 
-Goals (issue 13): decode <= 1.5x its floor at every batch; prefill <= 1.5x the dtype's matmul
-floor.
+Goals (issues 13 and 23): decode and mixed steps <= 1.5x their floor at every batch; prefill
+<= 1.5x the dtype's matmul floor.
 
 Then, unless --parts says otherwise, bench.dtype_agreement (bf16 vs fp32 outputs) and
 bench.cpu_serving (issue 13's HTTP workload next to llama.cpp's figures): about 25 minutes in all."""
@@ -32,10 +33,12 @@ import torch
 from bench.driver import BenchmarkRun
 from bench.floors import DTYPES, measure_floors
 from replica_engine import EngineConfig, LLMEngine, SamplingParams
-from replica_engine.scheduler.plan import ScheduledBatch
+from replica_engine.scheduler.plan import ScheduledBatch, StepSummary
 
 GOAL_RATIO = 1.5
-DECODE_BATCHES = (1, 8, 32, 64)
+DECODE_BATCHES = (1, 8, 16, 32, 64)
+# (decodes, prompt chunk): the steps a 256-token budget makes under serving load
+MIXED_STEPS = ((16, 240), (64, 192))
 CONTEXT = 260  # tokens per request when a decode step is timed
 PREFILL_TOKENS = 512
 PARTS = ("steps", "agreement", "serving")
@@ -49,9 +52,10 @@ class StepWork:
     flops: float
 
 
-def step_work(engine: LLMEngine, num_tokens: int, contexts: list[int], num_sampled: int) -> StepWork:
+def step_work(engine: LLMEngine, rows: list[tuple[int, int]], num_sampled: int) -> StepWork:
     """Weights read once, the KV cache of every request's context, and the FLOPs of the linear
-    layers, attention (QK^T and PV) and the logits of the sampled rows."""
+    layers, attention (QK^T and PV) and the logits of the sampled rows. `rows`: per request, its
+    query tokens this step and its context after them."""
     model = engine.core.runner.model
     layers = model.model.layers
     attention = layers[0].self_attn
@@ -59,13 +63,12 @@ def step_work(engine: LLMEngine, num_tokens: int, contexts: list[int], num_sampl
     linear_params = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
     vocab_params = model.model.embed_tokens.weight.numel()  # the logits' matrix, tied or not
     kv_per_token = len(layers) * 2 * attention.num_kv_heads * attention.head_dim * itemsize
-    num_query_tokens = [num_tokens // len(contexts)] * len(contexts)
     attention_flops = sum(
-        4 * q * (ctx - q / 2) * attention.num_heads * attention.head_dim * len(layers)
-        for q, ctx in zip(num_query_tokens, contexts, strict=True)
+        4 * q * (ctx - q / 2) * attention.num_heads * attention.head_dim * len(layers) for q, ctx in rows
     )
+    num_tokens = sum(q for q, _ in rows)
     return StepWork(
-        bytes_read=(linear_params + vocab_params) * itemsize + kv_per_token * sum(contexts),
+        bytes_read=(linear_params + vocab_params) * itemsize + kv_per_token * sum(ctx for _, ctx in rows),
         flops=2 * num_tokens * linear_params + 2 * num_sampled * vocab_params + attention_flops,
     )
 
@@ -145,8 +148,7 @@ def measure_steps(dtype: str, floors: dict, decode_steps: int) -> list[StepResul
         ]
         engine.step()  # every prompt in one step: from here on, each step decodes `batch` rows
         timing = _timed_steps(engine, timer, decode_steps)
-        contexts = [CONTEXT + decode_steps // 2] * batch
-        work = step_work(engine, batch, contexts, num_sampled=batch)
+        work = step_work(engine, [(1, CONTEXT + decode_steps // 2)] * batch, num_sampled=batch)
         results.append(_result(dtype, f"decode-b{batch}", timing, work, floors, memory_bound=True))
         for request_id in ids:
             engine.abort_request(request_id)
@@ -156,8 +158,51 @@ def measure_steps(dtype: str, floors: dict, decode_steps: int) -> list[StepResul
         engine.add_request([500 + (11 * i + j) % 20000 for j in range(PREFILL_TOKENS)], prefill_params)
         timings.append(_timed_steps(engine, timer, 1))
     timing = (statistics.median(t[0] for t in timings), statistics.median(t[1] for t in timings))
-    work = step_work(engine, PREFILL_TOKENS, [PREFILL_TOKENS], num_sampled=1)
+    work = step_work(engine, [(PREFILL_TOKENS, PREFILL_TOKENS)], num_sampled=1)
     results.append(_result(dtype, f"prefill-{PREFILL_TOKENS}", timing, work, floors, memory_bound=False))
+    return results
+
+
+def measure_mixed_steps(dtype: str, floors: dict, num_steps: int) -> list[StepResult]:
+    """Steps of `decodes` requests decoding (each ~CONTEXT tokens in) beside a long prompt's
+    chunk, as the stall-free scheduler makes them with a 256-token budget."""
+    budget = sum(MIXED_STEPS[0])
+    config = EngineConfig(
+        dtype=dtype,
+        max_num_batched_tokens=budget,
+        max_num_seqs=128,
+        num_kv_blocks=2048,
+        enable_prefix_caching=False,
+    )
+    engine = LLMEngine(config)
+    timer = _RunnerTimer(engine)
+    scheduler = engine.core.scheduler
+    summaries: list[StepSummary] = []
+    engine.step_listeners.append(summaries.append)
+    results = []
+    for decodes, chunk in MIXED_STEPS:
+        assert decodes + chunk == budget
+        warm_up_steps = -(-decodes * CONTEXT // chunk) + 1  # until every prompt is in
+        params = SamplingParams(max_tokens=warm_up_steps + num_steps + 2, temperature=0, ignore_eos=True)
+        ids = [
+            engine.add_request([1000 + (7 * i + j) % 20000 for j in range(CONTEXT - 1)], params)
+            for i in range(decodes)
+        ]
+        while scheduler.waiting or any(r.num_owed_tokens > 1 for r in scheduler.running):
+            engine.step()
+        contexts = [r.num_tokens + num_steps // 2 for r in scheduler.running]
+        prompt = [300 + (13 * j) % 20000 for j in range(chunk * (num_steps + 1))]
+        ids.append(engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0)))
+        summaries.clear()
+        timing = _timed_steps(engine, timer, num_steps)
+        shapes = {(s.num_decode_requests, s.num_prefill_tokens) for s in summaries}
+        assert shapes == {(decodes, chunk)}, f"steps were not {decodes} decodes + {chunk}: {shapes}"
+        rows = [(1, ctx) for ctx in contexts] + [(chunk, chunk * (num_steps // 2 + 1))]
+        work = step_work(engine, rows, num_sampled=decodes)
+        case = f"mixed-{decodes}+{chunk}"
+        results.append(_result(dtype, case, timing, work, floors, memory_bound=True))
+        for request_id in ids:
+            engine.abort_request(request_id)
     return results
 
 
@@ -179,13 +224,21 @@ def main() -> None:
 
 
 def run_steps(decode_steps: int, output: Path) -> None:
-    run = BenchmarkRun("cpu", output, {"decode_ratio_max": GOAL_RATIO, "prefill_ratio_max": GOAL_RATIO})
+    goals = {"decode_ratio_max": GOAL_RATIO, "mixed_ratio_max": GOAL_RATIO, "prefill_ratio_max": GOAL_RATIO}
+    run = BenchmarkRun("cpu", output, goals)
     floors, floor_methods = measure_floors()
     for kind, by_method in floor_methods.items():
         print(
             f"{kind}: best {floors[kind]:.1f} of " + ", ".join(f"{m} {v:.1f}" for m, v in by_method.items())
         )
-    results = [r for dtype in DTYPES for r in measure_steps(dtype, floors, decode_steps)]
+    results = [
+        result
+        for dtype in DTYPES
+        for result in [
+            *measure_steps(dtype, floors, decode_steps),
+            *measure_mixed_steps(dtype, floors, decode_steps),
+        ]
+    ]
     columns = f"{'step ms':>10}{'runner ms':>11}{'host ms':>9}{'floor ms':>10}"
     print(f"{'dtype':10}{'case':14}{columns}  bound   ratio")
     for r in results:
@@ -196,9 +249,14 @@ def run_steps(decode_steps: int, output: Path) -> None:
         )
     goals_met = {f"{r.dtype}/{r.case} <= {GOAL_RATIO}x floor": r.goal_met for r in results}
     body = {
-        "settings": {"decode_steps": decode_steps, "context": CONTEXT, "prefill_tokens": PREFILL_TOKENS},
-        "floor_definition": "max(bytes read / read bandwidth, FLOPs / matmul rate) for decode; FLOPs / "
-        "matmul rate for prefill; bytes = every weight once + the KV cache of every context",
+        "settings": {
+            "decode_steps": decode_steps,
+            "context": CONTEXT,
+            "prefill_tokens": PREFILL_TOKENS,
+            "mixed_steps": MIXED_STEPS,
+        },
+        "floor_definition": "max(bytes read / read bandwidth, FLOPs / matmul rate) for decode and mixed; "
+        "FLOPs / matmul rate for prefill; bytes = every weight once + the KV cache of every context",
         "floors": floors,
         "floor_methods": floor_methods,
         "steps": [asdict(r) for r in results],
