@@ -134,6 +134,14 @@ def _result(
     )
 
 
+def _add_decoders(engine: LLMEngine, count: int, params: SamplingParams) -> list[str]:
+    """`count` requests of CONTEXT - 1 distinct prompt tokens each, to decode from."""
+    return [
+        engine.add_request([1000 + (7 * i + j) % 20000 for j in range(CONTEXT - 1)], params)
+        for i in range(count)
+    ]
+
+
 def measure_steps(dtype: str, floors: dict, decode_steps: int) -> list[StepResult]:
     engine = LLMEngine(
         EngineConfig(dtype=dtype, max_num_batched_tokens=64 * CONTEXT, max_num_seqs=128, num_kv_blocks=2048)
@@ -142,10 +150,7 @@ def measure_steps(dtype: str, floors: dict, decode_steps: int) -> list[StepResul
     results = []
     for batch in DECODE_BATCHES:
         params = SamplingParams(max_tokens=decode_steps + 2, temperature=0, ignore_eos=True)
-        ids = [
-            engine.add_request([1000 + (7 * i + j) % 20000 for j in range(CONTEXT - 1)], params)
-            for i in range(batch)
-        ]
+        ids = _add_decoders(engine, batch, params)
         engine.step()  # every prompt in one step: from here on, each step decodes `batch` rows
         timing = _timed_steps(engine, timer, decode_steps)
         work = step_work(engine, [(1, CONTEXT + decode_steps // 2)] * batch, num_sampled=batch)
@@ -184,10 +189,7 @@ def measure_mixed_steps(dtype: str, floors: dict, num_steps: int) -> list[StepRe
         assert decodes + chunk == budget
         warm_up_steps = -(-decodes * CONTEXT // chunk) + 1  # until every prompt is in
         params = SamplingParams(max_tokens=warm_up_steps + num_steps + 2, temperature=0, ignore_eos=True)
-        ids = [
-            engine.add_request([1000 + (7 * i + j) % 20000 for j in range(CONTEXT - 1)], params)
-            for i in range(decodes)
-        ]
+        ids = _add_decoders(engine, decodes, params)
         while scheduler.waiting or any(r.num_owed_tokens > 1 for r in scheduler.running):
             engine.step()
         contexts = [r.num_tokens + num_steps // 2 for r in scheduler.running]
