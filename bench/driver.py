@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness.latency import RequestTiming
+from harness.random_workload import random_tokens
 from harness.serve_cluster import shipped_app_config, with_app_args
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def uniform_workload(
     rng = random.Random(seed)
     prompt_lens = [rng.randint(*prompt_range) for _ in range(num_requests)]
     return Workload(
-        prompts=[[rng.randrange(*token_range) for _ in range(n)] for n in prompt_lens],
+        prompts=[random_tokens(rng, n, token_range) for n in prompt_lens],
         output_lens=[rng.randint(*output_range) for _ in range(num_requests)],
     )
 
