@@ -1,4 +1,5 @@
-"""The CPU kernels of cpu_ops.cpp, cpu_pointwise.cpp and cpu_prefill_attention.cpp, built on first
+"""The CPU kernels of cpu_ops.cpp, cpu_pointwise.cpp, cpu_prefill_attention.cpp and
+cpu_packed_linear.cpp, built on first
 use for this machine (-march=native) by torch's C++ extension loader and cached by it
 (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where they cannot be built (no
 compiler, no AVX-512), callers fall back to torch's own ops."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -17,12 +19,10 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 KERNEL_DIR = Path(__file__).parent
 SOURCES = [
-    str(KERNEL_DIR / name) for name in ("cpu_ops.cpp", "cpu_pointwise.cpp", "cpu_prefill_attention.cpp")
+    str(KERNEL_DIR / name)
+    for name in ("cpu_ops.cpp", "cpu_pointwise.cpp", "cpu_prefill_attention.cpp", "cpu_packed_linear.cpp")
 ]
-HEADERS = ("simd.h", "cpu_pointwise.h", "cpu_attention.h")
-# Up to this many rows, a linear layer is a few matrix-vector products: memory-bound, where our
-# kernel streams the weights faster than torch's (MKL/oneDNN) small-M paths on this hardware.
-SMALL_M = 16
+HEADERS = ("simd.h", "cpu_pointwise.h", "cpu_attention.h", "cpu_linear.h")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -67,11 +67,31 @@ def _ops_for(*tensors: torch.Tensor) -> ModuleType | None:
     return cpu_ops()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, float32_out: bool = False) -> torch.Tensor:
-    """x @ weight.T (no bias); our kernel for a few rows on the CPU, torch's otherwise."""
-    ops = _ops_for(x, weight) if x.shape[0] <= SMALL_M else None
-    if ops is not None:
-        return ops.linear(x.contiguous(), weight, float32_out)
+@dataclass(frozen=True)
+class PackedWeight:
+    """A linear layer's weight [out_features, K] repacked once, at load, for the packed kernel:
+    16 output columns side by side per k, so every row count a step has runs as outer products
+    (above torch's matmul rate on this machine at every M, and 2x its GEMV at M = 1)."""
+
+    data: torch.Tensor
+    out_features: int
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """The packed copy of weight, or None where the packed kernel does not apply (another
+    device or dtype, an odd K in bfloat16, no kernels): then the layer keeps torch's F.linear."""
+    ops = _ops_for(weight)
+    if ops is None or weight.dim() != 2 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2):
+        return None
+    return PackedWeight(ops.pack_linear_weight(weight.detach().contiguous()), weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, float32_out: bool = False) -> torch.Tensor:
+    """x @ weight.T (no bias): the packed kernel for a packed weight, torch's F.linear otherwise."""
+    if isinstance(weight, PackedWeight):
+        ops = cpu_ops()
+        assert ops is not None, "a weight is only packed where the kernels are built"
+        return ops.packed_linear(x.contiguous(), weight.data, weight.out_features, float32_out)
     out = F.linear(x, weight)
     return out.float() if float32_out else out
 

@@ -32,11 +32,19 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear, with a few-row input (a decode step) through our CPU kernel where it is built."""
+    """nn.Linear, through the CPU's packed kernel once `pack_for_cpu` has replaced its weight."""
+
+    packed: cpu_kernels.PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = cpu_kernels.linear(x, self.weight)
+        out = cpu_kernels.linear(x, self.packed or self.weight)
         return out if self.bias is None else out + self.bias
+
+    def pack_for_cpu(self) -> None:
+        """Repack the weight for the CPU kernel where it applies; the packed copy replaces it."""
+        self.packed = cpu_kernels.pack_weight(self.weight)
+        if self.packed is not None:
+            self.weight = None
 
 
 class MergedLinear(Linear):
@@ -144,6 +152,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, backend)
         self.rotary = RotaryEmbedding(config, max_position)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.packed_embeddings: cpu_kernels.PackedWeight | None = None  # pack_for_cpu's, when tied
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -162,5 +171,19 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return cpu_kernels.linear(hidden, weight, float32_out=True)
+        return cpu_kernels.linear(hidden, self._logits_weight(), float32_out=True)
+
+    def _logits_weight(self) -> torch.Tensor | cpu_kernels.PackedWeight:
+        if self.tie_word_embeddings:
+            return self.packed_embeddings or self.model.embed_tokens.weight
+        return self.lm_head.packed or self.lm_head.weight
+
+    @torch.no_grad()
+    def pack_for_cpu(self) -> None:
+        """Every linear layer's weight repacked for the CPU kernel (where it applies). Tied
+        embeddings keep their rows for the lookup and get a packed copy for the logits."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
+        if self.tie_word_embeddings:
+            self.packed_embeddings = cpu_kernels.pack_weight(self.model.embed_tokens.weight)

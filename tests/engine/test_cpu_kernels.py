@@ -1,5 +1,5 @@
-"""Our CPU kernels (replica_engine/kernels/*.cpp, built on first use) against torch: the small-M
-linear layer, paged decode and prompt-chunk attention, and the fused RMSNorm (with the residual
+"""Our CPU kernels (replica_engine/kernels/*.cpp, built on first use) against torch: the linear
+layer over packed weights, paged decode and prompt-chunk attention, and the fused RMSNorm (with the residual
 add), SiLU-mul and rotary, in float32 and bfloat16; and the fallback to torch's ops where the
 kernels cannot be had."""
 
@@ -20,32 +20,48 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 8, 16])
-@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (33, 577), (5, 40), (576, 1536)])
-def test_linear_matches_torch(dtype, num_rows, out_features, in_features):
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 8, 9, 16, 17, 64, 257])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (33, 578), (5, 40), (576, 1536)])
+def test_packed_linear_matches_torch(dtype, num_rows, out_features, in_features):
     generator = torch.Generator().manual_seed(num_rows * 1000 + in_features)
     x = torch.randn(num_rows, in_features, generator=generator).to(dtype)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     expected = F.linear(x.float(), weight.float())
-    out = ops.linear(x, weight, False)
+    packed = cpu_kernels.pack_weight(weight)
+    assert packed is not None and packed.out_features == out_features
+    out = cpu_kernels.linear(x, packed)
     assert out.dtype == dtype and out.shape == expected.shape
     torch.testing.assert_close(
         out.float(), expected, atol=TOLERANCE[dtype] * in_features**0.5, rtol=TOLERANCE[dtype]
     )
-    torch.testing.assert_close(ops.linear(x, weight, True), expected, atol=1e-3 * in_features**0.5, rtol=1e-4)
+    out32 = cpu_kernels.linear(x, packed, float32_out=True)
+    torch.testing.assert_close(out32, expected, atol=1e-3 * in_features**0.5, rtol=1e-4)
 
 
-def test_linear_uses_the_kernel_for_few_rows_only(monkeypatch):
-    calls = []
-    monkeypatch.setattr(
-        cpu_kernels, "cpu_ops", lambda: type("Spy", (), {"linear": lambda *a: calls.append(a)})()
+def test_what_cannot_be_packed_stays_with_torch():
+    assert cpu_kernels.pack_weight(torch.randn(8, 17, dtype=torch.bfloat16)) is None  # odd K: no k pairs
+    assert cpu_kernels.pack_weight(torch.randn(8, 16, dtype=torch.float16)) is None
+    x, weight = torch.randn(3, 17), torch.randn(8, 17)
+    packed = cpu_kernels.pack_weight(weight)  # float32 packs any K
+    assert packed is not None
+    torch.testing.assert_close(cpu_kernels.linear(x, packed), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu_kernels.linear(x, weight), F.linear(x, weight))  # unpacked: torch's
+
+
+def test_a_loaded_model_runs_on_packed_weights(llm):
+    """Loading on the CPU packs every linear layer (its weight is gone: one copy in memory) and
+    the tied embeddings get a packed copy for the logits."""
+    from replica_engine.models.llama import Linear
+
+    model = llm.engine.core.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None and m.weight is None for m in linears)
+    assert model.tie_word_embeddings and model.packed_embeddings is not None
+    hidden = torch.randn(5, model.config.hidden_size)
+    embeddings = model.model.embed_tokens.weight
+    torch.testing.assert_close(
+        model.compute_logits(hidden), F.linear(hidden, embeddings), atol=1e-3, rtol=1e-4
     )
-    weight = torch.randn(8, 16)
-    cpu_kernels.linear(torch.randn(cpu_kernels.SMALL_M, 16), weight)
-    assert len(calls) == 1
-    many = torch.randn(cpu_kernels.SMALL_M + 1, 16)
-    torch.testing.assert_close(cpu_kernels.linear(many, weight), F.linear(many, weight))  # torch's
-    assert len(calls) == 1
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -109,6 +125,8 @@ BATCHES = {
     # Decode rows with no context yet, part of a block, exactly one block, several blocks, next to
     # a prompt chunk.
     "decodes": lambda block_size: [(0, 1), (5, 1), (block_size - 1, 1), (40, 1), (133, 1), (9, 7)],
+    # One request decoding alone: its KV heads are split across the threads.
+    "one decode": lambda block_size: [(3 * block_size + 5, 1)],
     # Fresh prompts shorter than, equal to and longer than a 16-row tile, chunks after a cached
     # prefix (tiles that start mid-block and keys far before them), and decode rows beside them.
     "prompts": lambda block_size: [(0, 2), (0, 16), (0, 37), (5, 1), (50, 23), (64, 16), (3, 100), (130, 1)],
@@ -119,7 +137,7 @@ BATCHES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 32), (8, 1, 32, 16)],
+    [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 32), (8, 1, 32, 16), (4, 2, 80, 16)],
 )
 def test_paged_attention_matches_the_reference(batch_name, dtype, heads, kv_heads, head_dim, block_size):
     shapes = BATCHES[batch_name](block_size)

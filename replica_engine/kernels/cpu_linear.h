@@ -1,0 +1,11 @@
+// Linear layers over pre-packed weights (cpu_packed_linear.cpp).
+#pragma once
+#include <torch/extension.h>
+
+// weight [N, K] (float32, or bfloat16 with an even K) -> its packed copy: [ceil(N / 16), K / p, 16, p]
+// with p = 2 for bfloat16 (a k pair per dot product) and 1 for float32; columns past N are zero.
+torch::Tensor pack_linear_weight(const torch::Tensor& weight);
+
+// x [M, K] @ weight.T for weight packed by pack_linear_weight (N: its real rows); out float32, or
+// x's dtype.
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, bool float32_out);
