@@ -60,7 +60,9 @@ def step_work(engine: LLMEngine, rows: list[tuple[int, int]], num_sampled: int) 
     layers = model.model.layers
     attention = layers[0].self_attn
     itemsize = engine.config.torch_dtype.itemsize
-    linear_params = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
+    linear_params = sum(
+        m.in_features * m.out_features for m in layers.modules() if isinstance(m, torch.nn.Linear)
+    )
     vocab_params = model.model.embed_tokens.weight.numel()  # the logits' matrix, tied or not
     kv_per_token = len(layers) * 2 * attention.num_kv_heads * attention.head_dim * itemsize
     attention_flops = sum(
