@@ -78,7 +78,7 @@ async def stream_completion(
                     continue  # a chat stream's opening role-only chunk carries no token
                 result.chunk_times.append(time.monotonic())
                 result.text += text or ""
-                result.token_ids += choice.get("token_ids", [])
+                result.token_ids += choice.get("token_ids") or []  # vLLM sends null
                 result.finish_reason = choice["finish_reason"] or result.finish_reason
                 hang_up = disconnect_after_chunks is not None and result.finish_reason is None
                 if hang_up and len(result.chunk_times) >= disconnect_after_chunks:

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -166,13 +168,120 @@ void attend_tile(const Chunk& chunk, int64_t row0, int64_t rows, int64_t g, cons
   }
 }
 
+#ifdef __AVX512BF16__
+// attend_tile for bfloat16 with the CPU's pairwise dot product (D a multiple of 32): half the
+// instructions of widening to float32, and the key tile is transposed as k pairs (32-bit words),
+// half the shuffles. Scores take the scale after the dot products (the bfloat16 query is used
+// as it is); probabilities meet the values rounded to bfloat16, as flash attention's P.V does.
+// Scratch reuse: qf holds the query rows' k pairs, kt the transposed key pairs (kt[j * 16 + t]:
+// pair j of key t), vt the value pairs of key pairs (vt[p * D + w]: keys 2p, 2p + 1 at the d of
+// word w, in unpacklo/unpackhi order), acc the output rows in that order.
+template <int64_t kDV>
+void attend_tile_bf16(const Chunk& chunk, int64_t row0, int64_t rows, int64_t g, const at::BFloat16* q,
+                      const at::BFloat16* k_cache, const at::BFloat16* v_cache, at::BFloat16* out, int64_t H,
+                      int64_t G, int64_t block_size, int64_t KVH, float scale, Scratch& scratch) {
+  constexpr int64_t D = kDV * 16, kWords = D / 2, kChunks = D / 32;  // a chunk: 32 values, 16 words
+  const int64_t n = G * rows, padded = (n + kRows - 1) / kRows * kRows, kv_stride = KVH * D;
+  auto* qw = reinterpret_cast<uint32_t*>(scratch.qf.data());
+  float* kw = scratch.kt.data();  // 16 floats' room per 16 words: vector i at kw + 16 * i
+  float* vw = scratch.vt.data();
+  const auto word_vector = [](const float* base, int64_t i) { return (__m512bh)_mm512_loadu_ps(base + 16 * i); };
+  auto q_row = [&](int64_t i) { return q + ((chunk.first_row + row0 + i / G) * H + g * G + i % G) * D; };
+  for (int64_t i = 0; i < padded; ++i) {
+    std::memcpy(qw + i * kWords, q_row(std::min(i, n - 1)), D * sizeof(at::BFloat16));
+    std::fill_n(&scratch.acc[i * D], D, 0.f);
+    scratch.row_max[i] = -std::numeric_limits<float>::infinity();
+    scratch.row_sum[i] = 0.f;
+  }
+  const int64_t first_pos = chunk.kv_len - chunk.num_rows + row0, keys = first_pos + rows;
+  const at::BFloat16* k_rows[kTile];
+  const at::BFloat16* v_rows[kTile];
+  for (int64_t start = 0; start < keys; start += kTile) {
+    const int64_t tokens = std::min(kTile, keys - start);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t pos = start + t;
+      const int64_t slot = static_cast<int64_t>(chunk.table[pos / block_size]) * block_size + pos % block_size;
+      k_rows[t] = k_cache + slot * kv_stride + g * D;
+      v_rows[t] = v_cache + slot * kv_stride + g * D;
+    }
+    const auto row_chunk = [&](const at::BFloat16* const* rows_of, int64_t t, int64_t c) {
+      return t < tokens ? _mm512_loadu_si512(rows_of[t] + c * 32) : _mm512_setzero_si512();
+    };
+    for (int64_t c = 0; c < kChunks; ++c) {
+      __m512 block[16];
+      for (int64_t t = 0; t < 16; ++t) block[t] = _mm512_castsi512_ps(row_chunk(k_rows, t, c));
+      transpose16(block);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_ps(kw + 16 * (c * 16 + j), block[j]);
+      for (int64_t p = 0; p < kTile / 2; ++p) {
+        const __m512i a = row_chunk(v_rows, 2 * p, c), b = row_chunk(v_rows, 2 * p + 1, c);
+        _mm512_storeu_si512(vw + 16 * (p * kDV + 2 * c), _mm512_unpacklo_epi16(a, b));
+        _mm512_storeu_si512(vw + 16 * (p * kDV + 2 * c + 1), _mm512_unpackhi_epi16(a, b));
+      }
+    }
+    for (int64_t i0 = 0; i0 < padded; i0 += kRows) {
+      int64_t visible[kRows];
+      for (int64_t r = 0; r < kRows; ++r)
+        visible[r] = std::max<int64_t>(0, std::min(tokens, first_pos + std::min(i0 + r, n - 1) / G + 1 - start));
+      const int64_t max_visible = *std::max_element(visible, visible + kRows);
+      if (max_visible == 0) continue;
+      __m512 s[kRows][2];
+      for (int64_t r = 0; r < kRows; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < kWords; j += 2) {
+        for (int64_t r = 0; r < kRows; ++r) {
+          const uint32_t* qr = qw + (i0 + r) * kWords;
+          s[r][0] = _mm512_dpbf16_ps(s[r][0], word_vector(kw, j), (__m512bh)_mm512_set1_epi32(qr[j]));
+          s[r][1] = _mm512_dpbf16_ps(s[r][1], word_vector(kw, j + 1), (__m512bh)_mm512_set1_epi32(qr[j + 1]));
+        }
+      }
+      alignas(64) uint16_t probs[kRows][kTile];
+      float correction[kRows];
+      for (int64_t r = 0; r < kRows; ++r) {
+        const __mmask16 mask = static_cast<__mmask16>((1u << visible[r]) - 1);
+        const __m512 scores = _mm512_mul_ps(_mm512_add_ps(s[r][0], s[r][1]), _mm512_set1_ps(scale));
+        const __m512 p = online_softmax16(scores, mask, scratch.row_max[i0 + r], scratch.row_sum[i0 + r],
+                                          correction[r]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(probs[r]), (__m256i)_mm512_cvtneps_pbh(p));
+      }
+      float* acc = scratch.acc.data() + i0 * D;
+      __m512 o[kRows][kDV];
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t v = 0; v < kDV; ++v)
+          o[r][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + v * 16), _mm512_set1_ps(correction[r]));
+      for (int64_t p = 0; p < (max_visible + 1) / 2; ++p) {
+        for (int64_t r = 0; r < kRows; ++r) {
+          uint32_t pair;
+          std::memcpy(&pair, &probs[r][2 * p], sizeof(pair));
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
+          for (int64_t v = 0; v < kDV; ++v) o[r][v] = _mm512_dpbf16_ps(o[r][v], word_vector(vw, p * kDV + v), pp);
+        }
+      }
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t v = 0; v < kDV; ++v) _mm512_storeu_ps(acc + r * D + v * 16, o[r][v]);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {  // word w of vector 2c (unpacklo) is d = 32c + 8(w / 4) + w % 4; 2c+1: + 4
+    const float inv = scratch.row_sum[i] > 0.f ? 1.f / scratch.row_sum[i] : 0.f;
+    const float* acc = scratch.acc.data() + i * D;
+    alignas(64) float row[D];
+    for (int64_t v = 0; v < kDV; ++v)
+      for (int64_t w = 0; w < 16; ++w) row[(v / 2) * 32 + (w / 4) * 8 + (v % 2) * 4 + w % 4] = acc[v * 16 + w] * inv;
+    at::BFloat16* dst = out + ((chunk.first_row + row0 + i / G) * H + g * G + i % G) * D;
+    for (int64_t v = 0; v < kDV; ++v) store16(dst + v * 16, _mm512_load_ps(row + v * 16));
+  }
+}
+#endif
+
 // attend_tile for this head_dim: one instantiation per multiple of 16 up to kMaxD.
 template <typename T, int64_t kDV = 1>
 auto tile_for_head_dim(int64_t D) {
+  using Tile = decltype(&attend_tile<T, 1>);
   if constexpr (kDV < kMaxD / 16) {
     if (D != kDV * 16) return tile_for_head_dim<T, kDV + 1>(D);
   }
-  return &attend_tile<T, kDV>;
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, at::BFloat16> && kDV % 2 == 0) return Tile{&attend_tile_bf16<kDV>};
+#endif
+  return Tile{&attend_tile<T, kDV>};
 }
 
 template <typename T>
