@@ -22,7 +22,7 @@ SOURCES = [
     str(KERNEL_DIR / name)
     for name in ("cpu_ops.cpp", "cpu_pointwise.cpp", "cpu_prefill_attention.cpp", "cpu_packed_linear.cpp")
 ]
-HEADERS = ("simd.h", "cpu_pointwise.h", "cpu_attention.h", "cpu_linear.h")
+HEADERS = ("simd.h", "cpu_pointwise.h", "cpu_attention.h", "cpu_linear.h", "parallel.h")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 

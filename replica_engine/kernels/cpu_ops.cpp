@@ -2,7 +2,8 @@
 // machine's limits: paged decode attention that reads K/V blocks in place (no gather); and the
 // module's bindings for the kernels of the other files.
 // Built at first use by replica_engine/kernels/cpu.py with -march=native; float32 and bfloat16.
-// Work is split with at::parallel_for: torch's own thread pool, so torch.set_num_threads holds.
+// Work is split by parallel_chunks (parallel.h) over torch's own thread pool, so
+// torch.set_num_threads holds.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -15,6 +16,7 @@
 #include "cpu_attention.h"
 #include "cpu_linear.h"
 #include "cpu_pointwise.h"
+#include "parallel.h"
 #include "simd.h"
 
 namespace {
@@ -184,7 +186,7 @@ void paged_decode(const torch::Tensor& query, const torch::Tensor& k_cache, cons
   // thread busy, else split into parts (a single long decode still uses every thread).
   const int64_t threads = at::get_num_threads();
   const int64_t parts = std::min(KVH, std::max<int64_t>(1, (2 * threads + R - 1) / R));
-  at::parallel_for(0, R * parts, 1, [&](int64_t first, int64_t last) {
+  parallel_chunks(R * parts, 1, [&](int64_t first, int64_t last) {
     for (int64_t task = first; task < last; ++task) {
       const int64_t r = task / parts, part = task % parts;
       attend(qp + r * H * D, kp, vp, tables + r * max_blocks, lens[r], block_size, kv_stride, part * KVH / parts,

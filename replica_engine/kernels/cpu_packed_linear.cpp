@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "cpu_linear.h"
+#include "parallel.h"
 #include "simd.h"
 
 namespace {
@@ -106,13 +107,13 @@ void rows_for_blocks(const typename P::T* x, const typename P::T* packed, Out* y
   }
 }
 
-// Threads split the column blocks (each reads its share of the weights once, front to back);
-// within a share, groups of kBlocks blocks meet every row of x, which stays in cache.
+// Threads take groups of kBlocks column blocks in turn (each group's weights read once, front to
+// back), and a group meets every row of x, which stays in cache.
 template <typename P, typename Out>
 void packed_linear_rows(const typename P::T* x, const typename P::T* packed, Out* y, int64_t M, int64_t K,
                         int64_t N) {
   const int64_t blocks = (N + kCols - 1) / kCols, groups = (blocks + kBlocks - 1) / kBlocks;
-  at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+  parallel_chunks(groups, 1, [&](int64_t first, int64_t last) {
     for (int64_t g = first; g < last; ++g) {
       const int64_t block0 = g * kBlocks, nb = std::min(kBlocks, blocks - block0);
       if (nb == 3) rows_for_blocks<P, 3>(x, packed, y, M, K, N, block0);

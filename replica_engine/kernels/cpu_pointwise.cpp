@@ -6,6 +6,7 @@
 
 #include <cmath>
 
+#include "parallel.h"
 #include "simd.h"
 
 namespace {
@@ -14,7 +15,7 @@ constexpr int64_t kRowsPerTask = 16;
 
 template <typename T>
 void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t D, float eps) {
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t first, int64_t last) {
+  parallel_chunks(rows, kRowsPerTask, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       const T* src = x + t * D;
       if (residual != nullptr) {  // residual += x, stored (and normalised) in the dtype
@@ -39,7 +40,7 @@ void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t row
 
 template <typename T>
 void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t first, int64_t last) {
+  parallel_chunks(rows, kRowsPerTask, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       const T* gate = gate_up + t * 2 * I;
       const T* up = gate + I;
@@ -73,7 +74,7 @@ void rotary_rows(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, c
   T* kp = k.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t first, int64_t last) {
+  parallel_chunks(rows, kRowsPerTask, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       for (int64_t h = 0; h < q.size(1); ++h) rotate_head(qp + t * q.stride(0) + h * q.stride(1), cp + t * D, sp + t * D, half);
       for (int64_t h = 0; h < k.size(1); ++h) rotate_head(kp + t * k.stride(0) + h * k.stride(1), cp + t * D, sp + t * D, half);

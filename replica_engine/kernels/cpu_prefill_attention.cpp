@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cpu_attention.h"
+#include "parallel.h"
 #include "simd.h"
 
 namespace {
@@ -301,7 +302,7 @@ void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::
     chunks.push_back({cu[r], rows, lens[r], block_tables.data_ptr<int32_t>() + r * max_blocks});
     const int64_t num_tiles = (rows + kTile - 1) / kTile;
     // Tiles in the order first, last, second, second-to-last, ...: causal tiles grow in cost, so
-    // each thread's contiguous share of the task list gets a balanced mix.
+    // the last tasks handed out are not all the dearest.
     for (int64_t k = 0; k < num_tiles; ++k) {
       const int64_t tile = k % 2 == 0 ? k / 2 : num_tiles - 1 - k / 2;
       for (int64_t g = 0; g < KVH; ++g) tasks.emplace_back(chunks.size() - 1, tile * kTile, g);
@@ -312,8 +313,9 @@ void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::
   const T* vp = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const auto attend = tile_for_head_dim<T>(D);
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t first, int64_t last) {
-    Scratch scratch(G, D);
+  std::vector<Scratch> scratches(at::get_num_threads(), Scratch(G, D));
+  parallel_chunks(static_cast<int64_t>(tasks.size()), 1, [&](int64_t first, int64_t last) {
+    Scratch& scratch = scratches[at::get_thread_num()];
     for (int64_t t = first; t < last; ++t) {
       const auto [c, row0, g] = tasks[t];
       const Chunk& chunk = chunks[c];
