@@ -143,8 +143,9 @@ def figures(result: dict) -> dict[str, float]:
     """A server's figures under the names of bench.peers' quoted table (plus Poisson, measured)."""
     if "quoted" in result:
         return result["quoted"]
-    flat = {f"{run}_{key}": result[run][key] for run in ("c1", "c16") for key in result[run]}
-    return flat | {f"poisson_{key}": value for key, value in result["poisson"]["median"].items()}
+    keys = ("output_tok_per_s", "ttft_p50_s", "tbt_p50_s", "tbt_p99_s")
+    runs = {"c1": result["c1"], "c16": result["c16"], "poisson": result["poisson"]["median"]}
+    return {f"{run}_{key}": summary[key] for run, summary in runs.items() for key in keys}
 
 
 def ratios(results: dict) -> dict[str, dict[str, float]]:
@@ -240,7 +241,7 @@ def measure_peers(arrivals: list[Arrival], wanted: set[str], log_dir: Path) -> d
             with peers.serving(peer, log_dir / f"{peer.name.replace(' ', '_')}.log"):
                 results[peer.name] = measure(peer.url, peer.name, arrivals)
         else:
-            why = "not installed" if peer.installed else "not asked for (--peers)"
+            why = "not asked for (--peers)" if peer.installed else "not installed"
             print(f"{peer.name}: {why} ({peer.installed_at}); quoting its 2026-11-24 figures", flush=True)
             results[peer.name] = {"source": f"quoted: {why}", "quoted": peer.quoted}
     return results
