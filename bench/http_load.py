@@ -30,6 +30,11 @@ async def _stream(
     return result.timing()
 
 
+# No connection is reused: llama-server closes a kept-alive connection after a few requests, and a
+# request sent on it as it closes fails; every server under comparison pays the same connect.
+_ONE_CONNECTION_PER_REQUEST = httpx.Limits(max_keepalive_connections=0)
+
+
 def _new_salt() -> str:
     return f"run-{uuid.uuid4().hex}"
 
@@ -40,7 +45,7 @@ async def open_loop(
     """Each request sent at its arrival time, whatever the server is doing. `salted`: with the
     run's own cache_salt (unsalted, a prefix-aware router may route by prefix)."""
     salt = _new_salt() if salted else None
-    async with httpx.AsyncClient(timeout=600) as http:
+    async with httpx.AsyncClient(timeout=600, limits=_ONE_CONNECTION_PER_REQUEST) as http:
         return await pacing.open_loop(partial(_stream, http, url, cache_salt=salt), arrivals)
 
 
@@ -49,6 +54,6 @@ async def closed_loop(
 ) -> tuple[float, list[RequestTiming]]:
     """`concurrency` clients take the requests in order, each sending the next as its last ends."""
     salt = _new_salt()
-    limits = httpx.Limits(max_connections=concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         return await pacing.closed_loop(partial(_stream, http, url, cache_salt=salt), arrivals, concurrency)
