@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from common.block_hash import BlockHash
 from common.block_summary import BlockSummary
@@ -22,6 +22,11 @@ from common.block_summary import BlockSummary
 _SUMMARY_BITS = "block_summary_bits"
 _SUMMARY_PROBES = "block_summary_probes"
 _HASH_ROOT = "block_hash_root"
+
+# A summary sized for the whole pool, up to this many keys (39 KiB at 1%); a larger pool's full
+# cache raises the false-positive rate instead (common/block_summary.py gives the formula).
+MAX_SUMMARY_KEYS = 32768
+SUMMARY_FALSE_POSITIVE_RATE = 0.01
 
 
 class MalformedRoutingStats(ValueError):
@@ -89,3 +94,48 @@ def _count(report: Mapping[str, Any], name: str, minimum: int) -> int:
     if value < minimum:
         raise MalformedRoutingStats(f"routing stats field {name!r} must be >= {minimum}, got {value}")
     return value
+
+
+class PoolStats(Protocol):
+    """What a replica's report is made from (the engine's EngineStats; the simulator's replica)."""
+
+    num_total_blocks: int
+    num_free_blocks: int
+    num_cached_free_blocks: int
+    num_waiting_prompt_tokens: int
+    num_waiting: int
+    num_running: int
+    cached_block_hashes: tuple[bytes, ...]
+
+
+class RoutingReporter:
+    """A replica's side of the message: numbers its reports (routers date a report by when they
+    first see its number) and rebuilds the Bloom filter only when the pool's keys changed."""
+
+    def __init__(self, block_size: int, hash_root: BlockHash) -> None:
+        self.block_size = block_size
+        self.hash_root = hash_root  # routers hash prompts from the root every unsalted chain starts at
+        self._next_seq = 0
+        self._summary: tuple[tuple[bytes, ...], BlockSummary] | None = None  # (of these keys, summary)
+
+    def report(self, stats: PoolStats) -> RoutingStats:
+        self._next_seq += 1
+        return RoutingStats(
+            num_total_blocks=stats.num_total_blocks,
+            num_free_blocks=stats.num_free_blocks,
+            num_cached_free_blocks=stats.num_cached_free_blocks,
+            num_waiting_prompt_tokens=stats.num_waiting_prompt_tokens,
+            num_waiting=stats.num_waiting,
+            num_running=stats.num_running,
+            block_size=self.block_size,
+            report_seq=self._next_seq,
+            block_summary=self._block_summary(stats),
+            hash_root=self.hash_root,
+        )
+
+    def _block_summary(self, stats: PoolStats) -> BlockSummary:
+        keys = stats.cached_block_hashes
+        if self._summary is None or self._summary[0] is not keys:
+            capacity = min(stats.num_total_blocks, MAX_SUMMARY_KEYS)
+            self._summary = keys, BlockSummary.of(keys, capacity, SUMMARY_FALSE_POSITIVE_RATE)
+        return self._summary[1]

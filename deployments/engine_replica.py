@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import os
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -14,10 +13,9 @@ import torch
 from ray import serve
 
 from common.block_hash import root_hash
-from common.block_summary import BlockSummary
 from common.finish_reason import FinishReason
 from common.messages import ChoiceDelta, GenerateError, GenerateRequest
-from common.routing_stats import RoutingStats
+from common.routing_stats import RoutingReporter
 from common.sampling_params import INT64_MIN
 from replica_engine import (
     AsyncEngine,
@@ -30,11 +28,6 @@ from replica_engine import (
 from replica_engine.metrics import EngineMetrics, RayServeSink
 from replica_engine.outputs import RequestOutput
 from router.autoscaling import KV_USAGE, WAITING
-
-# A summary sized for the whole pool, up to this many keys (39 KiB at 1%); a larger pool's full
-# cache raises the false-positive rate instead (common/block_summary.py gives the formula).
-MAX_SUMMARY_KEYS = 32768
-SUMMARY_FALSE_POSITIVE_RATE = 0.01
 
 ChoiceStream = AsyncIterator[RequestOutput]  # one choice's outputs, as AsyncEngine.add_request streams them
 
@@ -120,10 +113,8 @@ class EngineReplica:
         if cpu_threads or not torch.cuda.is_available():
             torch.set_num_threads(cpu_threads or len(os.sched_getaffinity(0)))
         self.engine = AsyncEngine(engine_config, EngineMetrics(RayServeSink(), model_name))
-        self._report_seq = itertools.count()  # a new number per report: routers date it on arrival
-        # Routers hash prompts from the root every unsalted prefix-cache chain starts at.
-        self._hash_root = root_hash(self.engine.inputs.config.model, None)
-        self._summary: tuple[tuple[bytes, ...], BlockSummary] | None = None  # (of these keys, summary)
+        inputs = self.engine.inputs
+        self._reporter = RoutingReporter(inputs.config.block_size, root_hash(inputs.config.model, None))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[list[ChoiceDelta] | GenerateError]:
         """Stream the choices' deltas; a refused request yields one GenerateError and nothing else,
@@ -180,27 +171,7 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """For the routers, every ~0.5 s: a RoutingStats, as the plain dict Serve carries."""
-        stats = self.engine.stats()
-        return RoutingStats(
-            num_total_blocks=stats.num_total_blocks,
-            num_free_blocks=stats.num_free_blocks,
-            num_cached_free_blocks=stats.num_cached_free_blocks,
-            num_waiting_prompt_tokens=stats.num_waiting_prompt_tokens,
-            num_waiting=stats.num_waiting,
-            num_running=stats.num_running,
-            block_size=self.engine.inputs.config.block_size,
-            report_seq=next(self._report_seq),
-            block_summary=self._block_summary(stats),
-            hash_root=self._hash_root,
-        ).to_report()
-
-    def _block_summary(self, stats: EngineStats) -> BlockSummary:
-        """A Bloom filter of every block key the pool holds, rebuilt only when they changed."""
-        keys = stats.cached_block_hashes
-        if self._summary is None or self._summary[0] is not keys:
-            capacity = min(stats.num_total_blocks, MAX_SUMMARY_KEYS)
-            self._summary = keys, BlockSummary.of(keys, capacity, SUMMARY_FALSE_POSITIVE_RATE)
-        return self._summary[1]
+        return self._reporter.report(self.engine.stats()).to_report()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """For the KV-pressure autoscaling policy (router.autoscaling)."""

@@ -16,7 +16,7 @@ from replica_engine.config import EngineConfig
 from replica_engine.errors import StepFailedError
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.model_runner import ModelRunner
-from replica_engine.outputs import CoreOutput, EngineStats
+from replica_engine.outputs import CoreOutput
 from replica_engine.request import Request
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from replica_engine.scheduler.plan import ScheduledBatch, StepSummary
@@ -65,7 +65,7 @@ class EngineCore:
             self.step_listeners.append(metrics.record_step)
         if self.slo_budget is not None:
             self.step_listeners.append(StepTimeLearner(self.slo_budget, metrics))
-        self.stats = self._snapshot()
+        self.stats = self.scheduler.stats()
         self.publish_stats()
 
     def _slo_budget(self, num_kv_blocks: int) -> SLOTokenBudget | None:
@@ -107,25 +107,9 @@ class EngineCore:
 
     def publish_stats(self) -> None:
         """Snapshot the gauges (queue depth, running, KV usage) for readers on any thread."""
-        self.stats = self._snapshot()
+        self.stats = self.scheduler.stats()
         if self.metrics is not None:
             self.metrics.record_stats(self.stats)
-
-    def _snapshot(self) -> EngineStats:
-        scheduler = self.scheduler
-        return EngineStats(
-            num_waiting=len(scheduler.waiting),
-            num_running=len(scheduler.running),
-            num_waiting_prompt_tokens=sum(
-                r.num_owed_tokens - r.num_expected_cached_tokens for r in scheduler.waiting
-            ),
-            num_free_blocks=self.kv_cache_manager.num_free_blocks,
-            num_total_blocks=self.kv_cache_manager.num_blocks,
-            kv_cache_usage=self.kv_cache_manager.usage,
-            num_cached_free_blocks=self.kv_cache_manager.num_free_cached_blocks,
-            num_preemptions=scheduler.num_preemptions,
-            cached_block_hashes=self.kv_cache_manager.cached_hashes(),
-        )
 
     def step(self) -> list[CoreOutput]:
         """Schedule, execute, update: an output for every request that got a token or finished.

@@ -6,12 +6,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from common.block_hash import BlockHash
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch  # a seeded request's generator; the scheduler itself needs no torch
 
 
 class RequestStatus(enum.Enum):

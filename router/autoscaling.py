@@ -7,9 +7,10 @@ applies min/max replicas and the up/down delays around what this returns."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ray.serve.config import AutoscalingContext
+if TYPE_CHECKING:
+    from ray.serve.config import AutoscalingContext  # Serve passes one; the simulator calls desired_replicas
 
 KV_USAGE = "kv_cache_usage"
 WAITING = "num_waiting"

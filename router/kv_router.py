@@ -23,7 +23,7 @@ from ray.serve.request_router import (
 from common.messages import GenerateRequest
 from common.metrics_sinks import Counter, MetricsSink, RayServeSink
 from common.routing_stats import MalformedRoutingStats, RoutingStats
-from router.pressure import PressureTracker
+from router.ranking import PressureRanking, Routed, RoutedRequest
 
 ROUTED_METRIC = "stallfree_router_requests_routed"
 MALFORMED_METRIC = "stallfree_router_malformed_routing_stats"
@@ -31,16 +31,20 @@ MALFORMED_METRIC = "stallfree_router_malformed_routing_stats"
 logger = logging.getLogger(__name__)
 
 
-def requested_tokens(request: PendingRequest) -> int:
-    """Prompt + output tokens a request may hold in a replica's KV cache (0 if not ours)."""
+def routed_request(request: PendingRequest) -> RoutedRequest:
+    """What the ranking reads of a Serve request (not ours: no tokens, routed by load)."""
     generate = next((arg for arg in request.args if isinstance(arg, GenerateRequest)), None)
-    return generate.requested_tokens() if generate is not None else 0
+    request_id = request.metadata.internal_request_id
+    if generate is None:
+        return RoutedRequest(request_id, 0)
+    prompt = generate.prompt_token_ids[0] if generate.prompt_token_ids else ()
+    return RoutedRequest(request_id, generate.requested_tokens(), prompt, generate.cache_salt)
 
 
 class KVPressureRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, sink: MetricsSink | None = None, **kwargs: Any) -> None:
         sink = sink or RayServeSink()
-        self.tracker = PressureTracker()
+        self.ranking = self.new_ranking()
         self._routed: Counter = sink.counter(
             ROUTED_METRIC,
             "Requests routed to an EngineReplica, by replica and reason",
@@ -52,6 +56,9 @@ class KVPressureRouter(FIFOMixin, RequestRouter):
             ("target_replica",),
         )
         self._malformed_replicas: set[ReplicaID] = set()
+
+    def new_ranking(self) -> PressureRanking:
+        return PressureRanking()
 
     def read_stats(self, replica: RunningReplica) -> RoutingStats | None:
         """The replica's latest report; None if it has none yet, or (logged and counted once
@@ -79,25 +86,9 @@ class KVPressureRouter(FIFOMixin, RequestRouter):
             if (queue_len := self.replica_queue_len_cache.get(replica_id)) is not None
         }
         stats = {replica_id: self.read_stats(replica) for replica_id, replica in by_id.items()}
-        now = time.monotonic()
-        ranking = self.rank(stats, queue_lens, pending_request, now)
-        if pending_request is not None and ranking:
-            # Count it on its likeliest replica now; on_request_routed corrects the guess.
-            request_id = pending_request.metadata.internal_request_id
-            self.tracker.on_sent(
-                request_id, ranking[0][0], self.new_kv_tokens(pending_request, ranking[0][0])
-            )
+        request = routed_request(pending_request) if pending_request is not None else None
+        ranking = self.ranking.rank(stats, queue_lens, request, time.monotonic())
         return [[by_id[replica_id]] for replica_id, _ in ranking]
-
-    def rank(
-        self,
-        stats: dict[ReplicaID, RoutingStats | None],
-        queue_lens: dict[ReplicaID, int],
-        pending_request: PendingRequest | None,
-        now: float,
-    ) -> list[tuple[ReplicaID, str]]:
-        """Replicas best first, each with the reason for its place."""
-        return self.tracker.rank(list(stats), stats, queue_lens, now)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve calls this as new replica reports arrive."""
@@ -110,30 +101,29 @@ class KVPressureRouter(FIFOMixin, RequestRouter):
         for replica in replicas:
             stats = self.read_stats(replica)
             if stats is not None:
-                self.tracker.observe(replica.replica_id, stats, now)
-        self.tracker.keep_only(replica.replica_id for replica in replicas)
+                self.ranking.observe(replica.replica_id, stats, now)
+        self.ranking.keep_only(replica.replica_id for replica in replicas)
         self._malformed_replicas &= {replica.replica_id for replica in replicas}
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        reason = self.routed_reason(pending_request, replica_id)
-        self.tracker.on_sent(
-            pending_request.metadata.internal_request_id,
-            replica_id,
-            self.new_kv_tokens(pending_request, replica_id),
-        )
-        self._routed.inc(1, {"target_replica": replica_id.unique_id, "reason": reason})
+        stats = self.current_stats(replica_id)
+        routed = self.ranking.on_routed(routed_request(pending_request), replica_id, stats)
+        self._routed.inc(1, {"target_replica": replica_id.unique_id, "reason": routed.reason})
+        self.record_routed(replica_id, routed)
 
-    def new_kv_tokens(self, pending_request: PendingRequest, replica_id: ReplicaID) -> int:
-        """The KV cache tokens the request will add on that replica."""
-        return requested_tokens(pending_request)
+    def routed_reason(self, pending_request: PendingRequest | None, replica_id: ReplicaID) -> str:
+        """Why a request sent to this replica goes there (the routing metric's `reason`)."""
+        request = routed_request(pending_request) if pending_request is not None else None
+        return self.ranking.reason(request, replica_id, self.current_stats(replica_id), None)
 
-    def routed_reason(self, pending_request: PendingRequest, replica_id: ReplicaID) -> str:
-        # The reason follows from the chosen replica's report, so no per-request state is kept
-        # (state per pending request would leak for requests cancelled before routing).
+    def current_stats(self, replica_id: ReplicaID) -> RoutingStats | None:
         replica = self.curr_replicas.get(replica_id)
-        return self.tracker.reason(replica_id, self.read_stats(replica) if replica else None)
+        return self.read_stats(replica) if replica else None
+
+    def record_routed(self, replica_id: ReplicaID, routed: Routed) -> None:
+        """More metrics of a routed request (the prefix router's overlap)."""
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.tracker.on_finished(internal_request_id)
+        self.ranking.on_finished(internal_request_id)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from common.finish_reason import FinishReason
 from replica_engine.kv_cache_manager import KVCacheManager
+from replica_engine.outputs import EngineStats
 from replica_engine.request import Request, RequestStatus
 from replica_engine.scheduler.plan import ScheduledBatch, StepPlan
 from replica_engine.scheduler.token_budget import SLOTokenBudget
@@ -54,6 +55,23 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def stats(self) -> EngineStats:
+        """The queues and the KV pool, as a snapshot."""
+        kv = self.kv_cache_manager
+        return EngineStats(
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_waiting_prompt_tokens=sum(
+                r.num_owed_tokens - r.num_expected_cached_tokens for r in self.waiting
+            ),
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
+            kv_cache_usage=kv.usage,
+            num_cached_free_blocks=kv.num_free_cached_blocks,
+            num_preemptions=self.num_preemptions,
+            cached_block_hashes=kv.cached_hashes(),
+        )
 
     def finish_request(self, request: Request, reason: FinishReason) -> None:
         """End a request wherever it is (finish, stop string, abort); its blocks go back at once."""

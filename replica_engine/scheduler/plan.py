@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from common.sampling_params import SamplingParams
 from replica_engine.request import Request
 from replica_engine.scheduler.step_time_model import StepShape
 from replica_engine.scheduler.token_budget import BudgetDecision
+
+if TYPE_CHECKING:
+    import torch  # a seeded request's generator; the scheduler itself needs no torch
 
 
 @dataclass(frozen=True)

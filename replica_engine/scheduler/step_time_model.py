@@ -75,6 +75,17 @@ class StepTimeModel:
         self._window: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
         self._since_fit = 0
 
+    @classmethod
+    def from_coefficients(cls, coefficients: Iterable[float], calibration: float = 1.0) -> StepTimeModel:
+        """A model fitted elsewhere (another replica's profile, a file): c0, c_prefill, c_decode,
+        c_attention, c_request, in seconds."""
+        model = cls()
+        values = np.array(list(coefficients), dtype=float)
+        if values.shape != (NUM_FEATURES,) or (values < 0).any() or calibration <= 0:
+            raise ValueError(f"coefficients: {NUM_FEATURES} non-negative seconds and a positive calibration")
+        model.coefficients, model.calibration = values, calibration
+        return model
+
     def fit_profile(self, samples: Iterable[tuple[StepShape, float]]) -> None:
         """The startup profile: kept for good, so the fit stays determined however narrow the
         recent steps are (a window of decode-only steps says nothing of prompt chunks)."""

@@ -1,0 +1,180 @@
+"""What the kv_pressure and kv_prefix routers decide, pure (no Ray): the ranking for a request,
+and the bookkeeping when it is routed or finishes. The Serve routers (kv_router.py,
+prefix_router.py) adapt Serve's requests and replicas to it; the fleet simulator (fleet_sim/)
+calls it directly on its virtual clock, so both route with the same code."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from common.block_hash import BlockHash, chain_block_hashes
+from common.routing_stats import RoutingStats
+from router.prefix_index import PrefixIndex
+from router.prefix_policy import PrefixPolicy, rank_by_prefix
+from router.pressure import PressureTracker
+
+MAX_PENDING_DECISIONS = 4096  # requests chosen for but not yet routed: bounded, as some are cancelled
+
+Stats = Mapping[Hashable, RoutingStats | None]  # each candidate replica's latest report (None: none yet)
+
+
+@dataclass(frozen=True)
+class RoutedRequest:
+    """What a router reads of a request."""
+
+    request_id: Hashable
+    requested_tokens: int  # prompt + output tokens it may hold in a replica's KV cache
+    prompt_token_ids: Sequence[int] = ()  # its (first) prompt; empty: routed by load alone
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class Routed:
+    """Why a routed request went where it did (the routing metrics' labels)."""
+
+    reason: str
+    overlap_tokens: int = 0  # prompt tokens the replica held when it was ranked
+
+
+class PressureRanking:
+    """kv_pressure: replicas by predicted KV pressure (router/pressure.py)."""
+
+    def __init__(self) -> None:
+        self.tracker = PressureTracker()
+
+    def observe(self, replica: Hashable, stats: RoutingStats, now: float | None = None) -> None:
+        self.tracker.observe(replica, stats, now)
+
+    def keep_only(self, replicas: Iterable[Hashable]) -> None:
+        """Forget replicas that are gone."""
+        self.tracker.keep_only(replicas)
+
+    def rank(
+        self, stats: Stats, queue_lens: Mapping[Hashable, int], request: RoutedRequest | None, now: float
+    ) -> list[tuple[Hashable, str]]:
+        """Replicas best first, each with the reason for its place."""
+        ranking = self._rank(stats, queue_lens, request, now)
+        if request is not None and ranking:
+            # Count it on its likeliest replica now; on_routed corrects the guess.
+            best = ranking[0][0]
+            self.tracker.on_sent(request.request_id, best, self.new_kv_tokens(request, best), now)
+        return ranking
+
+    def _rank(
+        self, stats: Stats, queue_lens: Mapping[Hashable, int], request: RoutedRequest | None, now: float
+    ) -> list[tuple[Hashable, str]]:
+        return self.tracker.rank(list(stats), stats, queue_lens, now)
+
+    def on_routed(
+        self, request: RoutedRequest, replica: Hashable, stats: RoutingStats | None, now: float | None = None
+    ) -> Routed:
+        """The request went to `replica` (whose latest report is `stats`)."""
+        routed = Routed(self.reason(request, replica, stats, now))
+        self.tracker.on_sent(request.request_id, replica, self.new_kv_tokens(request, replica), now)
+        return routed
+
+    def on_finished(self, request_id: Hashable, now: float | None = None) -> None:
+        self.tracker.on_finished(request_id, now)
+
+    def reason(
+        self, request: RoutedRequest | None, replica: Hashable, stats: RoutingStats | None, now: float | None
+    ) -> str:
+        # Follows from the replica's report, so no per-request state is kept (state per pending
+        # request would leak for requests cancelled before routing).
+        return self.tracker.reason(replica, stats, now)
+
+    def new_kv_tokens(self, request: RoutedRequest, replica: Hashable) -> int:
+        """The KV cache tokens the request will add on that replica."""
+        return request.requested_tokens
+
+
+@dataclass
+class _Pending:
+    keys: list[BlockHash]
+    reasons: dict[Hashable, str] = field(default_factory=dict)  # replica -> why it ranked where it did
+    overlap_tokens: dict[Hashable, int] = field(default_factory=dict)  # replica -> prompt tokens it held
+
+
+class PrefixRanking(PressureRanking):
+    """kv_prefix: the prompt's full blocks hashed as the replicas' prefix caches do (chained from
+    the root the replicas report), looked up in each replica's reported BlockSummary and in what
+    was sent there since (router/prefix_index.py), weighed against load (router/prefix_policy.py).
+    A request with a `cache_salt` is ranked by load alone: its chain starts from a salted root
+    (a tenant's private cache), which the replicas do not report."""
+
+    def __init__(self, policy: PrefixPolicy | None = None) -> None:
+        super().__init__()
+        self.policy = policy or PrefixPolicy()
+        self.index = PrefixIndex()
+        self._pending: OrderedDict[Hashable, _Pending] = OrderedDict()
+
+    def keep_only(self, replicas: Iterable[Hashable]) -> None:
+        current = list(replicas)
+        super().keep_only(current)
+        self.index.keep_only(current)
+
+    def _rank(
+        self, stats: Stats, queue_lens: Mapping[Hashable, int], request: RoutedRequest | None, now: float
+    ) -> list[tuple[Hashable, str]]:
+        for replica, replica_stats in stats.items():  # Serve updates a replica's stats in place
+            if replica_stats is not None:
+                self.index.observe(replica, replica_stats)
+        pending = self._pending_for(request, stats)
+        keys = pending.keys if pending is not None else []
+        decision = rank_by_prefix(self.policy, self.tracker, self.index, stats, queue_lens, keys, now)
+        if pending is not None and decision.ranking:
+            if not pending.reasons:  # the first decision (Serve may ask again): what the metrics report
+                block_size = _block_size(stats)
+                pending.reasons = dict(decision.ranking)
+                pending.overlap_tokens = {r: blocks * block_size for r, blocks in decision.overlaps.items()}
+            # A burst of one conversation must see where its first request went before any lands.
+            self.index.on_sent(decision.ranking[0][0], keys, now)
+        return decision.ranking
+
+    def _pending_for(self, request: RoutedRequest | None, stats: Stats) -> _Pending | None:
+        """This request's prompt keys (hashed once, kept across Serve's retries)."""
+        if request is None:
+            return None
+        pending = self._pending.get(request.request_id)
+        if pending is None:
+            pending = self._pending[request.request_id] = _Pending(self._prompt_keys(request, stats))
+            while len(self._pending) > MAX_PENDING_DECISIONS:
+                self._pending.popitem(last=False)
+        return pending
+
+    def _prompt_keys(self, request: RoutedRequest, stats: Stats) -> list[BlockHash]:
+        """None for a salted request, or before any replica has reported its chain root."""
+        root = self.index.hash_root(stats)
+        if request.cache_salt is not None or root is None or not request.prompt_token_ids:
+            return []
+        return chain_block_hashes(root, request.prompt_token_ids, _block_size(stats))
+
+    def new_kv_tokens(self, request: RoutedRequest, replica: Hashable) -> int:
+        """Less the prompt blocks the replica already holds: those are shared, not added."""
+        pending = self._pending.get(request.request_id)
+        held = pending.overlap_tokens.get(replica, 0) if pending is not None else 0
+        return max(0, super().new_kv_tokens(request, replica) - held)
+
+    def reason(
+        self, request: RoutedRequest | None, replica: Hashable, stats: RoutingStats | None, now: float | None
+    ) -> str:
+        pending = self._pending.get(request.request_id) if request is not None else None
+        if pending is None or replica not in pending.reasons:  # not ranked here: as kv_pressure
+            return super().reason(request, replica, stats, now)
+        return pending.reasons[replica]
+
+    def on_routed(
+        self, request: RoutedRequest, replica: Hashable, stats: RoutingStats | None, now: float | None = None
+    ) -> Routed:
+        routed = super().on_routed(request, replica, stats, now)
+        pending = self._pending.pop(request.request_id, None)
+        if pending is None:
+            return routed
+        self.index.on_sent(replica, pending.keys, now)
+        return Routed(routed.reason, pending.overlap_tokens.get(replica, 0))
+
+
+def _block_size(stats: Stats) -> int:
+    return next((s.block_size for s in stats.values() if s is not None), 16)
