@@ -1,0 +1,188 @@
+"""A fleet of simulated replicas behind one router, as Serve runs them: each request goes to
+the first replica in the router's ranking below max_ongoing_requests, or waits at the router,
+in arrival order, until one is; replicas report their routing stats every period; with
+autoscaling, Serve's controller adds replicas (serving after a start time) and drains them."""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fleet_sim.autoscaling import Autoscaler, AutoscalingSpec, ReplicaSample
+from fleet_sim.clock import EventLoop
+from fleet_sim.records import RequestRecord
+from fleet_sim.replica import ReplicaConfig, ReplicaCore, SimReplica, engine_request
+from fleet_sim.routers import SimRouter
+from fleet_sim.trace import SimRequest
+from replica_engine.request import Request
+from replica_engine.scheduler.step_time_model import StepTimeModel
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    num_replicas: int  # at the start (with autoscaling: Serve's initial_replicas)
+    replica: ReplicaConfig
+    max_ongoing_requests: int = 128  # per replica, as in serve_config.yaml
+    report_period_s: float = 0.5  # Serve's request_routing_stats_period_s, as deployments/app.py sets it
+    report_delay_s: float = 0.0  # from a replica's report to the routers
+    autoscaling: AutoscalingSpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"num_replicas: must be >= 1, got {self.num_replicas}")
+        if self.max_ongoing_requests < 1:
+            raise ValueError(f"max_ongoing_requests: must be >= 1, got {self.max_ongoing_requests}")
+        if self.report_period_s <= 0 or self.report_delay_s < 0:
+            raise ValueError("report_period_s must be > 0 and report_delay_s >= 0")
+
+
+class Fleet:
+    def __init__(self, config: FleetConfig, step_time: StepTimeModel, router: SimRouter) -> None:
+        self.config = config
+        self.step_time = step_time
+        self.router = router
+        self.loop = EventLoop()
+        self.replicas: list[SimReplica] = []  # taking requests, oldest first
+        self.records: dict[str, RequestRecord] = {}
+        self.timeline: list[tuple[float, int]] = []  # (time, replicas taking requests) at each change
+        self.replica_seconds = 0.0  # of every replica from its start decision until it is gone
+        self._starting: list[tuple[SimReplica, float]] = []  # (replica, decided at)
+        self._draining: list[SimReplica] = []
+        self._born: dict[str, float] = {}
+        self._at_router: deque[SimRequest] = deque()  # every replica was full when they came
+        self._num_unfinished = 0
+        self._num_created = 0
+        for _ in range(config.num_replicas):
+            self._serve(self._new_replica())
+        spec = config.autoscaling
+        self.autoscaler = Autoscaler(spec) if spec is not None else None
+
+    def run(self, requests: Sequence[SimRequest]) -> list[RequestRecord]:
+        """Serve every request; their records, in the order given."""
+        for request in requests:
+            if request.request_id in self.records:
+                raise ValueError(f"request_id: {request.request_id!r} appears twice")
+            self.records[request.request_id] = RequestRecord(request)
+            self.loop.call_at(request.arrival_s, functools.partial(self._arrive, request))
+        self._num_unfinished += len(requests)
+        if self.autoscaler is not None:
+            self.loop.call_at(self.loop.now, self._record_metrics)
+            self.loop.call_at(self.loop.now, self._control)
+        self.loop.run()
+        end = max((t for record in self.records.values() for t in record.token_times[-1:]), default=0.0)
+        for replica in self.replicas + [replica for replica, _ in self._starting]:
+            self._retire(replica, end)
+        return [self.records[request.request_id] for request in requests]
+
+    # -- requests -------------------------------------------------------------------------
+    def _arrive(self, request: SimRequest) -> None:
+        self._at_router.append(request)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Route waiting requests in arrival order; the first one none of its ranked replicas has
+        room for waits, and the ones behind it, until a request finishes."""
+        limit = self.config.max_ongoing_requests
+        while self._at_router and any(replica.num_ongoing < limit for replica in self.replicas):
+            request, now = self._at_router[0], self.loop.now
+            ranked = self.router.rank(request, self.replicas, now)
+            replica = next((r for r in ranked if r.num_ongoing < limit), None)
+            if replica is None:
+                return
+            self._at_router.popleft()
+            self.router.on_routed(request, replica, now)
+            record = self.records[request.request_id]
+            record.replica_id, record.routed_s = replica.replica_id, now
+            replica.submit(engine_request(request))
+
+    def _on_token(self, replica: SimReplica, request: Request, now: float) -> None:
+        record = self.records[request.request_id]
+        record.token_times.append(now)
+        if not request.is_finished:
+            return
+        record.num_cached_tokens = request.num_cached_tokens
+        self._num_unfinished -= 1
+        self.router.on_finished(record.request, now)
+        if replica in self._draining and replica.num_ongoing == 0:
+            self._draining.remove(replica)
+            self._retire(replica)
+        self._dispatch()
+
+    def _report(self, replica: SimReplica) -> None:
+        if not self._num_unfinished or replica not in self.replicas:
+            return
+        stats = replica.reporter.report(replica.core.stats())
+        deliver = functools.partial(self.router.on_report, replica.replica_id, stats)
+        self.loop.call_later(self.config.report_delay_s, lambda: deliver(self.loop.now))
+        self.loop.call_later(self.config.report_period_s, functools.partial(self._report, replica))
+
+    # -- replicas -------------------------------------------------------------------------
+    def _new_replica(self) -> SimReplica:
+        replica_id = f"replica-{self._num_created}"
+        self._num_created += 1
+        self._born[replica_id] = self.loop.now
+        core = ReplicaCore(self.config.replica, self.step_time)
+        return SimReplica(replica_id, core, self.loop, self._on_token)
+
+    def _serve(self, replica: SimReplica) -> None:
+        """The replica takes requests; it reports out of step with the others."""
+        self.replicas.append(replica)
+        self.timeline.append((self.loop.now, len(self.replicas)))
+        offset = self.config.report_period_s * (self._num_created % 8) / 8
+        self.loop.call_later(offset, functools.partial(self._report, replica))
+        self._dispatch()
+
+    def _retire(self, replica: SimReplica, at: float | None = None) -> None:
+        born = self._born.pop(replica.replica_id)
+        self.replica_seconds += max(0.0, (self.loop.now if at is None else at) - born)
+
+    def _record_metrics(self) -> None:
+        assert self.autoscaler is not None
+        if not self._num_unfinished:
+            return
+        samples = {replica.replica_id: _sample(replica) for replica in self.replicas}
+        self.autoscaler.record(self.loop.now, samples, len(self._at_router))
+        self.loop.call_later(self.autoscaler.spec.metrics_period_s, self._record_metrics)
+
+    def _control(self) -> None:
+        """Serve's controller: every control period, a target replica count from the metrics."""
+        assert self.autoscaler is not None
+        if not self._num_unfinished:
+            return
+        spec, now = self.autoscaler.spec, self.loop.now
+        target = len(self.replicas) + len(self._starting)
+        decided = self.autoscaler.decide(now, len(self.replicas), target)
+        for _ in range(decided - target):
+            replica = self._new_replica()
+            self._starting.append((replica, now))
+            self.loop.call_later(spec.replica_start_s, functools.partial(self._started, replica))
+        for _ in range(target - decided):
+            self._stop_newest()
+        self.loop.call_later(spec.control_period_s, self._control)
+
+    def _started(self, replica: SimReplica) -> None:
+        starting = [entry for entry in self._starting if entry[0] is replica]
+        if starting:  # not cancelled while it started
+            self._starting.remove(starting[0])
+            self._serve(replica)
+
+    def _stop_newest(self) -> None:
+        """Serve stops a starting replica first, else the newest running one (it drains)."""
+        if self._starting:
+            replica, _ = self._starting.pop()
+            self._retire(replica)
+            return
+        replica = self.replicas.pop()
+        self.timeline.append((self.loop.now, len(self.replicas)))
+        self.router.keep_only(r.replica_id for r in self.replicas)
+        if replica.num_ongoing:
+            self._draining.append(replica)
+        else:
+            self._retire(replica)
+
+
+def _sample(replica: SimReplica) -> ReplicaSample:
+    stats = replica.core.stats()
+    return ReplicaSample(replica.num_ongoing, stats.kv_cache_usage, stats.num_waiting)

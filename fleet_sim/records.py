@@ -1,0 +1,47 @@
+"""What a simulation measured, in the shapes the real benchmarks report (harness/latency.py)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from fleet_sim.trace import SimRequest
+from harness.latency import RequestTiming, percentile, summarize
+
+
+@dataclass
+class RequestRecord:
+    request: SimRequest
+    replica_id: str | None = None
+    routed_s: float | None = None  # when a replica took it (after any wait at the router)
+    token_times: list[float] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens its replica's prefix cache held when admitted
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.token_times) == self.request.max_tokens
+
+    def timing(self) -> RequestTiming:
+        arrival, times = self.request.arrival_s, self.token_times
+        return RequestTiming(
+            prompt_len=len(self.request.prompt_token_ids),
+            output_len=len(times),
+            ttft_s=times[0] - arrival,
+            e2e_s=times[-1] - arrival,
+            token_intervals_s=[later - earlier for earlier, later in itertools.pairwise(times)],
+        )
+
+
+def summarize_records(records: list[RequestRecord]) -> dict[str, float]:
+    """The real benchmarks' latency summary (wall time from the first arrival to the last token),
+    with TTFT p90 and the fleet's prefix-cache hit rate (prompt tokens found cached / looked up)."""
+    if not records or not all(record.is_finished for record in records):
+        raise ValueError("records: every request must have finished")
+    wall = max(r.token_times[-1] for r in records) - min(r.request.arrival_s for r in records)
+    timings = [record.timing() for record in records]
+    prompt_tokens = sum(t.prompt_len for t in timings)
+    return summarize(wall, timings) | {
+        "ttft_p90_s": percentile([t.ttft_s for t in timings], 0.9),
+        "hit_rate": sum(r.num_cached_tokens for r in records) / prompt_tokens,
+        "num_requests": len(records),
+    }

@@ -1,0 +1,84 @@
+"""A simulated replica: the engine's own scheduler and KV cache, only the forward pass replaced by
+a step-time model."""
+
+import random
+
+import pytest
+
+from common.sampling_params import SamplingParams
+from fleet_sim.fleet import Fleet, FleetConfig
+from fleet_sim.replica import ReplicaConfig, ReplicaCore, engine_request
+from fleet_sim.routers import make_router
+from fleet_sim.trace import SimRequest
+from replica_engine import EngineConfig, LLMEngine
+from replica_engine.scheduler.step_time_model import StepTimeModel
+
+# 10 ms a step plus 1 ms per prompt token; decodes, attention and requests cost nothing more.
+STEP_TIME = StepTimeModel.from_coefficients([0.010, 0.001, 0.0, 0.0, 0.0])
+
+
+def test_a_two_request_timeline_computed_by_hand():
+    # A (32 prompt tokens, 3 out) at 0; B (16, 2) at 15 ms, while A's prompt step runs.
+    # step 1, 0-42 ms: A's prompt (10 + 32) -> A's 1st token at 42 ms; B joins after it.
+    # step 2, 42-68 ms: A's decode + B's prompt (10 + 16) -> A's 2nd and B's 1st at 68 ms.
+    # step 3, 68-78 ms: both decode (10) -> A's 3rd and B's 2nd at 78 ms: both done.
+    requests = [
+        SimRequest("A", 0.0, tuple(range(1, 33)), max_tokens=3),
+        SimRequest("B", 0.015, tuple(range(100, 116)), max_tokens=2),
+    ]
+    fleet = Fleet(FleetConfig(1, ReplicaConfig(num_kv_blocks=16)), STEP_TIME, make_router("round_robin", 0))
+    a, b = fleet.run(requests)
+    assert a.token_times == pytest.approx([0.042, 0.068, 0.078])
+    assert b.token_times == pytest.approx([0.068, 0.078])
+    assert b.timing().ttft_s == pytest.approx(0.053)
+
+
+def test_a_request_that_can_never_fit_the_pool_is_refused_by_name():
+    core = ReplicaCore(ReplicaConfig(num_kv_blocks=2), STEP_TIME)
+    with pytest.raises(ValueError, match=r"'big'.*3 KV blocks.*has 2"):
+        core.add(engine_request(SimRequest("big", 0.0, tuple(range(40)), max_tokens=1)))
+
+
+def recorded_trace(seed: int) -> list[tuple[int, str, list[int], int]]:
+    """(arrival step, id, prompt, max_tokens): three tenants' 48-token prefixes with suffixes."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, 500) for _ in range(48)] for _ in range(3)]
+    trace = []
+    for i in range(14):
+        suffix = [rng.randrange(1, 500) for _ in range(rng.randrange(5, 40))]
+        trace.append((rng.randrange(0, 12), f"req-{i}", prefixes[i % 3] + suffix, rng.randrange(4, 20)))
+    return sorted(trace, key=lambda entry: entry[0])
+
+
+def test_the_simulated_replica_schedules_exactly_as_the_real_engine_step_for_step():
+    """The real engine (a tiny Llama, random weights) and the simulated replica get the same
+    requests at the same steps, with a pool small enough to preempt and a budget that chunks
+    prompts: every step must run the same rows, and the same prompt tokens come from the cache."""
+    settings = dict(num_kv_blocks=20, max_num_batched_tokens=32, max_num_seqs=6, block_size=16)
+    engine = LLMEngine(EngineConfig(model="dummy:tiny-llama", dtype="float32", **settings))
+    real_batches = []
+    schedule = engine.core.scheduler.schedule
+    engine.core.scheduler.schedule = lambda: real_batches.append(schedule()) or real_batches[-1]
+    core = ReplicaCore(ReplicaConfig(model="dummy:tiny-llama", **settings), STEP_TIME)
+    sim_batches, step, trace = [], 0, recorded_trace(seed=3)
+    real_cached, sim_cached = {}, {}
+    while trace or engine.has_unfinished_requests() or core.scheduler.has_unfinished_requests():
+        while trace and trace[0][0] <= step:
+            _, request_id, prompt, max_tokens = trace.pop(0)
+            engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id)
+            core.add(engine_request(SimRequest(request_id, float(step), tuple(prompt), max_tokens)))
+        real_cached |= {out.request_id: out.num_cached_tokens for out in engine.step() if out.finished}
+        batch = core.schedule()
+        sim_batches.append(batch)
+        if not batch.is_empty:
+            sim_cached |= {r.request_id: r.num_cached_tokens for r in core.update(batch) if r.is_finished}
+        step += 1
+
+    def rows(batches):
+        return [[(r.request_id, r.start_position, r.num_tokens) for r in b.rows] for b in batches]
+
+    assert rows(sim_batches) == rows(real_batches)
+    assert [b.num_preempted for b in sim_batches] == [b.num_preempted for b in real_batches]
+    assert engine.core.scheduler.num_preemptions == core.scheduler.num_preemptions > 0
+    assert sim_cached == real_cached and len(real_cached) == 14
+    assert sum(real_cached.values()) > 0  # prefix-cache hits happened, and the same ones
