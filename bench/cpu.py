@@ -16,7 +16,8 @@ Goals (issues 13 and 23): decode and mixed steps <= 1.5x their floor at every ba
 <= 1.5x the dtype's matmul floor.
 
 Then, unless --parts says otherwise, bench.dtype_agreement (bf16 vs fp32 outputs) and
-bench.cpu_serving (issue 13's HTTP workload next to llama.cpp's figures): about 25 minutes in all."""
+bench.cpu_serving (issue 23's HTTP workload, side by side with the installed peers): about 35
+minutes in all."""
 
 from __future__ import annotations
 
