@@ -27,7 +27,6 @@ class AutoscalingSpec:
     target_ongoing_requests: float = 2.0  # Serve's default policy's target per replica
     target_kv_cache_usage: float = 0.6  # ours
     target_waiting_requests: float = 4.0  # ours
-    replica_start_s: float = 30.0  # from the decision to a replica taking requests (model load)
     metrics_period_s: float = 0.5  # replicas record their autoscaling metrics this often
     control_period_s: float = 0.1  # Serve's controller loop
 

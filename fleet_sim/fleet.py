@@ -27,6 +27,7 @@ class FleetConfig:
     max_ongoing_requests: int = 128  # per replica, as in serve_config.yaml
     report_period_s: float = 0.5  # Serve's request_routing_stats_period_s, as deployments/app.py sets it
     report_delay_s: float = 0.0  # from a replica's report to the routers
+    replica_start_s: float = 30.0  # from Serve's decision to start one to its taking requests (model load)
     autoscaling: AutoscalingSpec | None = None
 
     def __post_init__(self) -> None:
@@ -34,8 +35,8 @@ class FleetConfig:
             raise ValueError(f"num_replicas: must be >= 1, got {self.num_replicas}")
         if self.max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests: must be >= 1, got {self.max_ongoing_requests}")
-        if self.report_period_s <= 0 or self.report_delay_s < 0:
-            raise ValueError("report_period_s must be > 0 and report_delay_s >= 0")
+        if self.report_period_s <= 0 or self.report_delay_s < 0 or self.replica_start_s < 0:
+            raise ValueError("report_period_s must be > 0, report_delay_s and replica_start_s >= 0")
 
 
 class Fleet:
@@ -119,6 +120,27 @@ class Fleet:
         self.loop.call_later(self.config.report_period_s, functools.partial(self._report, replica))
 
     # -- replicas -------------------------------------------------------------------------
+    def fail_replica_at(self, at_s: float, replica_id: str) -> None:
+        """The replica dies at `at_s` (its cache and requests lost: they fail, as Serve fails a
+        dead replica's streams); Serve starts a replacement, serving after replica_start_s."""
+        self.loop.call_at(at_s, functools.partial(self._fail, replica_id))
+
+    def _fail(self, replica_id: str) -> None:
+        replica = next((r for r in self.replicas if r.replica_id == replica_id), None)
+        if replica is None:
+            raise ValueError(f"replica_id: {replica_id!r} is not serving at {self.loop.now:.3f} s")
+        self.replicas.remove(replica)
+        self.timeline.append((self.loop.now, len(self.replicas)))
+        self.router.keep_only(r.replica_id for r in self.replicas)
+        for request_id in replica.kill():
+            record = self.records[request_id]
+            record.failed = True
+            self._num_unfinished -= 1
+            self.router.on_finished(record.request, self.loop.now)
+        self._retire(replica)
+        self._start_replica()
+        self._dispatch()
+
     def _new_replica(self) -> SimReplica:
         replica_id = f"replica-{self._num_created}"
         self._num_created += 1
@@ -155,12 +177,15 @@ class Fleet:
         target = len(self.replicas) + len(self._starting)
         decided = self.autoscaler.decide(now, len(self.replicas), target)
         for _ in range(decided - target):
-            replica = self._new_replica()
-            self._starting.append((replica, now))
-            self.loop.call_later(spec.replica_start_s, functools.partial(self._started, replica))
+            self._start_replica()
         for _ in range(target - decided):
             self._stop_newest()
         self.loop.call_later(spec.control_period_s, self._control)
+
+    def _start_replica(self) -> None:
+        replica = self._new_replica()
+        self._starting.append((replica, self.loop.now))
+        self.loop.call_later(self.config.replica_start_s, functools.partial(self._started, replica))
 
     def _started(self, replica: SimReplica) -> None:
         starting = [entry for entry in self._starting if entry[0] is replica]

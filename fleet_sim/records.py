@@ -16,6 +16,7 @@ class RequestRecord:
     routed_s: float | None = None  # when a replica took it (after any wait at the router)
     token_times: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens its replica's prefix cache held when admitted
+    failed: bool = False  # its replica died while it ran
 
     @property
     def is_finished(self) -> bool:
@@ -33,10 +34,15 @@ class RequestRecord:
 
 
 def summarize_records(records: list[RequestRecord]) -> dict[str, float]:
-    """The real benchmarks' latency summary (wall time from the first arrival to the last token),
-    with TTFT p90 and the fleet's prefix-cache hit rate (prompt tokens found cached / looked up)."""
-    if not records or not all(record.is_finished for record in records):
-        raise ValueError("records: every request must have finished")
+    """The real benchmarks' latency summary of the finished requests (wall time from the first
+    arrival to the last token), with TTFT p90, the fleet's prefix-cache hit rate (prompt tokens
+    found cached / looked up) and how many failed."""
+    if any(not (record.is_finished or record.failed) for record in records):
+        raise ValueError("records: every request must have finished or failed")
+    failed = sum(record.failed for record in records)
+    records = [record for record in records if not record.failed]
+    if not records:
+        raise ValueError("records: no request finished")
     wall = max(r.token_times[-1] for r in records) - min(r.request.arrival_s for r in records)
     timings = [record.timing() for record in records]
     prompt_tokens = sum(t.prompt_len for t in timings)
@@ -44,4 +50,5 @@ def summarize_records(records: list[RequestRecord]) -> dict[str, float]:
         "ttft_p90_s": percentile([t.ttft_s for t in timings], 0.9),
         "hit_rate": sum(r.num_cached_tokens for r in records) / prompt_tokens,
         "num_requests": len(records),
+        "num_failed": failed,
     }

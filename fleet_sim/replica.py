@@ -106,6 +106,7 @@ class SimReplica:
         self.num_ongoing = 0  # submitted and not finished: what Serve's max_ongoing_requests counts
         self._joining: list[Request] = []
         self._stepping = False
+        self._dead = False
 
     def submit(self, request: Request) -> None:
         self._joining.append(request)
@@ -124,7 +125,16 @@ class SimReplica:
             return
         self.loop.call_later(self.core.duration(batch), lambda: self._end_step(batch))
 
+    def kill(self) -> list[str]:
+        """The replica dies now; the ids of the requests it held (lost with it)."""
+        self._dead = True
+        lost = [r.request_id for r in self._joining] + list(self.core.scheduler.requests)
+        self.num_ongoing = 0
+        return lost
+
     def _end_step(self, batch: ScheduledBatch) -> None:
+        if self._dead:  # the step in flight when it died
+            return
         now = self.loop.now
         for request in self.core.update(batch):
             if request.is_finished:

@@ -29,9 +29,9 @@ def ramp(seed: int) -> list[SimRequest]:
 def run_ramp(policy: str) -> Fleet:
     spec = AutoscalingSpec(
         policy=policy, min_replicas=1, max_replicas=4, upscale_delay_s=5.0, downscale_delay_s=20.0,
-        look_back_period_s=15.0, replica_start_s=10.0, target_ongoing_requests=8.0,
+        look_back_period_s=15.0, target_ongoing_requests=8.0,
     )  # fmt: skip
-    config = FleetConfig(1, ReplicaConfig(num_kv_blocks=256), autoscaling=spec)
+    config = FleetConfig(1, ReplicaConfig(num_kv_blocks=256), replica_start_s=10.0, autoscaling=spec)
     fleet = Fleet(config, STEP_TIME, make_router("kv_pressure", 0))
     records = fleet.run(ramp(seed=0))
     assert all(record.is_finished for record in records)
