@@ -11,8 +11,18 @@ sent since). The last term counts the free blocks that still hold cached content
 prefixes): a prompt nobody holds goes where less idle content would be crowded out, as Ray's
 PrefixCacheAffinityRouter sends it to its "smallest tenant", so tenants divide between replicas
 instead of piling on whichever was idle when they first came. With cache_weight 0.5 it never
-outweighs a prefix held (the holder saves 2 per block it holds; holding it costs 0.5). With no
-overlap and nothing cached anywhere this ranks as kv_pressure does."""
+outweighs a prefix held (the holder saves prefill_weight + 1 per block it holds; holding it
+costs 0.5). With no overlap and nothing cached anywhere this ranks as kv_pressure does.
+
+prefill_weight is 16, not Dynamo's 1: in the fleet simulator (bench.fleet, tenants with
+2,000-token contexts, working set 0.7x the fleet's KV, a ramp), weight 1 let a few hundred blocks
+of load difference outweigh a held context, so under load tenants spread, caches thrashed and the
+fleet fell behind (16 replicas: TTFT p90 112 s, hit rate 0.43, where Ray's sticky
+PrefixCacheAffinityRouter had 2.4 s and 0.87); 16 keeps a tenant where its context is unless the
+load difference is most of a pool. The load guard's slack is 32 (SGLang's value), not 8: at 8 it
+sent a held tenant to a cold replica whenever a ramp briefly unbalanced request counts (16
+replicas, weight 16: TTFT p90 12.6 s against 3.6 s at 32), while a single hot prefix on 4
+replicas still spreads at 32 (TTFT p90 0.36 s; Ray's router, which has no guard, 76 s)."""
 
 from __future__ import annotations
 
@@ -31,12 +41,11 @@ BY_LOAD_GUARD = "load-guard"  # the cheapest replica was too busy: ranked by req
 
 @dataclass(frozen=True)
 class PrefixPolicy:
-    prefill_weight: float = 1.0  # a block to prefill against a block of KV load (Dynamo's default)
+    prefill_weight: float = 16.0  # a block to prefill against a block of KV load (Dynamo's: 1; above)
     cache_weight: float = 0.5  # a free block holding cached content against a block of KV load
     # The load guard trips when the cheapest replica has more requests than the least busy one by
-    # both this many and this fraction of its count (SGLang's cache-aware router's rule, whose
-    # absolute 32 is for GPU replicas running hundreds; a CPU replica runs tens).
-    request_slack: int = 8
+    # both this many and this fraction of its count (SGLang's cache-aware router's rule and slack).
+    request_slack: int = 32
     max_request_imbalance: float = 0.5
 
 

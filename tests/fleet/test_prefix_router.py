@@ -83,6 +83,10 @@ def test_a_restarted_replica_is_forgotten():
     assert index.overlap("a", PROMPT, NOW) == 0
 
 
+# Dynamo's weight and the earlier slack: the cost formula's tests below compute by hand with these.
+DYNAMO = PrefixPolicy(prefill_weight=1.0, request_slack=8)
+
+
 def decide(stats: dict, keys: list[bytes], policy: PrefixPolicy | None = None, tracker=None):
     tracker = tracker or PressureTracker()
     return rank_by_prefix(policy or PrefixPolicy(), tracker, index_of(stats), stats, {}, keys, NOW)
@@ -91,14 +95,19 @@ def decide(stats: dict, keys: list[bytes], policy: PrefixPolicy | None = None, t
 def test_the_replica_holding_the_prompt_wins_unless_its_load_outweighs_the_prefill_saved():
     # cost = prefill blocks + used blocks + new blocks. Equal load (10 used): a 0 + 10, b 10 + 10 + 10.
     held = {"a": stats_holding(PROMPT, free=90), "b": stats_holding([], free=90)}
-    assert decide(held, PROMPT).ranking == [("a", BY_PREFIX), ("b", BY_KV)]
-    assert decide(held, PROMPT).overlaps == {"a": 10, "b": 0}
+    assert decide(held, PROMPT, DYNAMO).ranking == [("a", BY_PREFIX), ("b", BY_KV)]
+    assert decide(held, PROMPT, DYNAMO).overlaps == {"a": 10, "b": 0}
     # a holds 19 blocks more than b: 29 < 30, still a; 21 more: 31 > 30, b.
-    assert decide({**held, "a": stats_holding(PROMPT, free=71)}, PROMPT).ranking[0] == ("a", BY_PREFIX)
-    assert decide({**held, "a": stats_holding(PROMPT, free=69)}, PROMPT).ranking[0] == ("b", BY_KV)
+    busier = {**held, "a": stats_holding(PROMPT, free=71)}
+    assert decide(busier, PROMPT, DYNAMO).ranking[0] == ("a", BY_PREFIX)
+    busier = {**held, "a": stats_holding(PROMPT, free=69)}
+    assert decide(busier, PROMPT, DYNAMO).ranking[0] == ("b", BY_KV)
     # A heavier prefill weight keeps it on a (b: 20 + 10 + 10).
-    heavy = PrefixPolicy(prefill_weight=2.0)
+    heavy = PrefixPolicy(prefill_weight=2.0, request_slack=8)
     assert decide({**held, "a": stats_holding(PROMPT, free=69)}, PROMPT, heavy).ranking[0][0] == "a"
+    # The default weight (16) saves 17 blocks per block held: 170 for this prompt, more than this
+    # 100-block pool's whole load.
+    assert decide({**held, "a": stats_holding(PROMPT, free=0)}, PROMPT).ranking[0] == ("a", BY_PREFIX)
 
 
 def test_a_prefix_nobody_holds_goes_where_less_idle_content_would_be_crowded_out():
@@ -107,11 +116,11 @@ def test_a_prefix_nobody_holds_goes_where_less_idle_content_would_be_crowded_out
         "a": replace(stats_holding([], free=90), num_cached_free_blocks=60),
         "b": replace(stats_holding([], free=90), num_cached_free_blocks=20),
     }
-    assert decide(stats, PROMPT).ranking[0] == ("b", BY_KV)
+    assert decide(stats, PROMPT, DYNAMO).ranking[0] == ("b", BY_KV)
     # but the tenant's own idle prefix keeps it there (held blocks save 2 each, cost 0.5): a 0 +
     # 10 used + 0.5 * 50 = 35 against b's 10 + 10 + 10 + 0.5 * 20 = 40
     stats["a"] = replace(stats_holding(PROMPT, free=90), num_cached_free_blocks=50)
-    assert decide(stats, PROMPT).ranking[0] == ("a", BY_PREFIX)
+    assert decide(stats, PROMPT, DYNAMO).ranking[0] == ("a", BY_PREFIX)
 
 
 def test_with_no_overlap_anywhere_it_ranks_as_kv_pressure():
@@ -124,7 +133,7 @@ def test_with_no_overlap_anywhere_it_ranks_as_kv_pressure():
 
 
 def test_the_load_guard_sends_a_hot_prefix_elsewhere_when_its_holder_is_much_busier():
-    policy = PrefixPolicy(prefill_weight=100.0)  # the prefix alone would always win
+    policy = PrefixPolicy(prefill_weight=100.0, request_slack=8)  # the prefix alone would always win
     idle = stats_holding([], free=90)  # 1 running request
     busy = {"a": replace(stats_holding(PROMPT, free=90), num_running=10), "b": idle}
     assert decide(busy, PROMPT, policy).ranking[0] == ("b", BY_LOAD_GUARD)

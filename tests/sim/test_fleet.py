@@ -91,16 +91,16 @@ def test_a_router_the_simulator_does_not_model_is_refused_by_name():
 
 
 def test_a_replica_that_dies_fails_its_requests_and_serve_replaces_it_with_an_empty_cache():
-    requests = tenants_workload(seed=4, num_tenants=2, num_requests=200, rate=10.0)
+    requests = tenants_workload(seed=4, num_tenants=8, num_requests=400, rate=40.0)  # busy replicas
     config = FleetConfig(2, REPLICA, replica_start_s=5.0)
     fleet = Fleet(config, STEP_TIME, make_router("kv_prefix", 0))
-    fleet.fail_replica_at(8.0, "replica-0")
+    fleet.fail_replica_at(3.0, "replica-0")
     records = fleet.run(requests)
     failed = [r for r in records if r.failed]
-    assert failed and all(r.replica_id == "replica-0" and r.routed_s <= 8.0 for r in failed)
+    assert failed and all(r.replica_id == "replica-0" and r.routed_s <= 3.0 for r in failed)
     assert all(r.is_finished for r in records if not r.failed)
-    assert not any(r.replica_id == "replica-0" and r.routed_s > 8.0 for r in records)
+    assert not any(r.replica_id == "replica-0" and r.routed_s > 3.0 for r in records)
     replacement = sorted((r for r in records if r.replica_id == "replica-2"), key=lambda r: r.routed_s)
-    assert replacement and replacement[0].routed_s >= 13.0  # died at 8 s, started in 5 s
+    assert replacement and replacement[0].routed_s >= 8.0  # died at 3 s, started in 5 s
     assert replacement[0].num_cached_tokens == 0  # a new replica's cache is empty
-    assert (13.0, 2) in fleet.timeline and summarize_records(records)["num_failed"] == len(failed)
+    assert (8.0, 2) in fleet.timeline and summarize_records(records)["num_failed"] == len(failed)
