@@ -1,17 +1,21 @@
 """Routing where caches differ, at fleet sizes one machine cannot run: the fleet simulator
 (fleet_sim/) at 4 and 16 replicas, every router, 3 seeds (median and spread).
 
-Workload (a), llm-d's shape scaled to our pools: tenants with long shared contexts (2,000 tokens
-on this CPU profile), their working set ~0.7x the fleet's KV and several times one replica's;
-each request is its tenant's context plus 32-128 tokens of its own, 32-128 tokens out; tenants
-equally popular; Poisson arrivals ramping from 0.5 to 2.5 requests/s per replica. Replicas as
-serve_config.yaml ships them on this CPU (1 GiB KV pool = 2,911 blocks, 256-token budget, 64
-sequences, max_ongoing_requests 128); the step time as this machine's engine learned it in
-bench.fleet_validation's run (its `learned_from_run` coefficients).
+Workloads (tenants with shared contexts; each request its tenant's context plus tokens of its own,
+32-128 tokens out; Poisson arrivals, per replica, ramping linearly over 120 s):
+  (a) llm-d's shape scaled to our pools: 2,000-token contexts, working set 0.7x the fleet's KV
+      (several times one replica's), equal popularity, 0.5 -> 2.5 requests/s;
+  (b) Zipf popularity (s = 1.1) over a working set 1.5x the fleet's KV: eviction; 1.5 requests/s;
+  (d) long unique suffixes (500-1,500 tokens) after 1,000-token shared prefixes, 0.3x the KV;
+      0.3 -> 0.9 requests/s;
+  (e) (a) with replica 0 dying at 40 s (Serve's replacement, empty cache, serves 30 s later).
+Replicas as serve_config.yaml ships them on this CPU (1 GiB KV pool = 2,911 blocks, 256-token
+budget, 64 sequences, max_ongoing_requests 128); the step time as this machine's engine learned it
+in bench.fleet_validation's run (its `learned_from_run` coefficients).
 
 Issue 25's goals at 16 replicas on (a): kv_prefix TTFT p90 <= 0.3x Ray's PrefixCacheAffinityRouter
 and <= 0.1x power-of-two; output tok/s >= 1.3x Ray's. Writes bench/results/fleet.json and .png.
-Not yet here: workloads (b)-(e), 64 replicas, an 8B-on-H100 profile, the autoscaling goal."""
+Not yet here: (c) growing conversations, 64 replicas, an 8B-on-H100 profile, the autoscaling goal."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import argparse
 import json
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.driver import BenchmarkRun, Spread, print_verdicts, pyplot
@@ -32,9 +37,6 @@ from router.prefix_policy import PrefixPolicy
 
 SEEDS = (0, 1, 2)
 REPLICA = ReplicaConfig(num_kv_blocks=2911, max_num_batched_tokens=256, max_num_seqs=64)
-CONTEXT_TOKENS = 2000
-WORKING_SET_OF_FLEET_KV = 0.7
-RAMP_PER_REPLICA = (0.5, 2.5)  # requests/s, from the start to the end of the run
 DURATION_S = 120.0
 COEFFICIENTS = Path("bench/results/fleet_validation.json")
 FIGURES = ("ttft_p50_s", "ttft_p90_s", "tbt_p99_s", "output_tok_per_s", "hit_rate")
@@ -46,23 +48,50 @@ RATIO_GOALS = {  # kv_prefix over a peer at 16 replicas: (peer, figure, bound, t
 GOALS = {"at_replicas": 16, **{name: bound for name, (_, _, bound, _) in RATIO_GOALS.items()}}
 
 
-def tenants_ramp(num_replicas: int, seed: int) -> list[SimRequest]:
-    """Workload (a) for a fleet of `num_replicas`."""
-    rng = random.Random(seed)
-    fleet_tokens = num_replicas * REPLICA.num_kv_blocks * REPLICA.block_size
-    num_tenants = round(WORKING_SET_OF_FLEET_KV * fleet_tokens / CONTEXT_TOKENS)
-    contexts = [tuple(rng.randrange(1, 32000) for _ in range(CONTEXT_TOKENS)) for _ in range(num_tenants)]
-    low, high = (rate * num_replicas for rate in RAMP_PER_REPLICA)
-    requests, now = [], 0.0
-    while True:
-        now += rng.expovariate(low + (high - low) * now / DURATION_S)
-        if now >= DURATION_S:
-            return requests
-        tenant = rng.randrange(num_tenants)
-        own = tuple(rng.randrange(1, 32000) for _ in range(rng.randint(32, 128)))
-        requests.append(
-            SimRequest(f"r{len(requests)}", now, contexts[tenant] + own, rng.randint(32, 128), str(tenant))
-        )
+@dataclass(frozen=True)
+class TenantWorkload:
+    description: str
+    context_tokens: int
+    working_set_of_fleet_kv: float
+    own_tokens: tuple[int, int]
+    ramp_per_replica: tuple[float, float]  # requests/s at the start and at the end
+    zipf_s: float | None = None  # tenant popularity ~ 1 / rank^s; None: equal
+    fail_replica_0_at_s: float | None = None
+
+    def requests(self, num_replicas: int, seed: int) -> list[SimRequest]:
+        rng = random.Random(seed)
+        fleet_tokens = num_replicas * REPLICA.num_kv_blocks * REPLICA.block_size
+        num_tenants = round(self.working_set_of_fleet_kv * fleet_tokens / self.context_tokens)
+        contexts = [
+            tuple(rng.randrange(1, 32000) for _ in range(self.context_tokens)) for _ in range(num_tenants)
+        ]
+        weights = [1 / (rank + 1) ** self.zipf_s for rank in range(num_tenants)] if self.zipf_s else None
+        low, high = (rate * num_replicas for rate in self.ramp_per_replica)
+        requests, now = [], 0.0
+        while True:
+            now += rng.expovariate(low + (high - low) * now / DURATION_S)
+            if now >= DURATION_S:
+                return requests
+            tenant = rng.choices(range(num_tenants), weights)[0] if weights else rng.randrange(num_tenants)
+            own = tuple(rng.randrange(1, 32000) for _ in range(rng.randint(*self.own_tokens)))
+            prompt = contexts[tenant] + own
+            requests.append(SimRequest(f"r{len(requests)}", now, prompt, rng.randint(32, 128), str(tenant)))
+
+
+WORKLOADS = {
+    "a": TenantWorkload(
+        "tenants x 2,000-token contexts, 0.7x the fleet's KV, ramp", 2000, 0.7, (32, 128), (0.5, 2.5)
+    ),
+    "b": TenantWorkload(
+        "Zipf tenants, 1.5x the fleet's KV (eviction)", 2000, 1.5, (32, 128), (1.5, 1.5), zipf_s=1.1
+    ),
+    "d": TenantWorkload(
+        "500-1,500-token suffixes after 1,000-token prefixes", 1000, 0.3, (500, 1500), (0.3, 0.9)
+    ),
+    "e": TenantWorkload(
+        "(a) with replica 0 dying at 40 s", 2000, 0.7, (32, 128), (0.5, 2.5), fail_replica_0_at_s=40.0
+    ),
+}
 
 
 def step_time_model() -> StepTimeModel:
@@ -70,10 +99,14 @@ def step_time_model() -> StepTimeModel:
     return StepTimeModel.from_coefficients(coefficients)
 
 
-def run_point(num_replicas: int, router: str, seed: int, model: StepTimeModel) -> dict:
+def run_point(
+    workload: TenantWorkload, num_replicas: int, router: str, seed: int, model: StepTimeModel
+) -> dict:
     started = time.perf_counter()
     fleet = Fleet(FleetConfig(num_replicas, REPLICA), model, make_router(router, seed))
-    summary = summarize_records(fleet.run(tenants_ramp(num_replicas, seed)))
+    if workload.fail_replica_0_at_s is not None:
+        fleet.fail_replica_at(workload.fail_replica_0_at_s, "replica-0")
+    summary = summarize_records(fleet.run(workload.requests(num_replicas, seed)))
     return summary | {"sim_wall_s": time.perf_counter() - started}
 
 
@@ -81,27 +114,31 @@ def main(argv: list[str] | None = None) -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--replicas", default="4,16", help="fleet sizes, comma-separated")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {list(WORKLOADS)}")
     parser.add_argument("--output", type=Path, default=Path("bench/results/fleet.json"))
     args = parser.parse_args(argv)
     run = BenchmarkRun("fleet", args.output, GOALS)
     model = step_time_model()
     sizes = [int(n) for n in args.replicas.split(",")]
-    results: dict[str, dict[str, list[dict]]] = {}
-    for size in sizes:
-        results[str(size)] = {}
-        for router in ROUTERS:
-            runs = [run_point(size, router, seed, model) for seed in SEEDS]
-            results[str(size)][router] = runs
-            print_row(size, router, runs)
+    results: dict[str, dict[str, dict[str, list[dict]]]] = {}
+    for name in args.workloads.split(","):
+        workload = WORKLOADS[name]
+        print(f"({name}) {workload.description}")
+        results[name] = {str(size): {} for size in sizes}
+        for size in sizes:
+            for router in ROUTERS:
+                runs = [run_point(workload, size, router, seed, model) for seed in SEEDS]
+                results[name][str(size)][router] = runs
+                print_row(size, router, runs)
     body = {
-        "settings": {"seeds": SEEDS, "replica": vars(REPLICA), "context_tokens": CONTEXT_TOKENS,
-                     "working_set_of_fleet_kv": WORKING_SET_OF_FLEET_KV, "ramp_per_replica": RAMP_PER_REPLICA,
-                     "duration_s": DURATION_S, "coefficients": list(model.coefficients),
+        "settings": {"seeds": SEEDS, "replica": vars(REPLICA), "duration_s": DURATION_S,
+                     "workloads": {name: vars(WORKLOADS[name]) for name in results},
+                     "coefficients": list(model.coefficients),
                      "coefficients_from": f"{COEFFICIENTS} learned_from_run",
                      "kv_prefix_policy": vars(PrefixPolicy())},
         "results": results,
     }  # fmt: skip
-    goals_met = judge(results, body)
+    goals_met = judge(results.get("a", {}), body)
     plot(args.output.with_suffix(".png"), results)
     print_verdicts(goals_met)
     run.write(body, goals_met)
@@ -131,26 +168,26 @@ def judge(results: dict, body: dict) -> dict[str, bool]:
 
 
 def plot(path: Path, results: dict) -> None:
+    """Per workload, TTFT p90 and hit rate per router and fleet size (medians of the seeds)."""
     plt = pyplot()
-    figure, (ttft_axis, hit_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
-    sizes = list(results)
+    figure, axes = plt.subplots(len(results), 2, figsize=(12, 3.6 * len(results)), squeeze=False)
     width = 0.8 / len(ROUTERS)
-    for i, router in enumerate(ROUTERS):
-        xs = [j + i * width for j in range(len(sizes))]
-        ttft_axis.bar(
-            xs, [Spread.of_runs(results[s][router], "ttft_p90_s").median for s in sizes], width, label=router
-        )
-        hit_axis.bar(
-            xs, [Spread.of_runs(results[s][router], "hit_rate").median for s in sizes], width, label=router
-        )
-    for axis, title in ((ttft_axis, "TTFT p90 (s), median of 3 seeds"), (hit_axis, "prefix-cache hit rate")):
-        axis.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"{s} replicas" for s in sizes])
-        axis.set_title(title)
-    ttft_axis.set_yscale("log")
-    hit_axis.legend(fontsize=8)
-    figure.suptitle("bench.fleet (a): tenants x 2,000-token contexts, working set 0.7x the fleet's KV, ramp")
+    for (name, by_size), (ttft_axis, hit_axis) in zip(results.items(), axes, strict=True):
+        sizes = list(by_size)
+        for i, router in enumerate(ROUTERS):
+            xs = [j + i * width for j in range(len(sizes))]
+            for axis, key in ((ttft_axis, "ttft_p90_s"), (hit_axis, "hit_rate")):
+                medians = [Spread.of_runs(by_size[size][router], key).median for size in sizes]
+                axis.bar(xs, medians, width, label=router)
+        for axis, title in ((ttft_axis, "TTFT p90 (s)"), (hit_axis, "prefix-cache hit rate")):
+            axis.set_xticks(
+                [j + 0.4 - width / 2 for j in range(len(sizes))], [f"{s} replicas" for s in sizes]
+            )
+            axis.set_title(f"({name}) {WORKLOADS[name].description}: {title}", fontsize=9)
+        ttft_axis.set_yscale("log")
+    axes[0][0].legend(fontsize=7, loc="upper left")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
