@@ -49,7 +49,7 @@ class Fleet:
         self.records: dict[str, RequestRecord] = {}
         self.timeline: list[tuple[float, int]] = []  # (time, replicas taking requests) at each change
         self.replica_seconds = 0.0  # of every replica from its start decision until it is gone
-        self._starting: list[tuple[SimReplica, float]] = []  # (replica, decided at)
+        self._starting: list[SimReplica] = []  # decided, not yet taking requests
         self._draining: list[SimReplica] = []
         self._born: dict[str, float] = {}
         self._at_router: deque[SimRequest] = deque()  # every replica was full when they came
@@ -73,7 +73,7 @@ class Fleet:
             self.loop.call_at(self.loop.now, self._control)
         self.loop.run()
         end = max((t for record in self.records.values() for t in record.token_times[-1:]), default=0.0)
-        for replica in self.replicas + [replica for replica, _ in self._starting]:
+        for replica in self.replicas + self._starting:
             self._retire(replica, end)
         return [self.records[request.request_id] for request in requests]
 
@@ -184,19 +184,18 @@ class Fleet:
 
     def _start_replica(self) -> None:
         replica = self._new_replica()
-        self._starting.append((replica, self.loop.now))
+        self._starting.append(replica)
         self.loop.call_later(self.config.replica_start_s, functools.partial(self._started, replica))
 
     def _started(self, replica: SimReplica) -> None:
-        starting = [entry for entry in self._starting if entry[0] is replica]
-        if starting:  # not cancelled while it started
-            self._starting.remove(starting[0])
+        if replica in self._starting:  # not cancelled while it started
+            self._starting.remove(replica)
             self._serve(replica)
 
     def _stop_newest(self) -> None:
         """Serve stops a starting replica first, else the newest running one (it drains)."""
         if self._starting:
-            replica, _ = self._starting.pop()
+            replica = self._starting.pop()
             self._retire(replica)
             return
         replica = self.replicas.pop()
