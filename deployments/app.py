@@ -51,6 +51,7 @@ class AppArgs(BaseModel):
     autoscaling_config: dict[str, Any] | None = None
     target_kv_cache_usage: float = Field(default=0.6, gt=0, le=1)  # mean per replica
     target_waiting_requests: float = Field(default=4, gt=0)  # mean queue depth per replica
+    target_ongoing_requests: float = Field(default=4, gt=0)  # running + queued requests per replica
     # kv_prefix: ours (router/), by prefix-cache overlap and KV load; kv_pressure: ours, by load
     # alone. Baselines: power_of_two (Serve's default), round_robin, and prefix_cache_affinity
     # (Ray Serve LLM's PrefixCacheAffinityRouter, unchanged).
@@ -99,6 +100,7 @@ def _autoscaling(args: AppArgs) -> dict[str, Any]:
         policy_kwargs={
             "target_kv_cache_usage": args.target_kv_cache_usage,
             "target_waiting_requests": args.target_waiting_requests,
+            "target_ongoing_requests": args.target_ongoing_requests,
         },
     )
     return {"autoscaling_config": AutoscalingConfig(**(args.autoscaling_config or {}), policy=policy)}

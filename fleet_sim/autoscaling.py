@@ -24,7 +24,7 @@ class AutoscalingSpec:
     upscale_delay_s: float = 10.0  # serve_config.yaml's example; Serve's default is 30
     downscale_delay_s: float = 60.0  # Serve's default is 600
     look_back_period_s: float = 30.0  # Serve's default
-    target_ongoing_requests: float = 2.0  # Serve's default policy's target per replica
+    target_ongoing_requests: float = 2.0  # per replica: Serve's default policy's (2); ours uses it too
     target_kv_cache_usage: float = 0.6  # ours
     target_waiting_requests: float = 4.0  # ours
     metrics_period_s: float = 0.5  # replicas record their autoscaling metrics this often
@@ -69,7 +69,9 @@ class Autoscaler:
         self.spec = spec
         self._serve = autoscaling_policy
         self._config = spec.serve_config()
-        self._policy = KVPressurePolicy(spec.target_kv_cache_usage, spec.target_waiting_requests)
+        self._policy = KVPressurePolicy(
+            spec.target_kv_cache_usage, spec.target_waiting_requests, spec.target_ongoing_requests
+        )
         self._state: dict[str, Any] = {}
         self._samples: dict[str, deque[tuple[float, ReplicaSample]]] = {}
         self._queued: deque[tuple[float, int]] = deque()  # requests waiting at the router
@@ -93,12 +95,11 @@ class Autoscaler:
         queued = sum(n for _, n in self._queued) / len(self._queued) if self._queued else 0.0
         if num_running == 0:
             return max(target, self.spec.min_replicas, 1 if queued > 0 else 0)
+        total = sum(m.ongoing_requests for m in means) + queued  # Serve's total_num_requests
         if self.spec.policy == "kv_pressure":
-            desired: float = self._policy.desired_replicas(
-                num_running, [m.kv_cache_usage for m in means], [m.num_waiting for m in means]
-            )
+            kv_usage, waiting = [m.kv_cache_usage for m in means], [m.num_waiting for m in means]
+            desired: float = self._policy.desired_replicas(num_running, kv_usage, waiting, total)
         else:  # Serve's default: total ongoing (and queued) requests over target_ongoing_requests
-            total = sum(m.ongoing_requests for m in means) + queued
             desired = total / self.spec.target_ongoing_requests
         scaled = self._serve._apply_scaling_factors(desired, num_running, self._config)
         decided, self._state = self._serve._apply_delay_logic(

@@ -175,21 +175,23 @@ def test_requests_count_their_prompt_and_output_tokens():
 
 
 @pytest.mark.parametrize(
-    ("replicas", "kv_usage", "waiting", "desired"),
+    ("replicas", "kv_usage", "waiting", "ongoing", "desired"),
     [
-        (1, [0.9], [0], 2),  # 0.9 / 0.6 = 1.5 -> 2
-        (2, [0.3, 0.3], [0, 0], 1),  # half the target: half the replicas
-        (2, [0.6, 0.6], [0, 0], 2),  # on target: stay
-        (1, [0.1], [12], 3),  # the queue says more than KV: 12 / 4 = 3
-        (3, [0.0, 0.0, 0.0], [0, 0, 0], 0),  # idle: Serve's min_replicas bounds this
-        (2, [], [], 2),  # no reports yet: no change
+        (1, [0.9], [0], 0, 2),  # 0.9 / 0.6 = 1.5 -> 2
+        (2, [0.3, 0.3], [0, 0], 0, 1),  # half the target: half the replicas
+        (2, [0.6, 0.6], [0, 0], 0, 2),  # on target: stay
+        (1, [0.1], [12], 0, 3),  # the queue says more than KV: 12 / 4 = 3
+        (2, [0.1, 0.1], [0, 0], 24, 6),  # ongoing requests say more: 24 / 2 / 4 = 3x
+        (3, [0.0, 0.0, 0.0], [0, 0, 0], 0, 2),  # idle: at most half go per decision (then min_replicas)
+        (16, [0.1] * 16, [0] * 16, 8, 8),  # ~0.17 of 16 asks 3, but half stay: 8
+        (2, [], [], 0, 2),  # no reports yet: no change
     ],
 )
-def test_policy_scales_replicas_by_the_worse_of_kv_usage_and_queue_depth(
-    replicas, kv_usage, waiting, desired
+def test_policy_scales_replicas_by_the_worst_of_kv_usage_queue_depth_and_ongoing_requests(
+    replicas, kv_usage, waiting, ongoing, desired
 ):
-    policy = KVPressurePolicy(target_kv_cache_usage=0.6, target_waiting_requests=4)
-    assert policy.desired_replicas(replicas, kv_usage, waiting) == desired
+    policy = KVPressurePolicy(target_kv_cache_usage=0.6, target_waiting_requests=4, target_ongoing_requests=4)
+    assert policy.desired_replicas(replicas, kv_usage, waiting, ongoing) == desired
 
 
 def test_policy_targets_are_checked():
@@ -197,3 +199,7 @@ def test_policy_targets_are_checked():
         KVPressurePolicy(target_kv_cache_usage=1.5)
     with pytest.raises(ValueError, match="target_waiting_requests"):
         KVPressurePolicy(target_waiting_requests=0)
+    with pytest.raises(ValueError, match="target_ongoing_requests"):
+        KVPressurePolicy(target_ongoing_requests=0)
+    with pytest.raises(ValueError, match="max_downscale_fraction"):
+        KVPressurePolicy(max_downscale_fraction=0)
