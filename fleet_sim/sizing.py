@@ -37,8 +37,11 @@ ENGINE_MODELED = {*REPLICA_FIELDS, "num_kv_blocks", "kv_cache_bytes", "dtype"}
 ENGINE_IGNORED = {"attention_backend", "seed", "max_model_len", "device"}
 APP_MODELED = {"model", "num_replicas", "request_router", "max_ongoing_requests", "engine"}
 APP_IGNORED = {"served_model_name", "num_gpus", "num_cpus", "cpu_threads", "max_queued_requests",
-               "sampling_defaults", "ingress_max_ongoing_requests", "request_timeout_s",
-               "api_keys"}  # fmt: skip
+               "sampling_defaults", "ingress_max_ongoing_requests", "request_timeout_s", "api_key_env",
+               "api_key_file", "max_request_body_bytes",
+               # autoscaling's: only read with num_replicas "auto", which is refused
+               "autoscaling_config", "target_kv_cache_usage", "target_waiting_requests",
+               "target_ongoing_requests"}  # fmt: skip
 DTYPE_BYTES = {
     "bfloat16": 2,
     "float16": 2,
@@ -133,7 +136,7 @@ def fleet_settings(path: Path) -> tuple[ReplicaConfig, int, str]:
     unknown = sorted(set(args) - APP_MODELED - APP_IGNORED)
     if unknown:
         raise ValueError(f"{path}: args.{unknown[0]} is not a setting the simulator models")
-    if args.get("num_replicas", 1) == "auto" or "autoscaling_config" in args:
+    if args.get("num_replicas", 1) == "auto":
         raise ValueError(
             f"{path}: args.num_replicas 'auto': size with --replicas (autoscaling is not simulated here)"
         )

@@ -89,3 +89,10 @@ def test_the_command_finds_the_fewest_replicas_meeting_the_ttft_target(tmp_path,
     out = capsys.readouterr().out
     assert out.splitlines()[-1] == "TTFT p90 <= 1.0 s with power_of_two: 16 replicas"  # 1 and 4 fall behind
     assert "   1 replicas power_of_two" in out and "   4 replicas power_of_two" in out
+
+
+def test_every_serve_config_setting_is_either_modeled_or_known_not_to_matter():
+    from deployments.app import AppArgs
+    from fleet_sim.sizing import APP_IGNORED, APP_MODELED
+
+    assert APP_MODELED | APP_IGNORED == set(AppArgs.model_fields)  # a new setting needs a decision here
