@@ -22,7 +22,7 @@ from fleet_sim.records import summarize_records
 from fleet_sim.replica import ReplicaConfig
 from fleet_sim.routers import make_router
 from fleet_sim.trace import SimRequest
-from harness.latency import percentile, summarize
+from harness.latency import summarize
 from harness.pacing import open_loop
 from replica_engine.scheduler.step_time_model import StepTimeModel
 from replica_engine.step_profile import profile_step_times
@@ -97,8 +97,7 @@ def serve_real(engine, rate: float, seed: int) -> dict[str, float]:
     wall, served = asyncio.run(
         open_loop(lambda arrival: client.send(arrival.prompt, greedy(arrival.max_tokens)), arrivals, rate)
     )
-    timings = [s.timing for s in served]
-    return summarize(wall, timings) | {"ttft_p90_s": percentile([t.ttft_s for t in timings], 0.9)}
+    return summarize(wall, [s.timing for s in served])
 
 
 def simulate(replica: ReplicaConfig, model: StepTimeModel, rate: float, seed: int) -> dict[str, float]:

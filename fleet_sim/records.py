@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from fleet_sim.trace import SimRequest
-from harness.latency import RequestTiming, percentile, summarize
+from harness.latency import RequestTiming, summarize
 
 
 @dataclass
@@ -35,8 +35,8 @@ class RequestRecord:
 
 def summarize_records(records: list[RequestRecord]) -> dict[str, float]:
     """The real benchmarks' latency summary of the finished requests (wall time from the first
-    arrival to the last token), with TTFT p90, the fleet's prefix-cache hit rate (prompt tokens
-    found cached / looked up) and how many failed."""
+    arrival to the last token), with the fleet's prefix-cache hit rate (prompt tokens found
+    cached / looked up) and how many failed."""
     if any(not (record.is_finished or record.failed) for record in records):
         raise ValueError("records: every request must have finished or failed")
     failed = sum(record.failed for record in records)
@@ -47,7 +47,6 @@ def summarize_records(records: list[RequestRecord]) -> dict[str, float]:
     timings = [record.timing() for record in records]
     prompt_tokens = sum(t.prompt_len for t in timings)
     return summarize(wall, timings) | {
-        "ttft_p90_s": percentile([t.ttft_s for t in timings], 0.9),
         "hit_rate": sum(r.num_cached_tokens for r in records) / prompt_tokens,
         "num_requests": len(records),
         "num_failed": failed,

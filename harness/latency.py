@@ -31,6 +31,7 @@ def summarize(wall_s: float, timings: list[RequestTiming]) -> dict[str, float]:
         "output_tok_per_s": output_tokens / wall_s,
         "ttft_mean_s": statistics.fmean(ttft),
         "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p90_s": percentile(ttft, 0.9),
         "ttft_p99_s": percentile(ttft, 0.99),
         "e2e_mean_s": statistics.fmean(e2e),
         "e2e_p50_s": percentile(e2e, 0.5),
