@@ -7,11 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.block_hash import root_hash
+from common.errors import InvalidRequestError
 from common.routing_stats import RoutingReporter
 from common.sampling_params import SamplingParams
 from fleet_sim.clock import EventLoop
 from fleet_sim.trace import SimRequest, output_token
-from replica_engine.kv_cache_manager import KVCacheManager, blocks_for_tokens
+from replica_engine.kv_cache_manager import KVCacheManager, check_pool_fits
 from replica_engine.outputs import EngineStats
 from replica_engine.request import Request
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
@@ -57,12 +58,10 @@ class ReplicaCore:
 
     def add(self, request: Request) -> None:
         num_tokens = request.num_prompt_tokens + request.sampling_params.max_tokens
-        needed = blocks_for_tokens(num_tokens, self.config.block_size)
-        if needed > self.config.num_kv_blocks:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt + max_tokens need {needed} KV blocks, "
-                f"a replica's pool has {self.config.num_kv_blocks}"
-            )
+        try:
+            check_pool_fits(num_tokens, self.config.block_size, self.config.num_kv_blocks)
+        except InvalidRequestError as error:
+            raise ValueError(f"request {request.request_id!r}: {error}") from None
         self.scheduler.add_request(request)
 
     def schedule(self) -> ScheduledBatch:

@@ -27,6 +27,7 @@ from fleet_sim.records import summarize_records
 from fleet_sim.replica import ReplicaConfig
 from fleet_sim.routers import ROUTERS, make_router
 from fleet_sim.trace import VOCAB_SIZE, SimRequest, output_token
+from replica_engine.kv_cache_manager import blocks_in_bytes, kv_block_bytes
 from replica_engine.scheduler.step_time_model import StepTimeModel
 
 # serve_config.yaml's engine settings the simulator models (ReplicaConfig's fields), and the ones
@@ -170,8 +171,10 @@ def _num_kv_blocks(path: Path, engine: dict[str, Any], model: str, block_size: i
     heads = shape["num_attention_heads"]
     head_dim = shape.get("head_dim") or shape["hidden_size"] // heads
     kv_heads = shape.get("num_key_value_heads") or heads
-    bytes_per_block = 2 * shape["num_hidden_layers"] * block_size * kv_heads * head_dim * DTYPE_BYTES[dtype]
-    return int(engine["kv_cache_bytes"]) // bytes_per_block - 1
+    block_bytes = kv_block_bytes(
+        shape["num_hidden_layers"], block_size, kv_heads, head_dim, DTYPE_BYTES[dtype]
+    )
+    return blocks_in_bytes(int(engine["kv_cache_bytes"]), block_bytes)
 
 
 def load_step_time(path: Path) -> StepTimeModel:

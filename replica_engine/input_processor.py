@@ -15,7 +15,7 @@ from common.errors import InvalidRequestError
 from common.prompts import Prompt, PromptProcessor
 from common.sampling_params import SamplingParams
 from replica_engine.config import EngineConfig
-from replica_engine.kv_cache_manager import blocks_for_tokens
+from replica_engine.kv_cache_manager import check_pool_fits
 from replica_engine.request import Request
 
 
@@ -44,7 +44,7 @@ class InputProcessor:
         params = params or SamplingParams()
         prompt_token_ids = self.prompts.tokenize(prompt)
         self.prompts.check_fits(len(prompt_token_ids), params.max_tokens)
-        self._check_pool_fits(len(prompt_token_ids) + params.max_tokens)
+        check_pool_fits(len(prompt_token_ids) + params.max_tokens, self.config.block_size, self.num_kv_blocks)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.stop_token_ids))
@@ -52,13 +52,3 @@ class InputProcessor:
         if params.seed is not None:
             request.generator = torch.Generator(device=self.config.torch_device).manual_seed(params.seed)
         return request
-
-    def _check_pool_fits(self, num_tokens: int) -> None:
-        needed = blocks_for_tokens(num_tokens, self.config.block_size)
-        if needed > self.num_kv_blocks:
-            raise InvalidRequestError(
-                "prompt",
-                f"{num_tokens} tokens need {needed} KV blocks, but this replica's whole KV pool has "
-                f"{self.num_kv_blocks}; it could never run",
-                code="context_length_exceeded",
-            )

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.block_hash import BlockHash, next_block_hash, root_hash
+from common.errors import InvalidRequestError
 from replica_engine.request import Request
 
 NULL_BLOCK_ID = 0
@@ -25,6 +26,30 @@ NULL_BLOCK_ID = 0
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def kv_block_bytes(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
+) -> int:
+    """K and V of every layer for one block of tokens."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
+
+
+def blocks_in_bytes(pool_bytes: int, block_bytes: int) -> int:
+    """The blocks requests may hold in `pool_bytes` (the null block comes out of them too)."""
+    return pool_bytes // block_bytes - 1
+
+
+def check_pool_fits(num_tokens: int, block_size: int, num_kv_blocks: int) -> None:
+    """A request of `num_tokens` (prompt + max_tokens) must fit the whole pool, or never runs."""
+    needed = blocks_for_tokens(num_tokens, block_size)
+    if needed > num_kv_blocks:
+        raise InvalidRequestError(
+            "prompt",
+            f"{num_tokens} tokens need {needed} KV blocks, but this replica's whole KV pool has "
+            f"{num_kv_blocks}; it could never run",
+            code="context_length_exceeded",
+        )
 
 
 @dataclass

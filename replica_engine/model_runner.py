@@ -8,7 +8,7 @@ import torch
 from common.sampling_params import SamplingParams
 from replica_engine.config import EngineConfig
 from replica_engine.flat_batch import build_flat_batch
-from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
+from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens, blocks_in_bytes, kv_block_bytes
 from replica_engine.models.llama import LlamaForCausalLM
 from replica_engine.sampler import sample
 from replica_engine.scheduler.plan import SamplingRow, ScheduledBatch, ScheduledRow
@@ -28,7 +28,9 @@ class ModelRunner:
         """K and V of every layer for one block of tokens."""
         block_size, num_kv_heads, head_dim = self.kv_shape
         num_layers = len(self.model.model.layers)
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * self.config.torch_dtype.itemsize
+        return kv_block_bytes(
+            num_layers, block_size, num_kv_heads, head_dim, self.config.torch_dtype.itemsize
+        )
 
     def num_kv_blocks(self) -> int:
         """How many blocks requests may hold (the null block comes on top): num_kv_blocks where
@@ -37,12 +39,12 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.config.kv_cache_bytes is not None:
-            return self.config.kv_cache_bytes // self.bytes_per_block - 1
+            return blocks_in_bytes(self.config.kv_cache_bytes, self.bytes_per_block)
         peak_activation_bytes = self._profile_peak_step_bytes()
         free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
         used_bytes = total_bytes - free_bytes
         budget = total_bytes * self.config.gpu_memory_utilization - used_bytes - peak_activation_bytes
-        return max(0, int(budget)) // self.bytes_per_block - 1
+        return blocks_in_bytes(max(0, int(budget)), self.bytes_per_block)
 
     def _profile_peak_step_bytes(self) -> int:
         """Run one step of max_num_batched_tokens tokens against a throwaway pool and measure
