@@ -59,23 +59,38 @@ class TenantWorkload:
     fail_replica_0_at_s: float | None = None
 
     def requests(self, num_replicas: int, seed: int) -> list[SimRequest]:
-        rng = random.Random(seed)
         fleet_tokens = num_replicas * REPLICA.num_kv_blocks * REPLICA.block_size
         num_tenants = round(self.working_set_of_fleet_kv * fleet_tokens / self.context_tokens)
-        contexts = [
-            tuple(rng.randrange(1, 32000) for _ in range(self.context_tokens)) for _ in range(num_tenants)
-        ]
-        weights = [1 / (rank + 1) ** self.zipf_s for rank in range(num_tenants)] if self.zipf_s else None
-        low, high = (rate * num_replicas for rate in self.ramp_per_replica)
-        requests, now = [], 0.0
-        while True:
-            now += rng.expovariate(low + (high - low) * now / DURATION_S)
-            if now >= DURATION_S:
-                return requests
-            tenant = rng.choices(range(num_tenants), weights)[0] if weights else rng.randrange(num_tenants)
-            own = tuple(rng.randrange(1, 32000) for _ in range(rng.randint(*self.own_tokens)))
-            prompt = contexts[tenant] + own
-            requests.append(SimRequest(f"r{len(requests)}", now, prompt, rng.randint(32, 128), str(tenant)))
+        rates = tuple(rate * num_replicas for rate in self.ramp_per_replica)
+        return tenant_requests(
+            seed, num_tenants, self.context_tokens, self.own_tokens, rates, DURATION_S, self.zipf_s
+        )
+
+
+def tenant_requests(
+    seed: int,
+    num_tenants: int,
+    context_tokens: int,
+    own_tokens: tuple[int, int],
+    rates: tuple[float, float],
+    duration_s: float,
+    zipf_s: float | None = None,
+) -> list[SimRequest]:
+    """Each request its tenant's context plus `own_tokens` of its own, 32-128 out; Poisson
+    arrivals whose rate ramps linearly from rates[0] to rates[1] over `duration_s`."""
+    rng = random.Random(seed)
+    contexts = [tuple(rng.randrange(1, 32000) for _ in range(context_tokens)) for _ in range(num_tenants)]
+    weights = [1 / (rank + 1) ** zipf_s for rank in range(num_tenants)] if zipf_s else None
+    low, high = rates
+    requests, now = [], 0.0
+    while True:
+        now += rng.expovariate(low + (high - low) * now / duration_s)
+        if now >= duration_s:
+            return requests
+        tenant = rng.choices(range(num_tenants), weights)[0] if weights else rng.randrange(num_tenants)
+        own = tuple(rng.randrange(1, 32000) for _ in range(rng.randint(*own_tokens)))
+        prompt = contexts[tenant] + own
+        requests.append(SimRequest(f"r{len(requests)}", now, prompt, rng.randint(32, 128), str(tenant)))
 
 
 WORKLOADS = {

@@ -15,11 +15,10 @@ Serve's request-based policy. Writes bench/results/fleet_autoscaling.json."""
 from __future__ import annotations
 
 import argparse
-import random
 from pathlib import Path
 
 from bench.driver import BenchmarkRun, Spread, print_verdicts
-from bench.fleet import REPLICA, step_time_model
+from bench.fleet import REPLICA, step_time_model, tenant_requests
 from fleet_sim.autoscaling import AutoscalingSpec
 from fleet_sim.fleet import Fleet, FleetConfig
 from fleet_sim.records import summarize_records
@@ -42,17 +41,7 @@ SHARED = dict(
 
 
 def ramp(seed: int) -> list[SimRequest]:
-    rng = random.Random(seed)
-    contexts = [tuple(rng.randrange(1, 32000) for _ in range(2000)) for _ in range(NUM_TENANTS)]
-    low, high = RATES
-    requests, now = [], 0.0
-    while True:
-        now += rng.expovariate(low + (high - low) * now / DURATION_S)
-        if now >= DURATION_S:
-            return requests
-        tenant = rng.randrange(NUM_TENANTS)
-        prompt = contexts[tenant] + tuple(rng.randrange(1, 32000) for _ in range(rng.randint(32, 128)))
-        requests.append(SimRequest(f"r{len(requests)}", now, prompt, rng.randint(32, 128), str(tenant)))
+    return tenant_requests(seed, NUM_TENANTS, 2000, (32, 128), RATES, DURATION_S)
 
 
 def run_point(policy: str, seed: int) -> dict:
