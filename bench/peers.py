@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+from harness.serve_cluster import wait_for_http
 
 REPO = Path(__file__).resolve().parents[1]
 PEERS_DIR = Path(os.environ.get("STALLFREE_PEERS_DIR", REPO.parent / "shared" / "peers"))
@@ -98,14 +97,8 @@ def serving(peer: Peer, log_path: Path) -> Iterator[None]:
 
 
 def _wait_ready(peer: Peer, process: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{peer.name} exited ({process.returncode}): {log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{peer.port}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"{peer.name} not ready after {READY_TIMEOUT_S} s: {log_path.read_text()[-2000:]}")
+    def log_tail() -> str:
+        return f": {log_path.read_text()[-2000:]}"
+
+    url = f"http://127.0.0.1:{peer.port}/v1/models"
+    wait_for_http(url, process, peer.name, READY_TIMEOUT_S, interval_s=2, log_tail=log_tail)

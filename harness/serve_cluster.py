@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,17 +65,30 @@ class ServeCluster:
 
     def wait_ready(self, route_prefix: str = "") -> None:
         """Until the app at `route_prefix` answers /health."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.serve_run.poll() is not None:
-                raise RuntimeError(f"`serve run` exited with {self.serve_run.returncode}")
-            try:
-                if httpx.get(f"{self.base_url}{route_prefix}/health", timeout=10).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"the app did not become healthy in {START_TIMEOUT_S} s")
+        wait_for_http(f"{self.base_url}{route_prefix}/health", self.serve_run, "`serve run`", START_TIMEOUT_S)
+
+
+def wait_for_http(
+    url: str,
+    process: subprocess.Popen,
+    what: str,
+    timeout_s: float,
+    interval_s: float = 1.0,
+    log_tail: Callable[[], str] = str,
+) -> None:
+    """Until `url` answers 200: RuntimeError if the server's `process` exits first, TimeoutError
+    after `timeout_s`; either says `log_tail()` (the end of the server's log, where it has one)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}{log_tail()}")
+        try:
+            if httpx.get(url, timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
+    raise TimeoutError(f"{what} did not answer {url} in {timeout_s} s{log_tail()}")
 
 
 def start(config_path: Path, log_dir: Path) -> ServeCluster:
