@@ -38,7 +38,9 @@ class RoutingStats:
     num_total_blocks: int
     num_free_blocks: int  # cached but unheld blocks count as free (evictable)
     num_cached_free_blocks: int  # of the free blocks, those still holding a prefix-cache key
-    num_waiting_prompt_tokens: int  # net of the prefix each waiting request will find cached
+    # prompt tokens still to compute and to hold: waiting requests' (net of the prefix each will find
+    # cached) and running requests' not yet prefilled (chunked prefill allocates chunk by chunk)
+    num_pending_prompt_tokens: int
     num_waiting: int
     num_running: int
     block_size: int
@@ -47,9 +49,9 @@ class RoutingStats:
     hash_root: BlockHash  # the chain root (model, no salt) the keys start from
 
     def used_blocks(self) -> float:
-        """Blocks held, plus the blocks its queue will need for prompts alone."""
-        waiting_blocks = math.ceil(self.num_waiting_prompt_tokens / self.block_size)
-        return self.num_total_blocks - self.num_free_blocks + waiting_blocks
+        """Blocks held, plus the blocks its pending prompts will need."""
+        pending_blocks = math.ceil(self.num_pending_prompt_tokens / self.block_size)
+        return self.num_total_blocks - self.num_free_blocks + pending_blocks
 
     def to_report(self) -> dict[str, Any]:
         return {
@@ -102,7 +104,7 @@ class PoolStats(Protocol):
     num_total_blocks: int
     num_free_blocks: int
     num_cached_free_blocks: int
-    num_waiting_prompt_tokens: int
+    num_pending_prompt_tokens: int
     num_waiting: int
     num_running: int
     cached_block_hashes: tuple[bytes, ...]
@@ -124,7 +126,7 @@ class RoutingReporter:
             num_total_blocks=stats.num_total_blocks,
             num_free_blocks=stats.num_free_blocks,
             num_cached_free_blocks=stats.num_cached_free_blocks,
-            num_waiting_prompt_tokens=stats.num_waiting_prompt_tokens,
+            num_pending_prompt_tokens=stats.num_pending_prompt_tokens,
             num_waiting=stats.num_waiting,
             num_running=stats.num_running,
             block_size=self.block_size,

@@ -15,7 +15,7 @@ class EngineStats:
 
     num_waiting: int
     num_running: int
-    num_waiting_prompt_tokens: int  # to compute: net of what the prefix cache held as they queued
+    num_pending_prompt_tokens: int  # to compute: waiting (net of cached prefixes) + running's unprefilled
     num_free_blocks: int
     num_total_blocks: int
     kv_cache_usage: float  # held by requests; cached free blocks are not counted (evictable)

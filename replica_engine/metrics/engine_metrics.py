@@ -47,9 +47,9 @@ class EngineMetrics:
         self.num_requests_running = gauge("num_requests_running", "Requests holding KV cache")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV cache usage, 0 to 1")
         self.num_free_kv_blocks = gauge("num_free_kv_blocks", "Free KV cache blocks")
-        self.num_waiting_prompt_tokens = gauge(
-            "num_waiting_prompt_tokens",
-            "Prompt tokens waiting requests must compute (net of cached prefixes)",
+        self.num_pending_prompt_tokens = gauge(
+            "num_pending_prompt_tokens",
+            "Prompt tokens still to compute: waiting requests' (net of cached prefixes), running ones' rest",
         )
 
         self.time_to_first_token = histogram(
@@ -121,7 +121,7 @@ class EngineMetrics:
         self.num_requests_running.set(stats.num_running, self.labels)
         self.kv_cache_usage.set(stats.kv_cache_usage, self.labels)
         self.num_free_kv_blocks.set(stats.num_free_blocks, self.labels)
-        self.num_waiting_prompt_tokens.set(stats.num_waiting_prompt_tokens, self.labels)
+        self.num_pending_prompt_tokens.set(stats.num_pending_prompt_tokens, self.labels)
 
     def record_step(self, summary: StepSummary) -> None:
         self.iteration_tokens.observe(summary.num_tokens, self.labels)

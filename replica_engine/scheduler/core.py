@@ -62,9 +62,10 @@ class Scheduler:
         return EngineStats(
             num_waiting=len(self.waiting),
             num_running=len(self.running),
-            num_waiting_prompt_tokens=sum(
+            num_pending_prompt_tokens=sum(
                 r.num_owed_tokens - r.num_expected_cached_tokens for r in self.waiting
-            ),
+            )
+            + sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running),
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks,
             kv_cache_usage=kv.usage,

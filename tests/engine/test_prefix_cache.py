@@ -191,3 +191,20 @@ def test_waiting_requests_are_reported_net_of_what_the_cache_holds_as_they_queue
     b = _request("b", [*range(1, 17), 99, 98])  # shares a's first 16 tokens
     scheduler.add_request(b)
     assert b.num_expected_cached_tokens == 16 and b.num_owed_tokens - b.num_expected_cached_tokens == 2
+
+
+def test_a_running_request_still_prefilling_reports_the_rest_of_its_prompt_as_pending():
+    # Chunked prefill allocates blocks chunk by chunk: the prompt a running request has not yet
+    # computed is KV and compute the replica still owes, as a waiting request's prompt is.
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True)
+    scheduler = SCHEDULING_POLICIES["stall_free"](SchedulerConfig(8, 8), kv)
+    a, b = _request("a", list(range(1, 21))), _request("b", list(range(30, 36)))
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    assert scheduler.stats().num_pending_prompt_tokens == 20 + 6
+    scheduler.update(batch := scheduler.schedule(), [5] * len(batch.sampling_rows))
+    assert a.status is RequestStatus.RUNNING and a.num_computed_tokens == 8
+    assert scheduler.stats().num_pending_prompt_tokens == 12 + 6
+    while a.num_computed_tokens < a.num_prompt_tokens:
+        scheduler.update(batch := scheduler.schedule(), [5] * len(batch.sampling_rows))
+    assert scheduler.stats().num_pending_prompt_tokens == max(0, 6 - b.num_computed_tokens)

@@ -38,7 +38,7 @@ def report(
         num_total_blocks=total,
         num_free_blocks=free,
         num_cached_free_blocks=0,
-        num_waiting_prompt_tokens=waiting_tokens,
+        num_pending_prompt_tokens=waiting_tokens,
         num_waiting=0,
         num_running=1,
         block_size=block_size,
