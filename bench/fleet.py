@@ -6,6 +6,9 @@ Workloads (tenants with shared contexts; each request its tenant's context plus 
   (a) llm-d's shape scaled to our pools: 2,000-token contexts, working set 0.7x the fleet's KV
       (several times one replica's), equal popularity, 0.5 -> 2.5 requests/s;
   (b) Zipf popularity (s = 1.1) over a working set 1.5x the fleet's KV: eviction; 1.5 requests/s;
+  (c) conversations (each arrival starts one of 3-8 turns; a turn resends the conversation, adds
+      its last output and 50-150 new tokens, 5 s mean think time) after 1,000-token system
+      prompts, 0.3x the KV; 0.2 -> 0.8 conversations/s;
   (d) long unique suffixes (500-1,500 tokens) after 1,000-token shared prefixes, 0.3x the KV;
       0.3 -> 0.9 requests/s;
   (e) (a) with replica 0 dying at 40 s (Serve's replacement, empty cache, serves 30 s later).
@@ -15,7 +18,7 @@ in bench.fleet_validation's run (its `learned_from_run` coefficients).
 
 Issue 25's goals at 16 replicas on (a): kv_prefix TTFT p90 <= 0.3x Ray's PrefixCacheAffinityRouter
 and <= 0.1x power-of-two; output tok/s >= 1.3x Ray's. Writes bench/results/fleet.json and .png.
-Not yet here: (c) growing conversations, 64 replicas, an 8B-on-H100 profile, the autoscaling goal."""
+Not yet here: 64 replicas, an 8B-on-H100 profile, the autoscaling goal."""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from fleet_sim.fleet import Fleet, FleetConfig
 from fleet_sim.records import summarize_records
 from fleet_sim.replica import ReplicaConfig
 from fleet_sim.routers import ROUTERS, make_router
-from fleet_sim.trace import SimRequest
+from fleet_sim.trace import NextTurn, SimRequest
 from replica_engine.scheduler.step_time_model import StepTimeModel
 from router.prefix_policy import PrefixPolicy
 
@@ -49,6 +52,12 @@ GOALS = {"at_replicas": 16, **{name: bound for name, (_, _, bound, _) in RATIO_G
 
 
 @dataclass(frozen=True)
+class Conversations:
+    turns: tuple[int, int] = (1, 1)  # per conversation (each arrival starts one)
+    mean_think_s: float = 1.0  # between a turn's last token and the next turn
+
+
+@dataclass(frozen=True)
 class TenantWorkload:
     description: str
     context_tokens: int
@@ -57,14 +66,16 @@ class TenantWorkload:
     ramp_per_replica: tuple[float, float]  # requests/s at the start and at the end
     zipf_s: float | None = None  # tenant popularity ~ 1 / rank^s; None: equal
     fail_replica_0_at_s: float | None = None
+    conversations: Conversations = Conversations()
 
     def requests(self, num_replicas: int, seed: int) -> list[SimRequest]:
         fleet_tokens = num_replicas * REPLICA.num_kv_blocks * REPLICA.block_size
         num_tenants = round(self.working_set_of_fleet_kv * fleet_tokens / self.context_tokens)
         rates = tuple(rate * num_replicas for rate in self.ramp_per_replica)
         return tenant_requests(
-            seed, num_tenants, self.context_tokens, self.own_tokens, rates, DURATION_S, self.zipf_s
-        )
+            seed, num_tenants, self.context_tokens, self.own_tokens, rates, DURATION_S, self.zipf_s,
+            self.conversations,
+        )  # fmt: skip
 
 
 def tenant_requests(
@@ -75,22 +86,33 @@ def tenant_requests(
     rates: tuple[float, float],
     duration_s: float,
     zipf_s: float | None = None,
+    conversations: Conversations = Conversations(),
 ) -> list[SimRequest]:
     """Each request its tenant's context plus `own_tokens` of its own, 32-128 out; Poisson
-    arrivals whose rate ramps linearly from rates[0] to rates[1] over `duration_s`."""
+    arrivals whose rate ramps linearly from rates[0] to rates[1] over `duration_s`. With more
+    than one turn, each arrival starts a conversation whose later turns each add the last
+    output and `own_tokens` more, sent an exponential think time after the last turn ended."""
     rng = random.Random(seed)
     contexts = [tuple(rng.randrange(1, 32000) for _ in range(context_tokens)) for _ in range(num_tenants)]
     weights = [1 / (rank + 1) ** zipf_s for rank in range(num_tenants)] if zipf_s else None
     low, high = rates
+
+    def own() -> tuple[int, ...]:
+        return tuple(rng.randrange(1, 32000) for _ in range(rng.randint(*own_tokens)))
+
     requests, now = [], 0.0
     while True:
         now += rng.expovariate(low + (high - low) * now / duration_s)
         if now >= duration_s:
             return requests
         tenant = rng.choices(range(num_tenants), weights)[0] if weights else rng.randrange(num_tenants)
-        own = tuple(rng.randrange(1, 32000) for _ in range(rng.randint(*own_tokens)))
-        prompt = contexts[tenant] + own
-        requests.append(SimRequest(f"r{len(requests)}", now, prompt, rng.randint(32, 128), str(tenant)))
+        request_id, prompt, max_tokens = f"r{len(requests)}", contexts[tenant] + own(), rng.randint(32, 128)
+        next_turn = None
+        if conversations.turns != (1, 1):  # (single turns draw nothing more: the same requests as before)
+            for turn in range(rng.randint(*conversations.turns), 1, -1):  # built last turn first
+                think_s = rng.expovariate(1 / conversations.mean_think_s)
+                next_turn = NextTurn(f"{request_id}/{turn}", think_s, own(), rng.randint(32, 128), next_turn)
+        requests.append(SimRequest(request_id, now, prompt, max_tokens, str(tenant), None, next_turn))
 
 
 WORKLOADS = {
@@ -99,6 +121,14 @@ WORKLOADS = {
     ),
     "b": TenantWorkload(
         "Zipf tenants, 1.5x the fleet's KV (eviction)", 2000, 1.5, (32, 128), (1.5, 1.5), zipf_s=1.1
+    ),
+    "c": TenantWorkload(
+        "conversations of 3-8 turns after 1,000-token system prompts, ramp",
+        1000,
+        0.3,
+        (50, 150),
+        (0.2, 0.8),
+        conversations=Conversations((3, 8), mean_think_s=5.0),
     ),
     "d": TenantWorkload(
         "500-1,500-token suffixes after 1,000-token prefixes", 1000, 0.3, (500, 1500), (0.3, 0.9)

@@ -61,13 +61,10 @@ class Fleet:
         self.autoscaler = Autoscaler(spec) if spec is not None else None
 
     def run(self, requests: Sequence[SimRequest]) -> list[RequestRecord]:
-        """Serve every request; their records, in the order given."""
+        """Serve every request; their records, in the order given, then the conversations'
+        later turns in the order they were sent."""
         for request in requests:
-            if request.request_id in self.records:
-                raise ValueError(f"request_id: {request.request_id!r} appears twice")
-            self.records[request.request_id] = RequestRecord(request)
-            self.loop.call_at(request.arrival_s, functools.partial(self._arrive, request))
-        self._num_unfinished += len(requests)
+            self._add(request)
         if self.autoscaler is not None:
             self.loop.call_at(self.loop.now, self._record_metrics)
             self.loop.call_at(self.loop.now, self._control)
@@ -75,7 +72,14 @@ class Fleet:
         end = max((t for record in self.records.values() for t in record.token_times[-1:]), default=0.0)
         for replica in self.replicas + self._starting:
             self._retire(replica, end)
-        return [self.records[request.request_id] for request in requests]
+        return list(self.records.values())
+
+    def _add(self, request: SimRequest) -> None:
+        if request.request_id in self.records:
+            raise ValueError(f"request_id: {request.request_id!r} appears twice")
+        self.records[request.request_id] = RequestRecord(request)
+        self._num_unfinished += 1
+        self.loop.call_at(request.arrival_s, functools.partial(self._arrive, request))
 
     # -- requests -------------------------------------------------------------------------
     def _arrive(self, request: SimRequest) -> None:
@@ -104,6 +108,9 @@ class Fleet:
         if not request.is_finished:
             return
         record.num_cached_tokens = request.num_cached_tokens
+        follow_up = record.request.follow_up(now)
+        if follow_up is not None:
+            self._add(follow_up)
         self._num_unfinished -= 1
         self.router.on_finished(record.request, now)
         if replica in self._draining and replica.num_ongoing == 0:

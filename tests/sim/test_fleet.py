@@ -1,5 +1,6 @@
 """A simulated fleet: routing, backpressure, determinism."""
 
+import itertools
 import random
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from fleet_sim.fleet import Fleet, FleetConfig
 from fleet_sim.records import summarize_records
 from fleet_sim.replica import ReplicaConfig
 from fleet_sim.routers import make_router
-from fleet_sim.trace import SimRequest
+from fleet_sim.trace import NextTurn, SimRequest
 from replica_engine.scheduler.step_time_model import StepTimeModel
 
 # About SmolLM2 on this machine's CPU: 12 ms a step, 0.5 ms a prompt token, 0.25 ms a decode.
@@ -104,3 +105,26 @@ def test_a_replica_that_dies_fails_its_requests_and_serve_replaces_it_with_an_em
     assert replacement and replacement[0].routed_s >= 8.0  # died at 3 s, started in 5 s
     assert replacement[0].num_cached_tokens == 0  # a new replica's cache is empty
     assert (8.0, 2) in fleet.timeline and summarize_records(records)["num_failed"] == len(failed)
+
+
+def test_a_conversations_next_turn_resends_the_last_output_after_its_think_time_and_finds_it_cached():
+    third = NextTurn("c/3", think_s=2.0, user_token_ids=(7, 8, 9), max_tokens=5)
+    second = NextTurn("c/2", think_s=1.0, user_token_ids=tuple(range(40, 60)), max_tokens=6, next_turn=third)
+    first = SimRequest("c/1", 0.0, tuple(range(100, 164)), max_tokens=18, next_turn=second)
+    records = run("kv_prefix", [first], num_replicas=2)
+    assert [r.request.request_id for r in records] == ["c/1", "c/2", "c/3"]
+    assert all(r.is_finished for r in records)
+    for earlier, later in itertools.pairwise(records):
+        assert later.request.arrival_s == earlier.token_times[-1] + earlier.request.next_turn.think_s
+        # what it was sent: the last prompt and the tokens the last turn produced, then the user's
+        assert later.request.prompt_token_ids[: len(earlier.request.prompt_token_ids)] == (
+            earlier.request.prompt_token_ids
+        )
+        assert later.replica_id == earlier.replica_id
+    # 64 + 18 - 1 tokens computed (the last output token is never fed back): 5 full blocks of 16
+    assert records[1].num_cached_tokens == 80
+    failing = SimRequest("d/1", 0.0, tuple(range(100, 164)), max_tokens=400, next_turn=second)
+    config = FleetConfig(1, REPLICA)
+    fleet = Fleet(config, STEP_TIME, make_router("kv_prefix", 0))
+    fleet.fail_replica_at(0.5, "replica-0")
+    assert [r.failed for r in fleet.run([failing])] == [True]  # a failed turn ends its conversation
