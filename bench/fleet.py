@@ -23,25 +23,24 @@ Not yet here: 64 replicas, an 8B-on-H100 profile, the autoscaling goal."""
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.driver import BenchmarkRun, Spread, print_verdicts, pyplot
+from bench.fleet_profiles import PROFILES, Profile
 from fleet_sim.fleet import Fleet, FleetConfig
 from fleet_sim.records import summarize_records
-from fleet_sim.replica import ReplicaConfig
+from fleet_sim.roofline import RooflineStepTime
 from fleet_sim.routers import ROUTERS, make_router
 from fleet_sim.trace import NextTurn, SimRequest
 from replica_engine.scheduler.step_time_model import StepTimeModel
 from router.prefix_policy import PrefixPolicy
 
 SEEDS = (0, 1, 2)
-REPLICA = ReplicaConfig(num_kv_blocks=2911, max_num_batched_tokens=256, max_num_seqs=64)
+SIZES = {"cpu": ["4", "16", "64"], "h100-llama3-8b": ["4", "16"]}
 DURATION_S = 120.0
-COEFFICIENTS = Path("bench/results/fleet_validation.json")
 FIGURES = ("ttft_p50_s", "ttft_p90_s", "tbt_p99_s", "output_tok_per_s", "hit_rate")
 RATIO_GOALS = {  # kv_prefix over a peer at 16 replicas: (peer, figure, bound, the bound is a maximum)
     "ttft_p90_vs_prefix_cache_affinity": ("prefix_cache_affinity", "ttft_p90_s", 0.3, True),
@@ -68,10 +67,12 @@ class TenantWorkload:
     fail_replica_0_at_s: float | None = None
     conversations: Conversations = Conversations()
 
-    def requests(self, num_replicas: int, seed: int) -> list[SimRequest]:
-        fleet_tokens = num_replicas * REPLICA.num_kv_blocks * REPLICA.block_size
+    def requests(self, profile: Profile, num_replicas: int, seed: int) -> list[SimRequest]:
+        """Tenants to fill the fleet's pools as described; rates scaled to the replicas' speed."""
+        replica = profile.replica
+        fleet_tokens = num_replicas * replica.num_kv_blocks * replica.block_size
         num_tenants = round(self.working_set_of_fleet_kv * fleet_tokens / self.context_tokens)
-        rates = tuple(rate * num_replicas for rate in self.ramp_per_replica)
+        rates = tuple(rate * num_replicas * profile.rate_scale for rate in self.ramp_per_replica)
         return tenant_requests(
             seed, num_tenants, self.context_tokens, self.own_tokens, rates, DURATION_S, self.zipf_s,
             self.conversations,
@@ -139,54 +140,62 @@ WORKLOADS = {
 }
 
 
-def step_time_model() -> StepTimeModel:
-    coefficients = json.loads(COEFFICIENTS.read_text())["coefficients"]["learned_from_run"]
-    return StepTimeModel.from_coefficients(coefficients)
-
-
-def run_point(
-    workload: TenantWorkload, num_replicas: int, router: str, seed: int, model: StepTimeModel
-) -> dict:
+def run_point(workload: TenantWorkload, profile: Profile, num_replicas: int, router: str, seed: int) -> dict:
     started = time.perf_counter()
-    fleet = Fleet(FleetConfig(num_replicas, REPLICA), model, make_router(router, seed))
+    fleet = Fleet(FleetConfig(num_replicas, profile.replica), profile.step_time, make_router(router, seed))
     if workload.fail_replica_0_at_s is not None:
         fleet.fail_replica_at(workload.fail_replica_0_at_s, "replica-0")
-    summary = summarize_records(fleet.run(workload.requests(num_replicas, seed)))
+    summary = summarize_records(fleet.run(workload.requests(profile, num_replicas, seed)))
     return summary | {"sim_wall_s": time.perf_counter() - started}
 
 
 def main(argv: list[str] | None = None) -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
-    parser.add_argument("--replicas", default="4,16", help="fleet sizes, comma-separated")
+    parser.add_argument("--profiles", default=",".join(PROFILES), help=f"of {list(PROFILES)}")
+    parser.add_argument("--replicas", help="fleet sizes, comma-separated (default: each profile's)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {list(WORKLOADS)}")
     parser.add_argument("--output", type=Path, default=Path("bench/results/fleet.json"))
     args = parser.parse_args(argv)
     run = BenchmarkRun("fleet", args.output, GOALS)
-    model = step_time_model()
-    sizes = [int(n) for n in args.replicas.split(",")]
-    results: dict[str, dict[str, dict[str, list[dict]]]] = {}
-    for name in args.workloads.split(","):
-        workload = WORKLOADS[name]
-        print(f"({name}) {workload.description}")
-        results[name] = {str(size): {} for size in sizes}
-        for size in sizes:
-            for router in ROUTERS:
-                runs = [run_point(workload, size, router, seed, model) for seed in SEEDS]
-                results[name][str(size)][router] = runs
-                print_row(size, router, runs)
+    results: dict[str, dict[str, dict[str, dict[str, list[dict]]]]] = {}
+    profiles = {}
+    for profile_name in args.profiles.split(","):
+        profile = profiles[profile_name] = PROFILES[profile_name]()
+        sizes = args.replicas.split(",") if args.replicas else SIZES[profile_name]
+        print(f"{profile_name}: {profile.description}; rates x{profile.rate_scale:.1f}")
+        results[profile_name] = by_workload = {}
+        for name in args.workloads.split(","):
+            workload = WORKLOADS[name]
+            print(f"({name}) {workload.description}")
+            by_workload[name] = {str(size): {} for size in sizes}
+            for size in map(int, sizes):
+                for router in ROUTERS:
+                    runs = [run_point(workload, profile, size, router, seed) for seed in SEEDS]
+                    by_workload[name][str(size)][router] = runs
+                    print_row(size, router, runs)
     body = {
-        "settings": {"seeds": SEEDS, "replica": vars(REPLICA), "duration_s": DURATION_S,
-                     "workloads": {name: vars(WORKLOADS[name]) for name in results},
-                     "coefficients": list(model.coefficients),
-                     "coefficients_from": f"{COEFFICIENTS} learned_from_run",
+        "settings": {"seeds": SEEDS, "duration_s": DURATION_S,
+                     "workloads": {name: vars(WORKLOADS[name]) for name in args.workloads.split(",")},
+                     "profiles": {name: describe(profile) for name, profile in profiles.items()},
                      "kv_prefix_policy": vars(PrefixPolicy())},
         "results": results,
     }  # fmt: skip
-    goals_met = judge(results.get("a", {}), body)
+    goals_met = judge(results.get("cpu", {}).get("a", {}), body)
     plot(args.output.with_suffix(".png"), results)
     print_verdicts(goals_met)
     run.write(body, goals_met)
+
+
+def describe(profile: Profile) -> dict:
+    step_time = profile.step_time
+    if isinstance(step_time, StepTimeModel):
+        how = {"coefficients": list(step_time.coefficients)}
+    else:
+        assert isinstance(step_time, RooflineStepTime)
+        how = {"roofline": {"accelerator": vars(step_time.accelerator), "model_cost": vars(step_time.cost)}}
+    return {"description": profile.description, "replica": vars(profile.replica),
+            "rate_scale": profile.rate_scale, "step_time": how}  # fmt: skip
 
 
 def print_row(size: int, router: str, runs: list[dict]) -> None:
@@ -213,11 +222,17 @@ def judge(results: dict, body: dict) -> dict[str, bool]:
 
 
 def plot(path: Path, results: dict) -> None:
-    """Per workload, TTFT p90 and hit rate per router and fleet size (medians of the seeds)."""
+    """Per profile and workload, TTFT p90 and hit rate per router and fleet size (medians of the
+    seeds)."""
     plt = pyplot()
-    figure, axes = plt.subplots(len(results), 2, figsize=(12, 3.6 * len(results)), squeeze=False)
+    rows = [
+        (profile, name, by_size)
+        for profile, by_workload in results.items()
+        for name, by_size in by_workload.items()
+    ]
+    figure, axes = plt.subplots(len(rows), 2, figsize=(12, 3.6 * len(rows)), squeeze=False)
     width = 0.8 / len(ROUTERS)
-    for (name, by_size), (ttft_axis, hit_axis) in zip(results.items(), axes, strict=True):
+    for (profile, name, by_size), (ttft_axis, hit_axis) in zip(rows, axes, strict=True):
         sizes = list(by_size)
         for i, router in enumerate(ROUTERS):
             xs = [j + i * width for j in range(len(sizes))]
@@ -228,7 +243,7 @@ def plot(path: Path, results: dict) -> None:
             axis.set_xticks(
                 [j + 0.4 - width / 2 for j in range(len(sizes))], [f"{s} replicas" for s in sizes]
             )
-            axis.set_title(f"({name}) {WORKLOADS[name].description}: {title}", fontsize=9)
+            axis.set_title(f"{profile} ({name}) {WORKLOADS[name].description}: {title}", fontsize=9)
         ttft_axis.set_yscale("log")
     axes[0][0].legend(fontsize=7, loc="upper left")
     figure.tight_layout()

@@ -18,7 +18,8 @@ import argparse
 from pathlib import Path
 
 from bench.driver import BenchmarkRun, Spread, print_verdicts
-from bench.fleet import REPLICA, step_time_model, tenant_requests
+from bench.fleet import tenant_requests
+from bench.fleet_profiles import CPU_REPLICA, cpu_step_time
 from fleet_sim.autoscaling import AutoscalingSpec
 from fleet_sim.fleet import Fleet, FleetConfig
 from fleet_sim.records import summarize_records
@@ -46,8 +47,8 @@ def ramp(seed: int) -> list[SimRequest]:
 
 def run_point(policy: str, seed: int) -> dict:
     spec = AutoscalingSpec(**{**vars(POLICIES[policy]), **SHARED})
-    config = FleetConfig(SHARED["min_replicas"], REPLICA, replica_start_s=30.0, autoscaling=spec)
-    fleet = Fleet(config, step_time_model(), make_router("kv_prefix", seed))
+    config = FleetConfig(SHARED["min_replicas"], CPU_REPLICA, replica_start_s=30.0, autoscaling=spec)
+    fleet = Fleet(config, cpu_step_time(), make_router("kv_prefix", seed))
     summary = summarize_records(fleet.run(ramp(seed)))
     return summary | {
         "replica_seconds": fleet.replica_seconds,
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     body = {
         "settings": {"seeds": SEEDS, "duration_s": DURATION_S, "rates": RATES, "tenants": NUM_TENANTS,
                      "policies": {p: {**vars(spec), **SHARED} for p, spec in POLICIES.items()},
-                     "replica": vars(REPLICA), "replica_start_s": 30.0, "router": "kv_prefix"},
+                     "replica": vars(CPU_REPLICA), "replica_start_s": 30.0, "router": "kv_prefix"},
         "results": results,
         "replica_seconds_ratio": vars(ratio),
     }  # fmt: skip

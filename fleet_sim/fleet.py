@@ -17,7 +17,7 @@ from fleet_sim.replica import ReplicaConfig, ReplicaCore, SimReplica, engine_req
 from fleet_sim.routers import SimRouter
 from fleet_sim.trace import SimRequest
 from replica_engine.request import Request
-from replica_engine.scheduler.step_time_model import StepTimeModel
+from replica_engine.scheduler.step_time_model import StepTime
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class FleetConfig:
 
 
 class Fleet:
-    def __init__(self, config: FleetConfig, step_time: StepTimeModel, router: SimRouter) -> None:
+    def __init__(self, config: FleetConfig, step_time: StepTime, router: SimRouter) -> None:
         self.config = config
         self.step_time = step_time
         self.router = router

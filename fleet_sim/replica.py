@@ -17,7 +17,7 @@ from replica_engine.outputs import EngineStats
 from replica_engine.request import Request
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from replica_engine.scheduler.plan import ScheduledBatch
-from replica_engine.scheduler.step_time_model import StepTimeModel
+from replica_engine.scheduler.step_time_model import StepTime
 from replica_engine.scheduler.token_budget import SLOTokenBudget
 
 
@@ -45,7 +45,7 @@ class ReplicaCore:
     """A replica's engine state and its step, without the model: what the engine's EngineCore
     does, with the forward pass replaced by each request's next simulated token."""
 
-    def __init__(self, config: ReplicaConfig, step_time: StepTimeModel) -> None:
+    def __init__(self, config: ReplicaConfig, step_time: StepTime) -> None:
         self.config = config
         self.step_time = step_time
         self.kv_cache_manager = KVCacheManager(

@@ -25,10 +25,11 @@ import yaml
 from fleet_sim.fleet import Fleet, FleetConfig
 from fleet_sim.records import summarize_records
 from fleet_sim.replica import ReplicaConfig
+from fleet_sim.roofline import ACCELERATORS, RooflineStepTime
 from fleet_sim.routers import ROUTERS, make_router
 from fleet_sim.trace import VOCAB_SIZE, SimRequest, output_token
 from replica_engine.kv_cache_manager import blocks_in_bytes, kv_block_bytes
-from replica_engine.scheduler.step_time_model import StepTimeModel
+from replica_engine.scheduler.step_time_model import StepTime, StepTimeModel
 
 # serve_config.yaml's engine settings the simulator models (ReplicaConfig's fields), and the ones
 # that change nothing it simulates.
@@ -156,8 +157,6 @@ def fleet_settings(path: Path) -> tuple[ReplicaConfig, int, str]:
 
 def _num_kv_blocks(path: Path, engine: dict[str, Any], model: str, block_size: int) -> int:
     """num_kv_blocks, or what kv_cache_bytes holds for this model's K/V (as the engine sizes it)."""
-    from common.model_source import model_config_dict, resolve_model
-
     if "num_kv_blocks" in engine:
         return int(engine["num_kv_blocks"])
     if "kv_cache_bytes" not in engine:
@@ -167,7 +166,7 @@ def _num_kv_blocks(path: Path, engine: dict[str, Any], model: str, block_size: i
     dtype = engine.get("dtype", "auto")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"{path}: args.engine.dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-    shape = model_config_dict(resolve_model(model))
+    shape = model_config(model)
     heads = shape["num_attention_heads"]
     head_dim = shape.get("head_dim") or shape["hidden_size"] // heads
     kv_heads = shape.get("num_key_value_heads") or heads
@@ -177,9 +176,17 @@ def _num_kv_blocks(path: Path, engine: dict[str, Any], model: str, block_size: i
     return blocks_in_bytes(int(engine["kv_cache_bytes"]), block_bytes)
 
 
+def model_config(model: str) -> dict[str, Any]:
+    """The model's config.json fields (its shape)."""
+    from common.model_source import model_config_dict, resolve_model
+
+    return model_config_dict(resolve_model(model))
+
+
 def load_step_time(path: Path) -> StepTimeModel:
-    """A JSON file with `coefficients` (five seconds: per step, prompt token, decode, query-key
-    pair, request), or bench.fleet_validation's result (its `learned_from_run`)."""
+    """A JSON file with `coefficients` (six seconds: per step, prompt token, decode, query-key
+    pair of a prompt chunk, of a decode, request), or bench.fleet_validation's result (its
+    `learned_from_run`)."""
     coefficients = json.loads(path.read_text()).get("coefficients")
     if isinstance(coefficients, dict):
         coefficients = coefficients.get("learned_from_run")
@@ -200,6 +207,11 @@ def main(argv: list[str] | None = None) -> None:
         default=Path("bench/results/fleet_validation.json"),
         help="step-time coefficients (default: this CPU's, from bench.fleet_validation)",
     )
+    parser.add_argument(
+        "--accelerator",
+        choices=sorted(ACCELERATORS),
+        help="instead of --step-time: this GPU's roofline for the config's model (fleet_sim/roofline.py)",
+    )
     parser.add_argument("--replicas", default="1,2,4,8", help="replica counts to try")
     parser.add_argument(
         "--routers", default=None, help=f"of {sorted(ROUTERS)} (default: the config's and power_of_two)"
@@ -210,7 +222,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         requests = load_trace(args.trace)
         replica, max_ongoing, configured = fleet_settings(args.serve_config)
-        step_time = load_step_time(args.step_time)
+        step_time: StepTime = (
+            RooflineStepTime.named(args.accelerator, model_config(replica.model))
+            if args.accelerator
+            else load_step_time(args.step_time)
+        )
         routers = (
             args.routers.split(",") if args.routers else list(dict.fromkeys([configured, "power_of_two"]))
         )

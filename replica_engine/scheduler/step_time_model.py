@@ -1,10 +1,13 @@
 """A replica's step-time model: how long a step of a given composition takes on this machine.
 
-time = c0 + c_prefill * prefill tokens + c_decode * decode requests + c_attention * query-key
-pairs + c_request * requests. Linear layers cost per token (and c0 is the pass over the
-weights), attention per query-key pair it scores (a chunk of n tokens after s cached ones scores
-n*s + n(n+1)/2 pairs; a decode at context L scores L), and each request adds its own host and
-sampling work. Fitted by least squares (coefficients kept non-negative, so more work never
+time = c0 + c_prefill * prefill tokens + c_decode * decode requests + c_prompt_attention *
+query-key pairs of prompt chunks + c_decode_attention * query-key pairs of decodes + c_request *
+requests. Linear layers cost per token (and c0 is the pass over the weights), attention per
+query-key pair it scores (a chunk of n tokens after s cached ones scores n*s + n(n+1)/2 pairs; a
+decode at context L scores L), and each request adds its own host and sampling work. Prompt
+chunks and decodes price their pairs apart: a chunk's attention is a matrix product (compute-bound
+on a GPU), a decode's reads each key and value once for one query (bound by memory), tens of
+times slower per pair on a GPU. Fitted by least squares (coefficients kept non-negative, so more work never
 predicts less time) on a startup profile plus a window of measured steps, refitted every few
 steps; a quantile of measured/predicted over the window then calibrates it, so a noisy host
 makes the model cautious rather than wrong on average."""
@@ -14,10 +17,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-NUM_FEATURES = 5
+NUM_FEATURES = 6
 
 
 @dataclass(frozen=True)
@@ -26,38 +30,64 @@ class StepShape:
 
     num_prefill_tokens: int = 0
     num_decodes: int = 0
-    num_attention_pairs: int = 0
+    num_prompt_attention_pairs: int = 0
     num_requests: int = 0
+    num_decode_attention_pairs: int = 0
 
     @staticmethod
     def of(rows: Iterable[tuple[int, int, bool]]) -> StepShape:
         """From (start position, tokens, is decode) per request. Plain counters, not `plus` per
         row: every step's summary computes its shape, and a StepShape a row cost ~0.6 us a row."""
-        num_prefill_tokens = num_decodes = num_attention_pairs = num_requests = 0
+        num_prefill_tokens = num_decodes = prompt_pairs = num_requests = decode_pairs = 0
         for start, num_tokens, is_decode in rows:
             if num_tokens <= 0:
                 continue
-            num_prefill_tokens += 0 if is_decode else num_tokens
-            num_decodes += is_decode
-            num_attention_pairs += attention_pairs(start, num_tokens)
             num_requests += 1
-        return StepShape(num_prefill_tokens, num_decodes, num_attention_pairs, num_requests)
+            if is_decode:
+                num_decodes += 1
+                decode_pairs += attention_pairs(start, num_tokens)
+            else:
+                num_prefill_tokens += num_tokens
+                prompt_pairs += attention_pairs(start, num_tokens)
+        return StepShape(num_prefill_tokens, num_decodes, prompt_pairs, num_requests, decode_pairs)
 
     def plus(self, start: int, num_tokens: int, is_decode: bool = False) -> StepShape:
         """This step with one more request's `num_tokens` tokens at positions start.. ."""
         if num_tokens <= 0:
             return self
+        pairs = attention_pairs(start, num_tokens)
         return StepShape(
             self.num_prefill_tokens + (0 if is_decode else num_tokens),
             self.num_decodes + (1 if is_decode else 0),
-            self.num_attention_pairs + attention_pairs(start, num_tokens),
+            self.num_prompt_attention_pairs + (0 if is_decode else pairs),
             self.num_requests + 1,
+            self.num_decode_attention_pairs + (pairs if is_decode else 0),
         )
 
     def features(self) -> np.ndarray:
         return np.array(
-            [1.0, self.num_prefill_tokens, self.num_decodes, self.num_attention_pairs, self.num_requests]
+            [
+                1.0,
+                self.num_prefill_tokens,
+                self.num_decodes,
+                self.num_prompt_attention_pairs,
+                self.num_decode_attention_pairs,
+                self.num_requests,
+            ]
         )
+
+
+class StepTime(Protocol):
+    """What a step of a given shape takes: the fitted StepTimeModel, or a GPU's roofline where
+    none can be measured (fleet_sim/roofline.py)."""
+
+    def predict_raw(self, shape: StepShape) -> float:
+        """The expected time."""
+        ...
+
+    def predict(self, shape: StepShape) -> float:
+        """A time most steps of the shape stay within (what a TBT budget plans with)."""
+        ...
 
 
 def attention_pairs(start: int, num_tokens: int) -> int:
@@ -78,7 +108,7 @@ class StepTimeModel:
     @classmethod
     def from_coefficients(cls, coefficients: Iterable[float], calibration: float = 1.0) -> StepTimeModel:
         """A model fitted elsewhere (another replica's profile, a file): c0, c_prefill, c_decode,
-        c_attention, c_request, in seconds."""
+        c_prompt_attention, c_decode_attention, c_request, in seconds."""
         model = cls()
         values = np.array(list(coefficients), dtype=float)
         if values.shape != (NUM_FEATURES,) or (values < 0).any() or calibration <= 0:
@@ -121,7 +151,7 @@ class StepTimeModel:
 
 def _non_negative_least_squares(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     """Least squares, dropping the most negative coefficient until none is: a greedy
-    non-negative fit (not Lawson-Hanson's optimum), enough for five features."""
+    non-negative fit (not Lawson-Hanson's optimum), enough for six features."""
     active = list(range(features.shape[1]))
     coefficients = np.zeros(features.shape[1])
     while active:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replica_engine.scheduler.step_time_model import StepShape, StepTimeModel
+from replica_engine.scheduler.step_time_model import StepShape, StepTime
 
 MIN_PREFILL_CHUNK = 16  # prompt tokens a step always carries when a prompt is owed
 HEADROOM = 0.9  # of the target: what the scheduler aims at, leaving room for host work after it
@@ -26,7 +26,7 @@ class BudgetDecision:
 
 
 class SLOTokenBudget:
-    def __init__(self, model: StepTimeModel, tbt_slo_s: float, headroom: float = HEADROOM) -> None:
+    def __init__(self, model: StepTime, tbt_slo_s: float, headroom: float = HEADROOM) -> None:
         self.model = model
         self.tbt_slo_s = tbt_slo_s
         self.target_s = headroom * tbt_slo_s

@@ -18,9 +18,9 @@ from replica_engine.scheduler.step_time_model import StepShape, StepTimeModel
 from replica_engine.scheduler.token_budget import MIN_PREFILL_CHUNK, SLOTokenBudget
 from tests.engine.scheduler_harness import StepArrival, run_to_completion
 
-# A CPU-like step: 15 ms over the weights, 0.4 ms a prompt token, 0.5 ms a decode, attention 0.3 µs
-# a query-key pair, 0.8 ms a request.
-TRUE = np.array([0.015, 0.0004, 0.0005, 3e-7, 0.0008])
+# A CPU-like step: 15 ms over the weights, 0.4 ms a prompt token, 0.5 ms a decode, attention 0.1 µs
+# a prompt chunk's query-key pair and 0.3 µs a decode's, 0.8 ms a request.
+TRUE = np.array([0.015, 0.0004, 0.0005, 1e-7, 3e-7, 0.0008])
 
 
 def true_time(shape: StepShape) -> float:
@@ -30,7 +30,7 @@ def true_time(shape: StepShape) -> float:
 def random_shape(rng: random.Random) -> StepShape:
     shape = StepShape()
     for _ in range(rng.randint(0, 16)):
-        shape = shape.plus(rng.randint(16, 1024), 1, is_decode=True)
+        shape = shape.plus(rng.randint(16, 4096), 1, is_decode=True)  # contexts wide enough to tell
     for _ in range(rng.randint(0, 6)):  # prompt chunks, as many as decodes can be, so the two separate
         shape = shape.plus(rng.randint(0, 512), rng.randint(2, 256))
     return shape if shape.num_requests else shape.plus(0, 64)

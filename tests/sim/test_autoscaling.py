@@ -11,7 +11,7 @@ from fleet_sim.routers import make_router
 from fleet_sim.trace import SimRequest
 from replica_engine.scheduler.step_time_model import StepTimeModel
 
-STEP_TIME = StepTimeModel.from_coefficients([0.012, 0.0005, 0.00025, 1e-8, 0.0])
+STEP_TIME = StepTimeModel.from_coefficients([0.012, 0.0005, 0.00025, 1e-8, 1e-8, 0.0])
 RAMP_AT_S = 60.0
 
 

@@ -16,7 +16,7 @@ from fleet_sim.trace import NextTurn, SimRequest
 from replica_engine.scheduler.step_time_model import StepTimeModel
 
 # About SmolLM2 on this machine's CPU: 12 ms a step, 0.5 ms a prompt token, 0.25 ms a decode.
-STEP_TIME = StepTimeModel.from_coefficients([0.012, 0.0005, 0.00025, 1e-8, 0.0])
+STEP_TIME = StepTimeModel.from_coefficients([0.012, 0.0005, 0.00025, 1e-8, 1e-8, 0.0])
 REPLICA = ReplicaConfig(num_kv_blocks=256)
 
 

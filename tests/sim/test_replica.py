@@ -14,7 +14,7 @@ from replica_engine import EngineConfig, LLMEngine
 from replica_engine.scheduler.step_time_model import StepTimeModel
 
 # 10 ms a step plus 1 ms per prompt token; decodes, attention and requests cost nothing more.
-STEP_TIME = StepTimeModel.from_coefficients([0.010, 0.001, 0.0, 0.0, 0.0])
+STEP_TIME = StepTimeModel.from_coefficients([0.010, 0.001, 0.0, 0.0, 0.0, 0.0])
 
 
 def test_a_two_request_timeline_computed_by_hand():

@@ -83,7 +83,7 @@ def test_the_command_finds_the_fewest_replicas_meeting_the_ttft_target(tmp_path,
     lines = [json.dumps({"arrival_s": i * 0.05, **request}) for i in range(120)]  # 20 requests/s
     trace = write_lines(tmp_path, *lines)
     step_time = tmp_path / "step_time.json"
-    step_time.write_text(json.dumps({"coefficients": [0.016, 0.00064, 0.0, 3.1e-7, 0.0017]}))
+    step_time.write_text(json.dumps({"coefficients": [0.016, 0.00064, 0.0, 3.1e-7, 3.1e-7, 0.0017]}))
     argv = ["--trace", str(trace), "--serve-config", str(SHIPPED), "--step-time", str(step_time)]
     main([*argv, "--replicas", "1,4,16", "--routers", "power_of_two", "--ttft-p90-target", "1.0"])
     out = capsys.readouterr().out

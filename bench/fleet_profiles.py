@@ -1,0 +1,75 @@
+"""The replicas bench.fleet simulates: this machine's CPU replica as serve_config.yaml ships it,
+with the step time its engine learned in bench.fleet_validation's run, and Llama-3-8B on an H100
+as vLLM would configure it, with a roofline's step time (fleet_sim/roofline.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.model_shapes import dummy_config_dict
+from fleet_sim.replica import ReplicaConfig
+from fleet_sim.roofline import RooflineStepTime
+from replica_engine.kv_cache_manager import blocks_in_bytes, kv_block_bytes
+from replica_engine.scheduler.step_time_model import StepShape, StepTime, StepTimeModel
+
+COEFFICIENTS = Path("bench/results/fleet_validation.json")
+# serve_config.yaml's replica on this CPU: a 1 GiB KV pool of SmolLM2 is 2,911 blocks
+CPU_REPLICA = ReplicaConfig(num_kv_blocks=2911, max_num_batched_tokens=256, max_num_seqs=64)
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of the GPU's memory
+ACTIVATION_RESERVE_BYTES = 2e9  # of it, what is not weights or KV (activations, CUDA graphs)
+CONTEXT_TOKENS = 2048  # where decode capacity is compared
+
+
+@dataclass(frozen=True)
+class Profile:
+    description: str
+    replica: ReplicaConfig
+    step_time: StepTime
+    rate_scale: float  # workload rates over the CPU profile's: what a replica serves over a CPU one
+
+
+def cpu_step_time() -> StepTimeModel:
+    coefficients = json.loads(COEFFICIENTS.read_text())["coefficients"]["learned_from_run"]
+    return StepTimeModel.from_coefficients(coefficients)
+
+
+def cpu_profile() -> Profile:
+    return Profile(
+        f"SmolLM2-135M on this CPU ({COEFFICIENTS} learned_from_run)", CPU_REPLICA, cpu_step_time(), 1.0
+    )
+
+
+def h100_llama3_8b_profile() -> Profile:
+    """vLLM's H100 settings: 90% of 80 GB, 8,192-token steps; 256 sequences (vLLM V0's default)."""
+    config = dummy_config_dict("llama3-8b")
+    step_time = RooflineStepTime.named("h100-sxm", config)
+    memory = step_time.accelerator.memory_bytes * GPU_MEMORY_UTILIZATION
+    pool_bytes = int(memory - step_time.cost.weight_bytes - ACTIVATION_RESERVE_BYTES)
+    heads = config["num_key_value_heads"], config["head_dim"]
+    block_bytes = kv_block_bytes(config["num_hidden_layers"], CPU_REPLICA.block_size, *heads, 2)
+    replica = ReplicaConfig(
+        num_kv_blocks=blocks_in_bytes(pool_bytes, block_bytes),
+        max_num_batched_tokens=8192,
+        max_num_seqs=256,
+        model="llama3-8b",
+    )
+    cpu = cpu_profile()
+    scale = min(capacity(replica, step_time, decode) / capacity(cpu.replica, cpu.step_time, decode)
+                for decode in (False, True))  # fmt: skip
+    description = f"Llama-3-8B on an H100 SXM (roofline: {step_time.accelerator})"
+    return Profile(description, replica, step_time, scale)
+
+
+def capacity(replica: ReplicaConfig, step_time: StepTime, decode: bool) -> float:
+    """Tokens/s of full steps: prompt chunks of the whole budget, or the most decodes at a
+    2,048-token context."""
+    if decode:
+        shape = StepShape.of([(CONTEXT_TOKENS, 1, True)] * replica.max_num_seqs)
+        return replica.max_num_seqs / step_time.predict_raw(shape)
+    budget = replica.max_num_batched_tokens
+    return budget / step_time.predict_raw(StepShape().plus(0, budget))
+
+
+PROFILES = {"cpu": cpu_profile, "h100-llama3-8b": h100_llama3_8b_profile}

@@ -1,0 +1,141 @@
+"""Step times for a GPU we cannot run here: a roofline of the accelerator's published peaks at
+stated efficiencies, for a model's shape (its config.json fields), used by the simulator as the
+step time itself (a StepTime, as the fitted StepTimeModel is).
+
+A step runs its kernels one after another, so its time is a sum of rooflines, each max(bytes /
+bandwidth, FLOPs / compute): the linear layers (every weight read once; 2 FLOPs per weight per
+token), the decodes' attention (each key and value read once for one query), the prompt chunks'
+attention (a matrix product: compute), the LM head for each sampled row, and a fixed overhead
+per step (launches, the scheduler). Not modelled: a prompt chunk's reads of its cached context,
+communication (one GPU per replica), quantized weights or KV. The engine's linear StepTimeModel
+cannot stand for it: fitted to this roofline it is 30-50% off on both sides of the knee where
+the linear layers turn from memory-bound to compute-bound, where decode steps live.
+
+    python -m fleet_sim.roofline --accelerator h100-sxm --model llama3-8b
+
+prints its step times for typical shapes."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from common.model_shapes import DUMMY_SHAPES, dummy_config_dict
+from replica_engine.kv_cache_manager import kv_block_bytes
+from replica_engine.scheduler.step_time_model import StepShape
+
+BYTES_PER_VALUE = 2  # bf16 weights and KV
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    memory_bytes_per_s: float  # peak HBM bandwidth
+    flops_per_s: float  # dense bf16 peak
+    memory_efficiency: float  # the fraction of each peak a serving engine's kernels reach (stated)
+    compute_efficiency: float
+    attention_efficiency: float
+    step_overhead_s: float
+    memory_bytes: float
+
+    def memory_s(self, num_bytes: float) -> float:
+        return num_bytes / (self.memory_bytes_per_s * self.memory_efficiency)
+
+    def compute_s(self, flops: float, efficiency: float) -> float:
+        return flops / (self.flops_per_s * efficiency)
+
+
+ACCELERATORS = {
+    # NVIDIA's H100 SXM5 datasheet: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16, 80 GB. Efficiencies:
+    # ~80% of HBM bandwidth for large weight reads, ~60% of peak for GEMMs and ~50% for flash
+    # attention in serving, ~1 ms of launches and scheduling per step: assumptions, not measured.
+    "h100-sxm": Accelerator("NVIDIA H100 SXM (80 GB)", 3.35e12, 989e12, 0.8, 0.6, 0.5, 1e-3, 80e9),
+}
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What the weights, a token and an attention pair cost, from a model's config."""
+
+    weight_bytes: float
+    linear_flops_per_token: float  # every layer's matmuls, without the LM head
+    lm_head_flops: float  # per sampled row
+    kv_bytes_per_token: float  # K and V of one token in every layer
+    attention_flops_per_pair: float  # QK^T and PV, every head, every layer
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any]) -> ModelCost:
+        hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+        heads = config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or hidden // heads
+        attention_weights = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o; k, v
+        mlp_weights = 3 * hidden * config["intermediate_size"]  # gate, up, down
+        layer_weights = layers * (attention_weights + mlp_weights)
+        embedding = config["vocab_size"] * hidden
+        num_weights = layer_weights + embedding * (1 if config.get("tie_word_embeddings") else 2)
+        return cls(
+            weight_bytes=num_weights * BYTES_PER_VALUE,
+            linear_flops_per_token=2 * layer_weights,
+            lm_head_flops=2 * embedding,
+            kv_bytes_per_token=kv_block_bytes(layers, 1, kv_heads, head_dim, BYTES_PER_VALUE),
+            attention_flops_per_pair=4 * layers * heads * head_dim,
+        )
+
+
+@dataclass(frozen=True)
+class RooflineStepTime:
+    """A StepTime: the roofline's time is both the expected time and the budget's."""
+
+    accelerator: Accelerator
+    cost: ModelCost
+
+    @classmethod
+    def named(cls, accelerator: str, config: Mapping[str, Any]) -> RooflineStepTime:
+        if accelerator not in ACCELERATORS:
+            raise ValueError(f"accelerator: {accelerator!r} is not one of {sorted(ACCELERATORS)}")
+        return cls(ACCELERATORS[accelerator], ModelCost.of(config))
+
+    def predict_raw(self, shape: StepShape) -> float:
+        a, cost = self.accelerator, self.cost
+        tokens = shape.num_prefill_tokens + shape.num_decodes
+        linear_flops = tokens * cost.linear_flops_per_token
+        linear = max(a.memory_s(cost.weight_bytes), a.compute_s(linear_flops, a.compute_efficiency))
+        decode_pairs = shape.num_decode_attention_pairs
+        decode_attention = max(
+            a.memory_s(decode_pairs * cost.kv_bytes_per_token),
+            a.compute_s(decode_pairs * cost.attention_flops_per_pair, a.attention_efficiency),
+        )
+        prompt_flops = shape.num_prompt_attention_pairs * cost.attention_flops_per_pair
+        prompt_attention = a.compute_s(prompt_flops, a.attention_efficiency)
+        lm_head = a.compute_s(shape.num_requests * cost.lm_head_flops, a.compute_efficiency)
+        return a.step_overhead_s + linear + decode_attention + prompt_attention + lm_head
+
+    def predict(self, shape: StepShape) -> float:
+        return self.predict_raw(shape)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--accelerator", default="h100-sxm", choices=sorted(ACCELERATORS))
+    parser.add_argument("--model", default="llama3-8b", choices=DUMMY_SHAPES)
+    args = parser.parse_args(argv)
+    step_time = RooflineStepTime.named(args.accelerator, dummy_config_dict(args.model))
+    print(f"{step_time.accelerator}\n{step_time.cost}")
+    for context in (1024, 8192):
+        for batch in (1, 16, 64, 256):
+            shape = StepShape.of([(context, 1, True)] * batch)
+            print(
+                f"decode batch {batch:3} at context {context:5}: {step_time.predict_raw(shape) * 1e3:6.2f} ms"
+            )
+    for chunk in (512, 2048, 8192):
+        shape = StepShape().plus(0, chunk)
+        print(f"prompt chunk {chunk:5} from the start:   {step_time.predict_raw(shape) * 1e3:6.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

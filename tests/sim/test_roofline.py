@@ -1,0 +1,58 @@
+"""The GPU roofline the simulator uses where no GPU can run: hand-computed times for Llama-3-8B."""
+
+import json
+
+import pytest
+import yaml
+
+from common.model_shapes import dummy_config_dict
+from fleet_sim.roofline import ModelCost, RooflineStepTime
+from fleet_sim.sizing import main
+from replica_engine.scheduler.step_time_model import StepShape
+from tests.sim.test_sizing import SHIPPED, write_lines
+
+LLAMA3_8B = dummy_config_dict("llama3-8b")
+
+
+def test_the_model_cost_is_llama_3_8bs_published_size():
+    cost = ModelCost.of(LLAMA3_8B)
+    assert cost.weight_bytes / 2 == pytest.approx(8.03e9, rel=0.001)  # 8.03 B parameters in bf16
+    assert cost.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads of 128
+
+
+def test_a_small_decode_reads_the_weights_and_a_full_prompt_chunk_is_bound_by_compute():
+    h100 = RooflineStepTime.named("h100-sxm", LLAMA3_8B)
+    cost = h100.cost
+    weights_s = cost.weight_bytes / (3.35e12 * 0.8)
+    one_decode = StepShape.of([(99, 1, True)])  # 100 keys and values read
+    lm_head_s = cost.lm_head_flops / (989e12 * 0.6)
+    kv_s = 100 * cost.kv_bytes_per_token / (3.35e12 * 0.8)
+    assert h100.predict_raw(one_decode) == pytest.approx(1e-3 + weights_s + kv_s + lm_head_s)
+    chunk = StepShape().plus(0, 8192)
+    linear_s = 8192 * cost.linear_flops_per_token / (989e12 * 0.6)
+    attention_s = (8192 * 8193 // 2) * cost.attention_flops_per_pair / (989e12 * 0.5)
+    assert linear_s > weights_s  # past the knee
+    assert h100.predict_raw(chunk) == pytest.approx(1e-3 + linear_s + attention_s + lm_head_s)
+    assert h100.predict(chunk) == h100.predict_raw(chunk)
+
+
+def test_an_unknown_accelerator_is_refused_by_name():
+    with pytest.raises(ValueError, match="accelerator: 'tpu-v9'"):
+        RooflineStepTime.named("tpu-v9", LLAMA3_8B)
+
+
+def test_the_sizing_command_sizes_a_gpu_fleet_from_the_configs_model(tmp_path, capsys):
+    config = yaml.safe_load(SHIPPED.read_text())
+    args = config["applications"][0]["args"]
+    args["model"] = "dummy:llama3-8b"
+    args["engine"].update(kv_cache_bytes=50 * 10**9, max_num_batched_tokens=8192, max_num_seqs=256)
+    serve_config = tmp_path / "serve_config.yaml"
+    serve_config.write_text(yaml.safe_dump(config))
+    request = {"output_tokens": 100, "prompt_tokens": 2000}
+    # 30 requests/s: 60,000 prompt tokens/s, where one replica's steps compute ~36,000 (8,192 in 0.23 s)
+    trace = write_lines(tmp_path, *(json.dumps({"arrival_s": i / 30, **request}) for i in range(300)))
+    argv = ["--trace", str(trace), "--serve-config", str(serve_config), "--accelerator", "h100-sxm"]
+    main([*argv, "--replicas", "1,2", "--routers", "power_of_two", "--ttft-p90-target", "0.5"])
+    out = capsys.readouterr().out
+    assert "a replica: 23840 KV blocks" in out  # 50 GB of 2 MiB blocks, less the null block
+    assert out.splitlines()[-1] == "TTFT p90 <= 0.5 s with power_of_two: 2 replicas"
