@@ -23,6 +23,9 @@ Not yet here: 64 replicas, an 8B-on-H100 profile, the autoscaling goal."""
 from __future__ import annotations
 
 import argparse
+import functools
+import multiprocessing
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -39,7 +42,9 @@ from replica_engine.scheduler.step_time_model import StepTimeModel
 from router.prefix_policy import PrefixPolicy
 
 SEEDS = (0, 1, 2)
-SIZES = {"cpu": ["4", "16", "64"], "h100-llama3-8b": ["4", "16"]}
+# What one run simulates (profile:workloads:replicas): every workload at 4 and 16 CPU replicas;
+# 64 replicas and the H100 profile where their simulations fit in this benchmark's hour.
+PLAN = ("cpu:a,b,c,d,e:4,16", "cpu:a,b:64", "h100-llama3-8b:a,b,c:4")
 DURATION_S = 120.0
 FIGURES = ("ttft_p50_s", "ttft_p90_s", "tbt_p99_s", "output_tok_per_s", "hit_rate")
 RATIO_GOALS = {  # kv_prefix over a peer at 16 replicas: (peer, figure, bound, the bound is a maximum)
@@ -140,7 +145,15 @@ WORKLOADS = {
 }
 
 
-def run_point(workload: TenantWorkload, profile: Profile, num_replicas: int, router: str, seed: int) -> dict:
+@functools.cache
+def profile_named(name: str) -> Profile:
+    return PROFILES[name]()
+
+
+def run_point(point: tuple[str, str, int, str, int]) -> dict:
+    """One simulation: (profile, workload, replicas, router, seed)."""
+    profile_name, workload_name, num_replicas, router, seed = point
+    profile, workload = profile_named(profile_name), WORKLOADS[workload_name]
     started = time.perf_counter()
     fleet = Fleet(FleetConfig(num_replicas, profile.replica), profile.step_time, make_router(router, seed))
     if workload.fail_replica_0_at_s is not None:
@@ -152,32 +165,36 @@ def run_point(workload: TenantWorkload, profile: Profile, num_replicas: int, rou
 def main(argv: list[str] | None = None) -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
-    parser.add_argument("--profiles", default=",".join(PROFILES), help=f"of {list(PROFILES)}")
-    parser.add_argument("--replicas", help="fleet sizes, comma-separated (default: each profile's)")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {list(WORKLOADS)}")
+    parser.add_argument(
+        "--run", action="append", metavar="PROFILE:WORKLOADS:SIZES",
+        help=f"e.g. cpu:a,b:4,16 (repeatable; default: {' '.join(PLAN)}); profiles: {list(PROFILES)}",
+    )  # fmt: skip
+    parser.add_argument("--processes", type=int, default=os.cpu_count(), help="simulations at once")
     parser.add_argument("--output", type=Path, default=Path("bench/results/fleet.json"))
     args = parser.parse_args(argv)
     run = BenchmarkRun("fleet", args.output, GOALS)
+    points = [
+        (profile, workload, int(size), router, seed)
+        for entry in args.run or PLAN
+        for profile, workloads, sizes in [entry.split(":")]
+        for workload in workloads.split(",")
+        for size in sizes.split(",")
+        for router in ROUTERS
+        for seed in SEEDS
+    ]
     results: dict[str, dict[str, dict[str, dict[str, list[dict]]]]] = {}
-    profiles = {}
-    for profile_name in args.profiles.split(","):
-        profile = profiles[profile_name] = PROFILES[profile_name]()
-        sizes = args.replicas.split(",") if args.replicas else SIZES[profile_name]
-        print(f"{profile_name}: {profile.description}; rates x{profile.rate_scale:.1f}")
-        results[profile_name] = by_workload = {}
-        for name in args.workloads.split(","):
-            workload = WORKLOADS[name]
-            print(f"({name}) {workload.description}")
-            by_workload[name] = {str(size): {} for size in sizes}
-            for size in map(int, sizes):
-                for router in ROUTERS:
-                    runs = [run_point(workload, profile, size, router, seed) for seed in SEEDS]
-                    by_workload[name][str(size)][router] = runs
-                    print_row(size, router, runs)
+    with multiprocessing.Pool(args.processes) as pool:  # each simulation is one single-threaded process
+        for point, summary in zip(points, pool.imap(run_point, points), strict=True):
+            profile, workload, size, router, _ = point
+            by_router = results.setdefault(profile, {}).setdefault(workload, {}).setdefault(str(size), {})
+            runs = by_router.setdefault(router, [])
+            runs.append(summary)
+            if len(runs) == len(SEEDS):
+                print_row(f"{profile} ({workload}) {size:3} replicas  {router:22}", runs)
     body = {
-        "settings": {"seeds": SEEDS, "duration_s": DURATION_S,
-                     "workloads": {name: vars(WORKLOADS[name]) for name in args.workloads.split(",")},
-                     "profiles": {name: describe(profile) for name, profile in profiles.items()},
+        "settings": {"seeds": SEEDS, "duration_s": DURATION_S, "processes": args.processes,
+                     "workloads": {name: vars(WORKLOADS[name]) for name in {p[1] for p in points}},
+                     "profiles": {name: describe(profile_named(name)) for name in results},
                      "kv_prefix_policy": vars(PrefixPolicy())},
         "results": results,
     }  # fmt: skip
@@ -198,11 +215,9 @@ def describe(profile: Profile) -> dict:
             "rate_scale": profile.rate_scale, "step_time": how}  # fmt: skip
 
 
-def print_row(size: int, router: str, runs: list[dict]) -> None:
+def print_row(label: str, runs: list[dict]) -> None:
     cells = "  ".join(f"{figure} {Spread.of_runs(runs, figure):.3f}" for figure in FIGURES)
-    print(
-        f"{size:3} replicas  {router:22} {cells}  (simulated in {Spread.of_runs(runs, 'sim_wall_s'):.0f} s)"
-    )
+    print(f"{label} {cells}  (simulated in {Spread.of_runs(runs, 'sim_wall_s'):.0f} s)", flush=True)
 
 
 def judge(results: dict, body: dict) -> dict[str, bool]:

@@ -44,9 +44,13 @@ def main(argv: list[str] | None = None) -> None:
     engine = engine_as_served()
     try:
         core, num_blocks = engine.core, engine.inputs.num_kv_blocks
+        samples = profile_step_times(core.runner, core.config, num_blocks)
         profiled = StepTimeModel()
-        profiled.fit_profile(profile_step_times(core.runner, core.config, num_blocks))
+        profiled.fit_profile(samples)
+        # As a replica refits: on the profile and its steps (a run's own steps alone leave decode
+        # attention undetermined wherever its contexts were all alike).
         learned = StepTimeModel(window=100_000)
+        learned.fit_profile(samples)
         core.step_listeners.append(lambda step: learned.observe(step.shape, step.duration_s))
         real = {(rate, seed): serve_real(engine, rate, seed) for rate in RATES for seed in SEEDS}
     finally:

@@ -1,5 +1,5 @@
 """The startup profile of the step-time model: a few synthetic steps of known composition (prompt
-chunks 64 and 512 tokens into a sequence, decode batches at those contexts, and a mix), timed on
+chunks 64, 512 and 2,048 tokens into a sequence, decode batches at those contexts, and a mix), timed on
 the real model before the replica takes requests, once (the replica logs how long it took)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from replica_engine.scheduler.step_time_model import StepShape
 
 CHUNK_SIZES = (16, 64, 256, 1024, 2048)
 DECODE_BATCHES = (1, 4, 16, 64)
-CONTEXTS = (64, 512)
+CONTEXTS = (64, 512, 2048)  # decodes' attention grows with context: long ones too
 TOKEN_ID = 100  # any id: timing does not depend on values
 _GREEDY = SamplingRow(SamplingParams(max_tokens=1, temperature=0.0), None)
 
