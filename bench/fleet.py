@@ -1,5 +1,7 @@
 """Routing where caches differ, at fleet sizes one machine cannot run: the fleet simulator
-(fleet_sim/) at 4 and 16 replicas, every router, 3 seeds (median and spread).
+(fleet_sim/), every router, 3 seeds (median and spread), on a process pool (a simulation is one
+single-threaded process). The plan (PLAN, or --run PROFILE:WORKLOADS:SIZES): every workload at 4
+and 16 CPU replicas, (a) and (b) at 64, and (a)-(c) at 4 H100 replicas: what fits in an hour here.
 
 Workloads (tenants with shared contexts; each request its tenant's context plus tokens of its own,
 32-128 tokens out; Poisson arrivals, per replica, ramping linearly over 120 s):
@@ -12,13 +14,16 @@ Workloads (tenants with shared contexts; each request its tenant's context plus 
   (d) long unique suffixes (500-1,500 tokens) after 1,000-token shared prefixes, 0.3x the KV;
       0.3 -> 0.9 requests/s;
   (e) (a) with replica 0 dying at 40 s (Serve's replacement, empty cache, serves 30 s later).
-Replicas as serve_config.yaml ships them on this CPU (1 GiB KV pool = 2,911 blocks, 256-token
-budget, 64 sequences, max_ongoing_requests 128); the step time as this machine's engine learned it
-in bench.fleet_validation's run (its `learned_from_run` coefficients).
+Profiles (bench/fleet_profiles.py): `cpu`, replicas as serve_config.yaml ships them on this CPU
+(1 GiB KV pool = 2,911 blocks, 256-token budget, 64 sequences, max_ongoing_requests 128) with the
+step time this machine's engine learned in bench.fleet_validation's run; `h100-llama3-8b`,
+Llama-3-8B as vLLM would run it on an H100 (90% of 80 GB: 25,719 blocks; 8,192-token budget; 256
+sequences) with fleet_sim/roofline.py's step time, the rates above scaled by what such a replica
+serves over a CPU one (the lesser of the prefill and decode capacity ratios: x25.8).
 
-Issue 25's goals at 16 replicas on (a): kv_prefix TTFT p90 <= 0.3x Ray's PrefixCacheAffinityRouter
-and <= 0.1x power-of-two; output tok/s >= 1.3x Ray's. Writes bench/results/fleet.json and .png.
-Not yet here: 64 replicas, an 8B-on-H100 profile, the autoscaling goal."""
+Issue 25's goals at 16 CPU replicas on (a): kv_prefix TTFT p90 <= 0.3x Ray's
+PrefixCacheAffinityRouter and <= 0.1x power-of-two; output tok/s >= 1.3x Ray's. Writes
+bench/results/fleet.json and .png."""
 
 from __future__ import annotations
 
@@ -155,7 +160,8 @@ def run_point(point: tuple[str, str, int, str, int]) -> dict:
     profile_name, workload_name, num_replicas, router, seed = point
     profile, workload = profile_named(profile_name), WORKLOADS[workload_name]
     started = time.perf_counter()
-    fleet = Fleet(FleetConfig(num_replicas, profile.replica), profile.step_time, make_router(router, seed))
+    config = FleetConfig(num_replicas, profile.replica, profile.max_ongoing_requests)
+    fleet = Fleet(config, profile.step_time, make_router(router, seed))
     if workload.fail_replica_0_at_s is not None:
         fleet.fail_replica_at(workload.fail_replica_0_at_s, "replica-0")
     summary = summarize_records(fleet.run(workload.requests(profile, num_replicas, seed)))
@@ -212,7 +218,8 @@ def describe(profile: Profile) -> dict:
         assert isinstance(step_time, RooflineStepTime)
         how = {"roofline": {"accelerator": vars(step_time.accelerator), "model_cost": vars(step_time.cost)}}
     return {"description": profile.description, "replica": vars(profile.replica),
-            "rate_scale": profile.rate_scale, "step_time": how}  # fmt: skip
+            "rate_scale": profile.rate_scale, "max_ongoing_requests": profile.max_ongoing_requests,
+            "step_time": how}  # fmt: skip
 
 
 def print_row(label: str, runs: list[dict]) -> None:
