@@ -38,7 +38,7 @@ class Turn:
     user: int
     turn: int
     cached_tokens: int  # of the prompt, found in the prefix cache
-    timing: RequestTiming
+    timing: RequestTiming | None  # None: it failed
 
 
 def _excerpt(rng: random.Random, text: str, num_tokens: int) -> str:
@@ -56,7 +56,10 @@ def multi_tenant_chat(
     question_tokens: int,
     mean_gap_s: float,
     mean_think_s: float,
+    zipf_s: float | None = None,
 ) -> list[Conversation]:
+    """`users_per_tenant` users each; with `zipf_s`, as many users in all, each of a tenant drawn
+    with popularity ~ 1 / rank^s (skewed: a few tenants hot, most cold)."""
     rng = random.Random(seed)
     text = english_text()
     systems = [
@@ -64,6 +67,10 @@ def multi_tenant_chat(
         for t in range(num_tenants)
     ]
     users = [(t, u) for t in range(num_tenants) for u in range(users_per_tenant)]
+    if zipf_s is not None:
+        weights = [1 / (rank + 1) ** zipf_s for rank in range(num_tenants)]
+        tenants = rng.choices(range(num_tenants), weights, k=len(users))
+        users = [(tenant, u) for u, tenant in enumerate(tenants)]
     rng.shuffle(users)
     conversations, now = [], 0.0
     for tenant, user in users:
@@ -75,10 +82,11 @@ def multi_tenant_chat(
 
 
 async def run_conversations(
-    url: str, conversations: list[Conversation], max_tokens: int
+    url: str, conversations: list[Conversation], max_tokens: int, failures_end_conversations: bool = False
 ) -> tuple[float, list[Turn]]:
     """Every conversation from its start time, turn after turn; greedy answers of exactly
-    `max_tokens` tokens (ignore_eos), streamed."""
+    `max_tokens` tokens (ignore_eos), streamed. A failed turn raises, or (with a replica killed
+    on purpose) is kept as a Turn without timing and ends its conversation."""
 
     async def converse(http: httpx.AsyncClient, conversation: Conversation) -> list[Turn]:
         messages = [{"role": "system", "content": conversation.system}]
@@ -90,7 +98,10 @@ async def run_conversations(
             body = {"messages": messages, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
             result = await stream_completion(http, url, body)
             if result.status != 200 or result.error_code is not None:
-                raise RuntimeError(f"request failed: HTTP {result.status}, {result.error_code}")
+                if not failures_end_conversations:
+                    raise RuntimeError(f"request failed: HTTP {result.status}, {result.error_code}")
+                turns.append(Turn(conversation.tenant, conversation.user, index, 0, None))
+                break
             cached = result.cached_tokens or 0
             turns.append(Turn(conversation.tenant, conversation.user, index, cached, result.timing()))
             messages.append({"role": "assistant", "content": result.text})

@@ -8,6 +8,11 @@ Workloads (Poisson arrivals, fixed seeds; SSE streaming; greedy, ignore_eos):
   prompt, 3 users per tenant, 3 turns per user resending the conversation. A replica's KV pool
   (192 blocks) holds about three tenants' system prompts, not all four plus their requests.
   Every router: kv_prefix, kv_pressure, Ray's prefix_cache_affinity, power_of_two, round_robin.
+- `eviction`: the chat workload with 10 tenants whose users follow Zipf popularity (s 1.1), so
+  the two pools (about three system prompts each) must evict, and the replica with the most
+  running requests killed (ray.kill, as a crash) when half the conversations have started: its
+  streams fail and end their conversations, Serve starts a replacement with an empty cache.
+  Every router; the next run waits until the replacement serves.
 - `skewed` (30% long prompts that nearly fill a pool, 70% short) and `uniform`: the earlier
   random-token workloads (no shared prefixes), for kv_prefix against kv_pressure and power_of_two.
 Writes bench/results/router_cpu.json and .png."""
@@ -29,9 +34,11 @@ from harness import serve_cluster
 from harness.latency import summarize
 from harness.metrics_scrape import EngineCounters
 from harness.random_workload import random_tokens
+from harness.replicas import kill_replica, wait_replaced
 
 CHAT_ROUTERS = ("kv_prefix", "kv_pressure", "prefix_cache_affinity", "power_of_two", "round_robin")
 LOAD_ROUTERS = ("kv_prefix", "kv_pressure", "power_of_two")
+WORKLOADS = {"chat": CHAT_ROUTERS, "eviction": CHAT_ROUTERS, "skewed": LOAD_ROUTERS, "uniform": LOAD_ROUTERS}
 BLOCK_SIZE = 16
 KV_BLOCKS = 192
 CHAT = {
@@ -44,6 +51,7 @@ CHAT = {
     "mean_think_s": 2.0,
 }
 CHAT_MAX_TOKENS = 32
+EVICTION = {**CHAT, "num_tenants": 10, "users_per_tenant": 2, "mean_gap_s": 1.5, "zipf_s": 1.1}
 LOAD_WORKLOAD = {"num_requests": 20, "mean_gap_s": 3.0}
 APP_ARGS = {
     "num_replicas": 2,
@@ -56,6 +64,8 @@ GOALS = {
     "chat_ttft_p50_vs_power_of_two_max": 0.3,
     "chat_hit_rate_above_prefix_cache_affinity_and_power_of_two": True,
     "chat_requests_per_replica_max_ratio": 1.5,
+    "eviction_ttft_p50_vs_prefix_cache_affinity_max": 0.5,
+    "eviction_hit_rate_above_prefix_cache_affinity": True,
     "skewed_ttft_p99_vs_kv_pressure_max": 1.25,  # no regression beyond noise (~+-25% here)
     "uniform_ttft_p99_vs_kv_pressure_max": 1.25,
     "skewed_ttft_p99_vs_power_of_two_max": 0.67,
@@ -78,12 +88,8 @@ def load_workload(kind: str, seed: int) -> list[Arrival]:
 def run_once(cluster: serve_cluster.ServeCluster, workload: str, router: str, seed: int) -> dict[str, float]:
     url = f"{cluster.base_url}/{router}/v1"
     before = EngineCounters.scrape(cluster, router)
-    if workload == "chat":
-        conversations = chat_workload.multi_tenant_chat(seed, **CHAT)
-        wall, turns = asyncio.run(
-            chat_workload.run_conversations(f"{url}/chat/completions", conversations, CHAT_MAX_TOKENS)
-        )
-        summary = summarize(wall, [turn.timing for turn in turns])
+    if workload in ("chat", "eviction"):
+        summary = run_chat(cluster, workload, router, seed)
     else:
         wall, timings = asyncio.run(
             http_load.open_loop(f"{url}/completions", load_workload(workload, seed), salted=False)
@@ -94,12 +100,51 @@ def run_once(cluster: serve_cluster.ServeCluster, workload: str, router: str, se
     served = sorted(run.finished_by_replica.values(), reverse=True)
     fewest = served[1] if len(served) > 1 else 0.0  # a replica that served none reports none
     return {
-        **summary,
         "hit_rate": run.prefix_cache_hits / run.prefix_cache_queries if run.prefix_cache_queries else 0.0,
+        **summary,  # its own hit rate where a killed replica's counters went with it
         "preemptions": run.preemptions,
         "requests_per_replica": served,
         "requests_max_ratio": served[0] / max(fewest, 1.0),
     }
+
+
+def run_chat(cluster: serve_cluster.ServeCluster, workload: str, router: str, seed: int) -> dict:
+    url = f"{cluster.base_url}/{router}/v1/chat/completions"
+    if workload == "chat":
+        conversations = chat_workload.multi_tenant_chat(seed, **CHAT)
+        wall, turns = asyncio.run(chat_workload.run_conversations(url, conversations, CHAT_MAX_TOKENS))
+        return summarize(wall, [turn.timing for turn in turns if turn.timing is not None])
+    conversations = chat_workload.multi_tenant_chat(seed, **EVICTION)
+    kill_at_s = conversations[len(conversations) // 2].at_s
+    killed: list[str] = []
+
+    async def serve_and_kill() -> tuple[float, list[chat_workload.Turn]]:
+        async def kill() -> None:
+            await asyncio.sleep(kill_at_s)
+            killed.append(await asyncio.to_thread(kill_replica, cluster, router))
+
+        killer = asyncio.create_task(kill())
+        served = await chat_workload.run_conversations(url, conversations, CHAT_MAX_TOKENS, True)
+        await killer
+        return served
+
+    wall, turns = asyncio.run(serve_and_kill())
+    replaced_s = wait_replaced(router, killed[0], APP_ARGS["num_replicas"])
+    warm_up(cluster, router)  # the replacement too
+    served = [turn for turn in turns if turn.timing is not None]
+    timings = [turn.timing for turn in served if turn.timing is not None]
+    return summarize(wall, timings) | {
+        # as the clients saw it (usage.prompt_tokens_details.cached_tokens), completed turns only
+        "hit_rate": sum(turn.cached_tokens for turn in served) / sum(t.prompt_len for t in timings),
+        "failed_turns": len(turns) - len(timings),
+        "killed_at_s": kill_at_s,
+        "replaced_after_s": replaced_s,
+    }
+
+
+def warm_up(cluster: serve_cluster.ServeCluster, router: str) -> None:
+    warm = {"prompt": [1000] * 8, "max_tokens": 2}
+    serve_cluster.post_concurrently(f"{cluster.base_url}/{router}/v1/completions", warm, 4)
 
 
 def ratio(results: dict, workload: str, key: str, ours: str, theirs: str) -> Spread:
@@ -108,6 +153,20 @@ def ratio(results: dict, workload: str, key: str, ours: str, theirs: str) -> Spr
 
 
 def judge(results: dict) -> tuple[dict[str, Spread], dict[str, bool]]:
+    """The goals of the workloads that ran."""
+    ratios, met = {}, {}
+    if "chat" in results:
+        ratios, met = judge_chat(results)
+    if "eviction" in results:
+        name = "eviction_ttft_p50_vs_prefix_cache_affinity"
+        ratios[name] = ratio(results, "eviction", "ttft_p50_s", "kv_prefix", "prefix_cache_affinity")
+        met[f"{name}_max"] = ratios[name].median <= GOALS[f"{name}_max"]
+        hit = {r: Spread.of_runs(runs, "hit_rate").median for r, runs in results["eviction"].items()}
+        met["eviction_hit_rate_above_prefix_cache_affinity"] = hit["kv_prefix"] > hit["prefix_cache_affinity"]
+    return ratios, met
+
+
+def judge_chat(results: dict) -> tuple[dict[str, Spread], dict[str, bool]]:
     ratios = {
         "chat_ttft_p50_vs_prefix_cache_affinity": ratio(
             results, "chat", "ttft_p50_s", "kv_prefix", "prefix_cache_affinity"
@@ -158,19 +217,21 @@ def print_table(results: dict) -> None:
 
 
 def plot(path: Path, results: dict) -> None:
+    """Per conversational workload that ran (chat, eviction): TTFT p50 and hit rate by router."""
     plt = pyplot()
-    figure, (ttft_axis, hit_axis) = plt.subplots(1, 2, figsize=(11, 4))
-    chat = results["chat"]
-    for router, runs in chat.items():
-        medians = [run["ttft_p50_s"] for run in runs]
-        ttft_axis.scatter([router] * len(medians), medians, label=None)
-        ttft_axis.plot([router], [Spread.of(medians).median], "k_", markersize=20)
-        hit_axis.bar(router, Spread.of_runs(runs, "hit_rate").median)
-    ttft_axis.set_ylabel("TTFT p50 (s), one dot per seed, bar = median")
-    hit_axis.set_ylabel("fleet prefix-cache hit rate (median)")
-    for axis in (ttft_axis, hit_axis):
-        axis.tick_params(axis="x", rotation=30)
-    figure.suptitle("multi-tenant chat, 2 CPU replicas of SmolLM2: by router")
+    shown = [w for w in ("chat", "eviction") if w in results]
+    figure, axes = plt.subplots(len(shown), 2, figsize=(11, 4 * len(shown)), squeeze=False)
+    for workload, (ttft_axis, hit_axis) in zip(shown, axes, strict=True):
+        for router, runs in results[workload].items():
+            medians = [run["ttft_p50_s"] for run in runs]
+            ttft_axis.scatter([router] * len(medians), medians, label=None)
+            ttft_axis.plot([router], [Spread.of(medians).median], "k_", markersize=20)
+            hit_axis.bar(router, Spread.of_runs(runs, "hit_rate").median)
+        ttft_axis.set_ylabel("TTFT p50 (s), one dot per seed, bar = median")
+        hit_axis.set_ylabel("fleet prefix-cache hit rate (median)")
+        ttft_axis.set_title(f"{workload}: 2 CPU replicas of SmolLM2, by router", fontsize=9)
+        for axis in (ttft_axis, hit_axis):
+            axis.tick_params(axis="x", rotation=30)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
@@ -179,15 +240,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--quick", action="store_true", help="one seed, chat only (a smoke run; no goals)")
-    parser.add_argument("--routers", nargs="+", choices=CHAT_ROUTERS, help="with --quick: only these")
+    parser.add_argument("--routers", nargs="+", choices=CHAT_ROUTERS, help="only these")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="default: all but eviction")
     parser.add_argument("--output", type=Path, help="default: bench/results/router_cpu[_quick].json")
     args = parser.parse_args()
+    import ray
+
     args.output = args.output or Path(f"bench/results/router_cpu{'_quick' if args.quick else ''}.json")
     seeds = args.seeds[:1] if args.quick else args.seeds
     plan = (
         {"chat": tuple(args.routers or CHAT_ROUTERS)}
         if args.quick
-        else {"chat": CHAT_ROUTERS, "skewed": LOAD_ROUTERS, "uniform": LOAD_ROUTERS}
+        else {
+            w: tuple(r for r in WORKLOADS[w] if r in (args.routers or WORKLOADS[w]))
+            for w in args.workloads or ("chat", "skewed", "uniform")
+        }
     )
 
     run = BenchmarkRun("router", args.output, GOALS)
@@ -200,15 +267,21 @@ def main() -> None:
     results: dict[str, dict[str, list[dict]]] = {w: {r: [] for r in routers} for w, routers in plan.items()}
     output = {
         "seeds": seeds,
-        "workloads": {"chat": CHAT, "chat_max_tokens": CHAT_MAX_TOKENS, "skewed_uniform": LOAD_WORKLOAD},
+        "workloads": {
+            "chat": CHAT,
+            "chat_max_tokens": CHAT_MAX_TOKENS,
+            "eviction": EVICTION,
+            "skewed_uniform": LOAD_WORKLOAD,
+        },
         "replicas": APP_ARGS,
         "results": results,
     }
     try:
         for router in deployed:  # every app must be up, and warm
             cluster.wait_ready(f"/{router}")
-            warm = {"prompt": [1000] * 8, "max_tokens": 2}
-            serve_cluster.post_concurrently(f"{cluster.base_url}/{router}/v1/completions", warm, 4)
+            warm_up(cluster, router)
+        if "eviction" in plan:  # kills replicas: through Ray
+            ray.init(address=cluster.ray_address, logging_level="ERROR", log_to_driver=False)
         for seed in seeds:  # seed by seed, so host drift falls on every router alike
             for workload, routers in plan.items():
                 for router in routers:
@@ -217,6 +290,7 @@ def main() -> None:
                     print(workload, router, seed, json.dumps(summary), flush=True)
                     run.write(output, goals_met={})  # so far, if the run breaks
     finally:
+        ray.shutdown()
         serve_cluster.stop(cluster)
 
     print_table(results)
