@@ -138,7 +138,7 @@ def run_chat(cluster: serve_cluster.ServeCluster, workload: str, router: str, se
         "hit_rate": sum(turn.cached_tokens for turn in served) / sum(t.prompt_len for t in timings),
         "failed_turns": len(turns) - len(timings),
         "killed_at_s": kill_at_s,
-        "replaced_after_s": replaced_s,
+        "replaced_after_s": replaced_s,  # waited after the run's end: the replacement came up during it
     }
 
 
