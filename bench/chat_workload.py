@@ -17,6 +17,7 @@ import httpx
 from bench.text_prompts import english_text
 from harness.latency import RequestTiming
 from harness.pacing import open_loop
+from harness.random_workload import zipf_weights
 from harness.sse_client import stream_completion
 
 CHARS_PER_TOKEN = 4.4  # of this English text through SmolLM2's tokenizer (measured, for sizing only)
@@ -68,8 +69,7 @@ def multi_tenant_chat(
     ]
     users = [(t, u) for t in range(num_tenants) for u in range(users_per_tenant)]
     if zipf_s is not None:
-        weights = [1 / (rank + 1) ** zipf_s for rank in range(num_tenants)]
-        tenants = rng.choices(range(num_tenants), weights, k=len(users))
+        tenants = rng.choices(range(num_tenants), zipf_weights(num_tenants, zipf_s), k=len(users))
         users = [(tenant, u) for u, tenant in enumerate(tenants)]
     rng.shuffle(users)
     conversations, now = [], 0.0

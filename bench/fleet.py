@@ -43,6 +43,7 @@ from fleet_sim.records import summarize_records
 from fleet_sim.roofline import RooflineStepTime
 from fleet_sim.routers import ROUTERS, make_router
 from fleet_sim.trace import NextTurn, SimRequest
+from harness.random_workload import zipf_weights
 from replica_engine.scheduler.step_time_model import StepTimeModel
 from router.prefix_policy import PrefixPolicy
 
@@ -105,7 +106,7 @@ def tenant_requests(
     output and `own_tokens` more, sent an exponential think time after the last turn ended."""
     rng = random.Random(seed)
     contexts = [tuple(rng.randrange(1, 32000) for _ in range(context_tokens)) for _ in range(num_tenants)]
-    weights = [1 / (rank + 1) ** zipf_s for rank in range(num_tenants)] if zipf_s else None
+    weights = zipf_weights(num_tenants, zipf_s) if zipf_s else None
     low, high = rates
 
     def own() -> tuple[int, ...]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from common.model_shapes import dummy_config_dict
 from fleet_sim.replica import ReplicaConfig
 from fleet_sim.roofline import RooflineStepTime
-from replica_engine.kv_cache_manager import blocks_in_bytes, kv_block_bytes
+from replica_engine.kv_cache_manager import blocks_in_bytes
 from replica_engine.scheduler.step_time_model import StepShape, StepTime, StepTimeModel
 
 COEFFICIENTS = Path("bench/results/fleet_validation.json")
@@ -50,8 +50,7 @@ def h100_llama3_8b_profile() -> Profile:
     step_time = RooflineStepTime.named("h100-sxm", config)
     memory = step_time.accelerator.memory_bytes * GPU_MEMORY_UTILIZATION
     pool_bytes = int(memory - step_time.cost.weight_bytes - ACTIVATION_RESERVE_BYTES)
-    heads = config["num_key_value_heads"], config["head_dim"]
-    block_bytes = kv_block_bytes(config["num_hidden_layers"], CPU_REPLICA.block_size, *heads, 2)
+    block_bytes = int(step_time.cost.kv_bytes_per_token) * CPU_REPLICA.block_size
     replica = ReplicaConfig(
         num_kv_blocks=blocks_in_bytes(pool_bytes, block_bytes),
         max_num_batched_tokens=8192,

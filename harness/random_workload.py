@@ -12,6 +12,11 @@ def random_tokens(rng: random.Random, n: int, token_range: tuple[int, int] = RAN
     return [rng.randrange(*token_range) for _ in range(n)]
 
 
+def zipf_weights(n: int, s: float) -> list[float]:
+    """Popularity of n items by rank, ~ 1 / rank^s (a few hot, most cold)."""
+    return [1 / (rank + 1) ** s for rank in range(n)]
+
+
 def log_uniform(rng: random.Random, low: int, high: int) -> int:
     return round(math.exp(rng.uniform(math.log(low), math.log(high))))
 
