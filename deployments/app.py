@@ -44,6 +44,9 @@ class AppArgs(BaseModel):
     # replace the builder's options wholesale and silently drop it.
     num_gpus: float = Field(default=0, ge=0)
     num_cpus: float = Field(default=1, ge=0)
+    # Custom Ray resources per replica, e.g. {"stallfree_engine": 1} with nodes started by
+    # `ray start --resources='{"stallfree_engine": 1}'`: replicas go only where a node offers them.
+    resources: dict[str, float] = Field(default_factory=dict)
     cpu_threads: int | None = Field(default=None, ge=1)  # torch threads on CPU; default: every core
     num_replicas: int | Literal["auto"] = 1
     # Serve's (min/max_replicas, upscale/downscale_delay_s, ...), used with num_replicas: auto.
@@ -61,6 +64,10 @@ class AppArgs(BaseModel):
     max_ongoing_requests: int = Field(default=128, ge=1)  # per replica: the engine batches these
     max_queued_requests: int = Field(default=512, ge=-1)  # beyond this, 503 + Retry-After (-1: no cap)
     ingress_max_ongoing_requests: int = Field(default=4096, ge=1)
+    # Ingress replicas, each with its own routers, at most one per node: with proxy_location
+    # EveryNode, one per node keeps a request on the node whose proxy it entered (Serve's proxy
+    # prefers its own node's). More than the cluster has nodes: the rest wait for nodes.
+    ingress_replicas: int = Field(default=1, ge=1)
     # Sampling for fields a request leaves out (vLLM's generation-config defaults), e.g. the
     # model card's {temperature: 0.2, top_p: 0.9}; without it, OpenAI's (temperature 1).
     sampling_defaults: dict[str, Any] = Field(default_factory=dict)
@@ -131,7 +138,7 @@ def build_app(args: AppArgs) -> Application:
     engine_config = args.engine_config()
     model_name = args.served_model_name or served_model_name(args.model)
     replica = EngineReplica.options(
-        ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": args.num_gpus},
+        ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": args.num_gpus, "resources": args.resources},
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
         **_autoscaling(args),
@@ -147,4 +154,9 @@ def build_app(args: AppArgs) -> Application:
         args.max_request_body_bytes,
         args.request_timeout_s,
     )
-    return Ingress.options(max_ongoing_requests=args.ingress_max_ongoing_requests).bind(replica, settings)
+    ingress = Ingress.options(
+        max_ongoing_requests=args.ingress_max_ongoing_requests,
+        num_replicas=args.ingress_replicas,
+        max_replicas_per_node=1 if args.ingress_replicas > 1 else None,
+    )
+    return ingress.bind(replica, settings)

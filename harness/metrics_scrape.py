@@ -7,13 +7,21 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.finish_reason import FinishReason
-from harness.serve_cluster import ServeCluster
 from replica_engine.metrics.engine_metrics import PREFIX, REASON_LABEL
+
+
+class MetricsSource(Protocol):
+    """A node's metrics export endpoint (a ServeCluster's node, or one node of a multi-node one)."""
+
+    @property
+    def metrics_url(self) -> str: ...
+
 
 # RayServeSink's instruments are exported as ray_<name>.
 ENGINE_PREFIX = "ray_" + PREFIX
@@ -23,7 +31,7 @@ DRAIN_TIMEOUT_S = 30
 class MetricsPage:
     """One read of the metrics endpoint, so figures taken together come from the same moment."""
 
-    def __init__(self, cluster: ServeCluster) -> None:
+    def __init__(self, cluster: MetricsSource) -> None:
         text = httpx.get(cluster.metrics_url, timeout=30).text
         self.samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
 
@@ -41,11 +49,11 @@ class MetricsPage:
         return sum(self.by_replica(name, labels).values())
 
 
-def scrape(cluster: ServeCluster, name: str, labels: dict[str, str]) -> float:
+def scrape(cluster: MetricsSource, name: str, labels: dict[str, str]) -> float:
     return MetricsPage(cluster).total(name, labels)
 
 
-def scrape_by_replica(cluster: ServeCluster, name: str, labels: dict[str, str]) -> dict[str, float]:
+def scrape_by_replica(cluster: MetricsSource, name: str, labels: dict[str, str]) -> dict[str, float]:
     return MetricsPage(cluster).by_replica(name, labels)
 
 
@@ -60,7 +68,7 @@ class EngineCounters:
     finished_by_replica: dict[str, float]
 
     @classmethod
-    def scrape(cls, cluster: ServeCluster, app: str) -> EngineCounters:
+    def scrape(cls, cluster: MetricsSource, app: str) -> EngineCounters:
         page, labels = MetricsPage(cluster), {"application": app}
         finished = f"{ENGINE_PREFIX}requests_finished_total"
         return cls(
@@ -81,7 +89,7 @@ class EngineCounters:
         )
 
 
-def held_after_drain(cluster: ServeCluster, app: str) -> dict[str, dict[str, float]]:
+def held_after_drain(cluster: MetricsSource, app: str) -> dict[str, dict[str, float]]:
     """Per live replica: requests running or waiting, and KV blocks still held."""
     page, labels = MetricsPage(cluster), {"application": app}
 
@@ -101,7 +109,7 @@ def held_after_drain(cluster: ServeCluster, app: str) -> dict[str, dict[str, flo
     return held
 
 
-def wait_drained(cluster: ServeCluster, app: str) -> tuple[float, dict[str, dict[str, float]]]:
+def wait_drained(cluster: MetricsSource, app: str) -> tuple[float, dict[str, dict[str, float]]]:
     """Until every replica reports nothing running, waiting or held (or the timeout)."""
     started = time.monotonic()
     while True:

@@ -57,7 +57,7 @@ async def stream_completion(
     async with http.stream("POST", url, json=body) as response:
         result.status = response.status_code
         if response.status_code != 200:
-            result.error_code = json.loads(await response.aread())["error"]["code"]
+            result.error_code, result.text = error_code(await response.aread())
             result.done_at = time.monotonic()
             return result
         async for line in response.aiter_lines():
@@ -86,3 +86,13 @@ async def stream_completion(
                     break  # leaving the `async with` closes the connection
     result.done_at = time.monotonic()
     return result
+
+
+def error_code(body: bytes) -> tuple[str, str]:
+    """An error body's OpenAI `error.code`, or `not_openai` for any other body (Serve's proxy
+    answers some failures in plain text); with the body's start, to say what it was."""
+    text = body.decode(errors="replace")[:300]
+    try:
+        return str(json.loads(body)["error"]["code"]), text
+    except (ValueError, KeyError, TypeError):
+        return "not_openai", text

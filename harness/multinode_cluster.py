@@ -1,0 +1,143 @@
+"""A real multi-node Ray cluster on this machine (Ray's own test tool, `ray.cluster_utils.Cluster`):
+a head and worker nodes, each a raylet of its own with its own resources, object store, metrics
+export port and (with proxy_location EveryNode) its own Serve proxy on its own HTTP port; then
+the documented `serve run <config>` deploys onto it.
+
+Proxies on one machine would share serve_config's HTTP port (Serve binds it with SO_REUSEPORT, so
+the kernel would pick the node per connection); each worker's proxy is moved to a port of its own
+with Serve's RAY_SERVE_WORKER_PROXY_HTTP_PORT, set in that node's environment, so a client picks
+the node it enters through. A node is lost as a crash loses it: every process of it killed
+(SIGKILL, raylet included)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from harness.serve_cluster import BIN, REPO, START_TIMEOUT_S, free_port, wait_for_http
+
+# Ray's defaults for a test cluster, as harness/serve_cluster.py sets them for one node.
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_metrics_report_interval_ms": "1000",
+    "RAY_AUTH_MODE": "disabled",
+}
+
+
+@dataclass
+class ClusterNode:
+    name: str  # "head", "worker-1", ...
+    node: Any  # ray._private.node.Node
+    http_url: str  # this node's Serve proxy
+    metrics_url: str  # this node's metrics export endpoint
+
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id
+
+    def process_ids(self) -> list[int]:
+        """Every process Ray started for this node (raylet first)."""
+        processes = self.node.all_processes
+        raylets = [info.process.pid for info in processes.get("raylet", [])]
+        others = [info.process.pid for kind, infos in processes.items() if kind != "raylet" for info in infos]
+        return raylets + others
+
+
+@dataclass
+class MultiNodeCluster:
+    cluster: Any  # ray.cluster_utils.Cluster
+    head: ClusterNode
+    workers: list[ClusterNode]
+    serve_run: subprocess.Popen
+    log_dir: Path
+    removed: list[ClusterNode] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def node_named(self, name: str) -> ClusterNode:
+        return next(node for node in [self.head, *self.workers] if node.name == name)
+
+    def wait_ready(self, route_prefix: str = "") -> None:
+        """Until every node's proxy answers the app's /health."""
+        for node in [self.head, *self.workers]:
+            url = f"{node.http_url}{route_prefix}/health"
+            wait_for_http(url, self.serve_run, "`serve run`", START_TIMEOUT_S, log_tail=self.serve_log_tail)
+
+    def serve_log_tail(self) -> str:
+        path = self.log_dir / "serve_run.log"
+        return f"\n--- serve run's log ---\n{path.read_text()[-4000:]}" if path.exists() else ""
+
+    def remove_worker(self, worker: ClusterNode) -> None:
+        """The node dies: SIGKILL to its raylet and every other process it runs."""
+        self.cluster.remove_node(worker.node, allow_graceful=False)
+        self.workers.remove(worker)
+        self.removed.append(worker)
+
+
+@contextmanager
+def _environment(values: dict[str, str]):
+    """`values` in this process's environment while a node starts (its raylet inherits them, and
+    the workers it forks inherit the raylet's)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def start(
+    config: dict, log_dir: Path, worker_resources: list[dict[str, float]], node_cpus: int = 2
+) -> MultiNodeCluster:
+    """A head with no custom resources and one worker per entry of `worker_resources`, then
+    `serve run` of `config` (a serve_config.yaml, parsed) with the head's proxy on a free port."""
+    from ray.cluster_utils import Cluster
+
+    os.environ.update(RAY_ENV)
+    head_port, metrics_port = free_port(), free_port()
+    head_args = {"num_cpus": node_cpus, "metrics_export_port": metrics_port, "dashboard_port": free_port()}
+    cluster = Cluster(initialize_head=True, head_node_args=head_args)
+    head = ClusterNode("head", cluster.head_node, _local(head_port), _local(metrics_port, "/metrics"))
+    workers = []
+    for i, resources in enumerate(worker_resources, start=1):
+        http_port, metrics_port = free_port(), free_port()
+        with _environment({"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(http_port)}):
+            node = cluster.add_node(num_cpus=node_cpus, resources=resources, metrics_export_port=metrics_port)
+        workers.append(ClusterNode(f"worker-{i}", node, _local(http_port), _local(metrics_port, "/metrics")))
+    config = {**config, "proxy_location": "EveryNode"}
+    config["http_options"] = {**config.get("http_options", {}), "host": "127.0.0.1", "port": head_port}
+    config_path = log_dir / "serve_config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    serve_run = subprocess.Popen(
+        [BIN / "serve", "run", str(config_path)],
+        cwd=REPO,
+        env={**os.environ, "RAY_ADDRESS": cluster.address},
+        stdout=(log_dir / "serve_run.log").open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    return MultiNodeCluster(cluster, head, workers, serve_run, log_dir)
+
+
+def stop(cluster: MultiNodeCluster) -> None:
+    cluster.serve_run.terminate()
+    try:
+        cluster.serve_run.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        cluster.serve_run.kill()
+    cluster.cluster.shutdown()
+
+
+def _local(port: int, path: str = "") -> str:
+    return f"http://127.0.0.1:{port}{path}"
