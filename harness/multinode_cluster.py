@@ -1,7 +1,8 @@
 """A real multi-node Ray cluster on this machine (Ray's own test tool, `ray.cluster_utils.Cluster`):
 a head and worker nodes, each a raylet of its own with its own resources, object store, metrics
 export port and (with proxy_location EveryNode) its own Serve proxy on its own HTTP port; then
-the documented `serve run <config>` deploys onto it.
+the documented `serve run <config>` deploys onto it. With a Redis address the head's GCS keeps its
+tables there (Ray's GCS fault tolerance), so the GCS can be killed and restarted under the app.
 
 Proxies on one machine would share serve_config's HTTP port (Serve binds it with SO_REUSEPORT, so
 the kernel would pick the node per connection); each worker's proxy is moved to a port of its own
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,11 +58,17 @@ class MultiNodeCluster:
     workers: list[ClusterNode]
     serve_run: subprocess.Popen
     log_dir: Path
+    redis_address: str | None = None  # the GCS's external store, where it has one
     removed: list[ClusterNode] = field(default_factory=list)
 
     @property
     def address(self) -> str:
         return self.cluster.address
+
+    @property
+    def dashboard_url(self) -> str:
+        """The head's dashboard (Ray's state API; Serve's REST API)."""
+        return f"http://{self.cluster.webui_url}"
 
     def node_named(self, name: str) -> ClusterNode:
         return next(node for node in [self.head, *self.workers] if node.name == name)
@@ -74,6 +82,14 @@ class MultiNodeCluster:
     def serve_log_tail(self) -> str:
         path = self.log_dir / "serve_run.log"
         return f"\n--- serve run's log ---\n{path.read_text()[-4000:]}" if path.exists() else ""
+
+    def restart_gcs(self, down_s: float = 0.0) -> None:
+        """Kill the head's GCS server (SIGKILL), leave it down `down_s`, start it again: it reloads
+        the cluster's tables from Redis, and raylets, workers and drivers reconnect."""
+        assert self.redis_address is not None, "a GCS without Redis loses the cluster when it dies"
+        self.cluster.head_node.kill_gcs_server()
+        time.sleep(down_s)
+        self.cluster.head_node.start_gcs_server()
 
     def remove_worker(self, worker: ClusterNode) -> None:
         """The node dies: SIGKILL to its raylet and every other process it runs."""
@@ -99,15 +115,22 @@ def _environment(values: dict[str, str]):
 
 
 def start(
-    config: dict, log_dir: Path, worker_resources: list[dict[str, float]], node_cpus: int = 2
+    config: dict,
+    log_dir: Path,
+    worker_resources: list[dict[str, float]],
+    node_cpus: int = 2,
+    redis_address: str | None = None,
 ) -> MultiNodeCluster:
-    """A head with no custom resources and one worker per entry of `worker_resources`, then
-    `serve run` of `config` (a serve_config.yaml, parsed) with the head's proxy on a free port."""
+    """A head with no custom resources (its GCS on Redis at `redis_address`, if given) and one
+    worker per entry of `worker_resources`, then `serve run` of `config` (a serve_config.yaml,
+    parsed) with the head's proxy on a free port."""
     from ray.cluster_utils import Cluster
 
     os.environ.update(RAY_ENV)
     head_port, metrics_port = free_port(), free_port()
     head_args = {"num_cpus": node_cpus, "metrics_export_port": metrics_port, "dashboard_port": free_port()}
+    if redis_address is not None:
+        head_args["external_addresses"] = [redis_address]
     cluster = Cluster(initialize_head=True, head_node_args=head_args)
     head = ClusterNode("head", cluster.head_node, _local(head_port), _local(metrics_port, "/metrics"))
     workers = []
@@ -127,7 +150,7 @@ def start(
         stdout=(log_dir / "serve_run.log").open("w"),
         stderr=subprocess.STDOUT,
     )
-    return MultiNodeCluster(cluster, head, workers, serve_run, log_dir)
+    return MultiNodeCluster(cluster, head, workers, serve_run, log_dir, redis_address)
 
 
 def stop(cluster: MultiNodeCluster) -> None:

@@ -105,9 +105,10 @@ def small_app(serve_cluster):
 @pytest.fixture(scope="session")
 def prometheus(serve_cluster, tmp_path_factory: pytest.TempPathFactory):
     """A real Prometheus scraping the cluster (installed from Debian's package when missing)."""
+    from harness.debian_package import find_or_install
     from tests.serve import prometheus_server
 
-    binary, why_not = prometheus_server.find_or_install()
+    binary, why_not = find_or_install("prometheus", "prometheus")
     if binary is None:
         pytest.skip(why_not)
     process, url = prometheus_server.start(binary, tmp_path_factory.mktemp("prometheus"))

@@ -1,6 +1,7 @@
 """A real multi-node Ray cluster on this machine (harness/multinode_cluster.py: Ray's own
 `cluster_utils.Cluster`): a head and two worker nodes, each its own raylet, object store, metrics
-port and Serve proxy (proxy_location EveryNode). The app is serve_config.yaml's, deployed by
+port and Serve proxy (proxy_location EveryNode), the head's GCS on a real Redis (Debian's
+redis-server; Ray's GCS fault tolerance). The app is serve_config.yaml's, deployed by
 `serve run`, with its args pinning one EngineReplica to each worker by a custom resource (worker-2
 offers a second slot, where Serve can put a replacement) and one Ingress (with its routers) per
 node. The replicas run `dummy:tiny-llama`: what is tested is where requests go, not the model."""
@@ -8,17 +9,20 @@ node. The replicas run `dummy:tiny-llama`: what is tested is where requests go, 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import Counter
+from contextlib import ExitStack
 
 import httpx
 import openai
 import pytest
 
-from harness import multinode_cluster, soak_load
-from harness.metrics_scrape import MetricsPage, wait_drained
+from harness import multinode_cluster, redis_server, soak_load
+from harness.debian_package import find_or_install
+from harness.metrics_scrape import ENGINE_PREFIX, EngineCounters, MetricsPage, wait_drained
 from harness.multinode_cluster import ClusterNode, MultiNodeCluster
-from harness.serve_cluster import shipped_app_config, with_app_args
+from harness.serve_cluster import shipped_app_config, wait_for, with_app_args
 from harness.sse_client import StreamResult
 from router.kv_router import ROUTED_METRIC
 from router.prefix_policy import BY_PREFIX
@@ -51,30 +55,49 @@ TURN_GAP_S = 1.0
 REPLACED_S = 60.0
 
 
+GCS_DOWN_S = 5.0  # the GCS is killed, left down this long, then started (it takes ~15 s to load)
+
+
+@functools.cache
+def redis_binary() -> tuple[str | None, str]:
+    return find_or_install("redis-server", "redis-server")
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    import ray
-
     config = shipped_app_config()
     app = config["applications"][0]
     app["args"] = with_app_args(app["args"], APP_ARGS)
     log_dir = tmp_path_factory.mktemp("multinode")
-    cluster = multinode_cluster.start(config, log_dir, [{SLOT: 1}, {SLOT: 2}])
-    try:
-        cluster.wait_ready()
-        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
-        yield cluster
-    finally:
-        ray.shutdown()
-        multinode_cluster.stop(cluster)
+    with ExitStack() as stack:
+        binary, _ = redis_binary()  # without it, only the GCS test skips
+        redis = stack.enter_context(redis_server.running(binary, log_dir)) if binary else None
+        cluster = multinode_cluster.start(config, log_dir, [{SLOT: 1}, {SLOT: 2}], redis_address=redis)
+        try:
+            cluster.wait_ready()
+            yield cluster  # this process is no Ray driver: a driver does not outlive a GCS restart
+        finally:
+            multinode_cluster.stop(cluster)
 
 
-def nodes_running(class_name: str) -> list[str]:
-    """The node of every live actor of this class (Serve's replicas: ServeReplica:<app>:<name>)."""
+def live_actors(cluster: MultiNodeCluster, class_name: str) -> list[tuple[str, str]]:
+    """(node, actor id) of every live actor of this class (Serve's replicas: ServeReplica:<app>:<name>),
+    from Ray's state API on the head's dashboard."""
     from ray.util.state import list_actors
 
-    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-    return sorted(a.node_id for a in actors if a.class_name.split(":")[-1] == class_name)
+    actors = list_actors(cluster.dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000)
+    return sorted((a.node_id, a.actor_id) for a in actors if a.class_name.split(":")[-1] == class_name)
+
+
+def replicas_reporting(nodes: list[ClusterNode]) -> set[str]:
+    """The EngineReplicas whose gauges these nodes' metrics ports export. (The tests after the GCS
+    restart read these, not Ray's state API: the dashboard serving it exited with the GCS.)"""
+    gauge, labels = f"{ENGINE_PREFIX}num_requests_running", {"application": APP}
+    return {replica for node in nodes for replica in MetricsPage(node).by_replica(gauge, labels)}
+
+
+def nodes_running(cluster: MultiNodeCluster, class_name: str) -> list[str]:
+    return [node for node, _ in live_actors(cluster, class_name)]
 
 
 def routed_reasons(node: ClusterNode) -> Counter[str]:
@@ -90,8 +113,12 @@ def test_replicas_spread_over_nodes_and_every_nodes_router_finds_a_conversations
     cluster: MultiNodeCluster,
 ):
     nodes = [cluster.head, *cluster.workers]
-    assert nodes_running("EngineReplica") == sorted(w.node_id for w in cluster.workers)
-    assert nodes_running("Ingress") == nodes_running("ProxyActor") == sorted(n.node_id for n in nodes)
+    assert nodes_running(cluster, "EngineReplica") == sorted(w.node_id for w in cluster.workers)
+    assert (
+        nodes_running(cluster, "Ingress")
+        == nodes_running(cluster, "ProxyActor")
+        == sorted(n.node_id for n in nodes)
+    )
     model = openai.OpenAI(base_url=f"{cluster.head.http_url}/v1", api_key="unused").models.list().data[0].id
     for node in nodes:  # a router starts with its Ingress's first request, before any report reached it
         openai.OpenAI(base_url=f"{node.http_url}/v1", api_key="unused").completions.create(
@@ -124,6 +151,24 @@ def test_replicas_spread_over_nodes_and_every_nodes_router_finds_a_conversations
         assert routed.total() == 3 and set(routed) <= {BY_PREFIX, BY_KV}, (node.name, routed)
 
 
+Answers = list[tuple[str, int]]  # (node, HTTP status; 0: no HTTP answer)
+
+
+async def ask_every_node(nodes: list[ClusterNode]) -> Answers:
+    """One short completion through each node's proxy: (node, status)."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        return [(node.name, await short_completion(http, node.http_url)) for node in nodes]
+
+
+async def short_completion(http: httpx.AsyncClient, base_url: str) -> int:
+    """Its HTTP status; 0 where no HTTP answer came."""
+    body = {"prompt": [7] * 20, "max_tokens": 2}
+    try:
+        return (await http.post(f"{base_url}/v1/completions", json=body)).status_code
+    except httpx.HTTPError:
+        return 0
+
+
 def test_a_node_lost_mid_stream_fails_only_its_requests_and_serve_replaces_its_replica(
     cluster: MultiNodeCluster,
 ):
@@ -141,7 +186,7 @@ def test_a_node_lost_mid_stream_fails_only_its_requests_and_serve_replaces_its_r
         await asyncio.sleep(LOSE_AFTER_S)
         await asyncio.to_thread(cluster.remove_worker, lost)
         lost_at = time.monotonic()
-        probes = await probe(f"{cluster.head.http_url}/v1/completions", lost_at)
+        probes = await probe(cluster.head.http_url, lost_at)
         _, pending = await asyncio.wait(loads, timeout=max(0.0, lost_at + ALL_ENDED_S - time.monotonic()))
         assert not pending, f"clients still waiting {ALL_ENDED_S} s after the node was lost"
         return [task.result()[1] for task in loads], probes
@@ -164,11 +209,50 @@ def test_a_node_lost_mid_stream_fails_only_its_requests_and_serve_replaces_its_r
     assert late and all(status == 200 and took <= PROBE_ANSWER_S for _, took, status in late), probes
     # Serve replaces it on the node that offers a slot; afterwards nothing is held.
     deadline = time.monotonic() + REPLACED_S
-    while nodes_running("EngineReplica") != [survivor.node_id] * 2:
+    while len(replicas_reporting([survivor])) < 2:
         assert time.monotonic() < deadline, f"no replacement on {survivor.name} in {REPLACED_S} s"
         time.sleep(1)
     drain_s, held = wait_drained(survivor, APP)  # both replicas are there now
     assert drain_s != float("inf") and len(held) == 2, held
+
+
+def test_the_gcs_restarts_under_the_app_and_nothing_is_lost_or_restarted(cluster: MultiNodeCluster):
+    if cluster.redis_address is None:
+        pytest.skip(
+            f"no Redis for the GCS's tables: {redis_binary()[1]} (Debian: apt-get install redis-server)"
+        )
+    nodes = [cluster.head, *cluster.workers]
+    replicas = replicas_reporting(cluster.workers)
+    workload = soak_load.soak_workload(30, 512, 0.0, seed=4, prompt_range=(8, 100), output_range=(60, 120))
+    requests = soak_load.with_expected_outputs(workload, "dummy:tiny-llama")
+
+    async def serve_through_a_restart() -> tuple[list[StreamResult], Answers, Answers]:
+        load = asyncio.create_task(soak_load.run_load(f"{cluster.head.http_url}/v1/completions", requests, 6))
+        await asyncio.sleep(2)  # streams are flowing
+        restart = asyncio.create_task(asyncio.to_thread(cluster.restart_gcs, GCS_DOWN_S))
+        during = []
+        while not restart.done():  # requests sent while the GCS is down or loading, through every node
+            during += await ask_every_node(nodes)
+            await asyncio.sleep(0.5)
+        await restart
+        after = await ask_every_node(nodes)
+        return (await load)[1], during, after
+
+    results, during, after = asyncio.run(serve_through_a_restart())
+    outcomes = Counter(soak_load.outcome(r, res) for r, res in zip(requests, results, strict=True))
+    # Serving never needed the GCS: every stream exact, every request answered.
+    assert outcomes == {"completed": len(requests)}, outcomes
+    assert during and all(status == 200 for _, status in during + after), (during, after)
+
+    # Metrics resume: the engines' counters, on their nodes' export ports, count requests sent now.
+    def finished_on_workers() -> float:
+        return sum(sum(EngineCounters.scrape(w, APP).finished_by_reason.values()) for w in cluster.workers)
+
+    before = finished_on_workers()
+    asyncio.run(ask_every_node(nodes))
+    wait_for(lambda: finished_on_workers() >= before + len(nodes), "engine counters after the GCS restart")
+    # No replica was restarted: the same replicas report, none new.
+    assert replicas_reporting(cluster.workers) == replicas
 
 
 async def probe(url: str, since: float) -> list[tuple[float, float, int]]:
@@ -177,10 +261,7 @@ async def probe(url: str, since: float) -> list[tuple[float, float, int]]:
     async with httpx.AsyncClient(timeout=60) as http:
         while (sent := time.monotonic() - since) < ROUTED_AWAY_S + 5:
             started = time.monotonic()
-            try:
-                status = (await http.post(url, json={"prompt": [7] * 20, "max_tokens": 2})).status_code
-            except httpx.HTTPError:
-                status = 0
+            status = await short_completion(http, url)
             probes.append((round(sent, 2), round(time.monotonic() - started, 2), status))
             await asyncio.sleep(0.5)
     return probes

@@ -3,8 +3,6 @@ repository's dashboards/prometheus.yml, only with a 1 s scrape interval."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -15,24 +13,6 @@ import yaml
 from harness.serve_cluster import REPO, free_port
 
 READY_TIMEOUT_S = 60
-
-
-def find_or_install() -> tuple[str | None, str]:
-    """The prometheus binary, installing Debian's package if we can; else None and why not."""
-    binary = shutil.which("prometheus")
-    if binary:
-        return binary, ""
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        return None, "prometheus is not installed and apt-get (as root) is not available to install it"
-    result = subprocess.run(
-        ["apt-get", "install", "-y", "-q", "prometheus"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
-    )
-    binary = shutil.which("prometheus")
-    return binary, "" if binary else f"`apt-get install prometheus` failed: {result.stderr[-500:]}"
 
 
 def start(binary: str, work_dir: Path) -> tuple[subprocess.Popen, str]:
