@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import time
 from collections import Counter
 from contextlib import ExitStack
+from pathlib import Path
 
 import httpx
 import openai
@@ -27,6 +29,7 @@ from harness.sse_client import StreamResult
 from router.kv_router import ROUTED_METRIC
 from router.prefix_policy import BY_PREFIX
 from router.pressure import BY_KV
+from tests.serve import prometheus_server
 
 pytestmark = pytest.mark.own_ray_cluster
 APP = "stallfree"
@@ -167,6 +170,42 @@ async def short_completion(http: httpx.AsyncClient, base_url: str) -> int:
         return (await http.post(f"{base_url}/v1/completions", json=body)).status_code
     except httpx.HTTPError:
         return 0
+
+
+def test_prometheus_finds_every_node_and_the_dashboard_shows_each_nodes_replicas(
+    cluster: MultiNodeCluster, tmp_path: Path
+):
+    binary, why_not = find_or_install("prometheus", "prometheus")
+    if binary is None:
+        pytest.skip(why_not)
+    nodes = [cluster.head, *cluster.workers]
+    process, url = prometheus_server.start(binary, tmp_path)  # with dashboards/prometheus.yml
+    try:
+        # Ray's service-discovery file names every node's export port; Prometheus scrapes each.
+        ports = {httpx.URL(node.metrics_url).port for node in nodes}
+
+        def scraped() -> set[int | None]:
+            up = prometheus_server.query(url, "up == 1")
+            return {httpx.URL(f"http://{r['metric']['instance']}").port for r in up}
+
+        wait_for(lambda: ports <= scraped(), f"Prometheus scrapes every node's metrics port {ports}")
+        # Every panel's query returns data, except those of features off by default, which say so.
+        queries = prometheus_server.dashboard_queries(with_optional=False)
+        deadline, empty = time.monotonic() + 60, dict(queries)
+        while empty and time.monotonic() < deadline:
+            empty = {key: expr for key, expr in empty.items() if not prometheus_server.query(url, expr)}
+            time.sleep(1)
+        assert not empty, f"dashboard queries that return nothing: {json.dumps(empty, indent=1)}"
+        # The per-replica panels show the replicas of every node.
+        replicas = replicas_reporting(cluster.workers)
+        assert len(replicas) == len(cluster.workers)
+        for key, expr in queries.items():
+            if "by (replica)" in expr:
+                shown = {result["metric"]["replica"] for result in prometheus_server.query(url, expr)}
+                assert replicas <= shown, (key, shown)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 def test_a_node_lost_mid_stream_fails_only_its_requests_and_serve_replaces_its_replica(

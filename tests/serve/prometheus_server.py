@@ -3,6 +3,8 @@ repository's dashboards/prometheus.yml, only with a 1 s scrape interval."""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -13,6 +15,7 @@ import yaml
 from harness.serve_cluster import REPO, free_port
 
 READY_TIMEOUT_S = 60
+DASHBOARD = REPO / "dashboards" / "stallfree.json"
 
 
 def start(binary: str, work_dir: Path) -> tuple[subprocess.Popen, str]:
@@ -50,3 +53,31 @@ def query(url: str, promql: str) -> list[dict]:
     body = response.json()
     assert body["status"] == "success", f"{promql}: {body}"
     return body["data"]["result"]
+
+
+def dashboard_queries(with_optional: bool = True) -> dict[str, str]:
+    """Every PromQL expression in the dashboard (panel targets, and the selectors its variables
+    read labels from), with Grafana's variables replaced as Grafana would on 'All'. Without
+    `with_optional`, less the panels of features a deployment may leave off."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = {
+        f"{panel['title']} [{target['refId']}]": target["expr"]
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        if with_optional or not is_optional(panel)
+    }
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            selector = re.fullmatch(r"label_values\((.*), *\w+\)", variable["definition"]).group(1)
+            queries[f"variable {variable['name']}"] = selector
+    substitutions = {"$__rate_interval": "1m", "$model": ".*", "$replica": ".*"}
+    for key, expr in queries.items():
+        for variable, value in substitutions.items():
+            expr = expr.replace(variable, value)
+        queries[key] = expr
+    return queries
+
+
+def is_optional(panel: dict) -> bool:
+    """A panel of a feature off by default: it says so where Grafana would show "No data"."""
+    return "noValue" in panel.get("fieldConfig", {}).get("defaults", {})

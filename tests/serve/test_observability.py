@@ -4,16 +4,14 @@ the Grafana dashboard returns data from a real Prometheus scraping the cluster."
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import httpx
 
 from harness.metrics_scrape import scrape, scrape_by_replica
-from harness.serve_cluster import REPO, REPORT_WAIT_S, ServeCluster, post_concurrently, wait_for
+from harness.serve_cluster import REPORT_WAIT_S, ServeCluster, post_concurrently, wait_for
 from tests.serve import prometheus_server
 
-DASHBOARD = REPO / "dashboards" / "stallfree.json"
 MAIN_APP = {"application": "stallfree", "deployment": "EngineReplica"}
 
 
@@ -77,33 +75,12 @@ def test_counters_the_dashboard_reads_are_exported_before_anything_is_counted(se
 PREEMPTING = {"prompt": "Count to ten.", "max_tokens": 50, "n": 4, "ignore_eos": True}
 
 
-def dashboard_queries() -> dict[str, str]:
-    """Every PromQL expression in the dashboard (panel targets, and the selectors its variables
-    read labels from), with Grafana's variables replaced as Grafana would on 'All'."""
-    dashboard = json.loads(DASHBOARD.read_text())
-    queries = {
-        f"{panel['title']} [{target['refId']}]": target["expr"]
-        for panel in dashboard["panels"]
-        for target in panel["targets"]
-    }
-    for variable in dashboard["templating"]["list"]:
-        if variable["type"] == "query":
-            selector = re.fullmatch(r"label_values\((.*), *\w+\)", variable["definition"]).group(1)
-            queries[f"variable {variable['name']}"] = selector
-    substitutions = {"$__rate_interval": "1m", "$model": ".*", "$replica": ".*"}
-    for key, expr in queries.items():
-        for variable, value in substitutions.items():
-            expr = expr.replace(variable, value)
-        queries[key] = expr
-    return queries
-
-
 def test_every_dashboard_query_returns_data(serve_cluster: ServeCluster, small_app: str, prometheus: str):
     # Traffic of every kind the panels show: finished requests on both apps, and preemptions.
     httpx.post(f"{small_app}/v1/completions", json=PREEMPTING, timeout=300)
     body = {"prompt": "Count to ten.", "max_tokens": 8, "ignore_eos": True}
     post_concurrently(f"{serve_cluster.base_url}/v1/completions", body, 2)
-    queries = dashboard_queries()
+    queries = prometheus_server.dashboard_queries()
     assert len(queries) >= 16
     empty = dict(queries)
     deadline = time.monotonic() + 60
