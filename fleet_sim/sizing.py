@@ -37,8 +37,16 @@ REPLICA_FIELDS = ("max_num_batched_tokens", "max_num_seqs", "block_size", "sched
                   "enable_prefix_caching", "tbt_slo_s")  # fmt: skip
 ENGINE_MODELED = {*REPLICA_FIELDS, "num_kv_blocks", "kv_cache_bytes", "dtype"}
 ENGINE_IGNORED = {"attention_backend", "seed", "max_model_len", "device"}
-APP_MODELED = {"model", "num_replicas", "request_router", "max_ongoing_requests", "engine"}
-APP_IGNORED = {"served_model_name", "num_gpus", "num_cpus", "cpu_threads", "max_queued_requests",
+# ingress_replicas: one is the simulator's one router; more are refused
+APP_MODELED = {
+    "model",
+    "num_replicas",
+    "request_router",
+    "max_ongoing_requests",
+    "engine",
+    "ingress_replicas",
+}
+APP_IGNORED = {"served_model_name", "num_gpus", "num_cpus", "resources", "cpu_threads", "max_queued_requests",
                "sampling_defaults", "ingress_max_ongoing_requests", "request_timeout_s", "api_key_env",
                "api_key_file", "max_request_body_bytes",
                # autoscaling's: only read with num_replicas "auto", which is refused
@@ -141,6 +149,11 @@ def fleet_settings(path: Path) -> tuple[ReplicaConfig, int, str]:
     if args.get("num_replicas", 1) == "auto":
         raise ValueError(
             f"{path}: args.num_replicas 'auto': size with --replicas (autoscaling is not simulated here)"
+        )
+    if args.get("ingress_replicas", 1) != 1:
+        raise ValueError(
+            f"{path}: args.ingress_replicas {args['ingress_replicas']}: the simulator routes with one "
+            "router (several learn each other's choices only from the replicas' reports)"
         )
     engine = args.get("engine") or {}
     unknown = sorted(set(engine) - ENGINE_MODELED - ENGINE_IGNORED)
