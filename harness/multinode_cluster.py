@@ -87,9 +87,13 @@ class MultiNodeCluster:
         """Kill the head's GCS server (SIGKILL), leave it down `down_s`, start it again: it reloads
         the cluster's tables from Redis, and raylets, workers and drivers reconnect."""
         assert self.redis_address is not None, "a GCS without Redis loses the cluster when it dies"
+        address = self.cluster.head_node.gcs_address
         self.cluster.head_node.kill_gcs_server()
         time.sleep(down_s)
         self.cluster.head_node.start_gcs_server()
+        # Elsewhere, raylets give up after 60 s and take their nodes down (a GCS restarted on a new
+        # port: the whole cluster, a minute later; so start() fixes the port).
+        assert self.cluster.head_node.gcs_address == address, (address, self.cluster.head_node.gcs_address)
 
     def remove_worker(self, worker: ClusterNode) -> None:
         """The node dies: SIGKILL to its raylet and every other process it runs."""
@@ -129,8 +133,8 @@ def start(
     os.environ.update(RAY_ENV)
     head_port, metrics_port = free_port(), free_port()
     head_args = {"num_cpus": node_cpus, "metrics_export_port": metrics_port, "dashboard_port": free_port()}
-    if redis_address is not None:
-        head_args["external_addresses"] = [redis_address]
+    if redis_address is not None:  # a restarted GCS must come back where every raylet looks for it
+        head_args.update(external_addresses=[redis_address], gcs_server_port=free_port())
     cluster = Cluster(initialize_head=True, head_node_args=head_args)
     head = ClusterNode("head", cluster.head_node, _local(head_port), _local(metrics_port, "/metrics"))
     workers = []

@@ -58,7 +58,7 @@ TURN_GAP_S = 1.0
 REPLACED_S = 60.0
 
 
-GCS_DOWN_S = 5.0  # the GCS is killed, left down this long, then started (it takes ~15 s to load)
+GCS_DOWN_S = 5.0  # the GCS is killed, left down this long, then started again
 
 
 @functools.cache
@@ -78,7 +78,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         cluster = multinode_cluster.start(config, log_dir, [{SLOT: 1}, {SLOT: 2}], redis_address=redis)
         try:
             cluster.wait_ready()
-            yield cluster  # this process is no Ray driver: a driver does not outlive a GCS restart
+            yield cluster  # no Ray driver here: Ray's state API through the dashboard, and the metrics
         finally:
             multinode_cluster.stop(cluster)
 
@@ -93,8 +93,8 @@ def live_actors(cluster: MultiNodeCluster, class_name: str) -> list[tuple[str, s
 
 
 def replicas_reporting(nodes: list[ClusterNode]) -> set[str]:
-    """The EngineReplicas whose gauges these nodes' metrics ports export. (The tests after the GCS
-    restart read these, not Ray's state API: the dashboard serving it exited with the GCS.)"""
+    """The EngineReplicas whose gauges these nodes' metrics ports export (what the engines
+    themselves say, across a GCS restart)."""
     gauge, labels = f"{ENGINE_PREFIX}num_requests_running", {"application": APP}
     return {replica for node in nodes for replica in MetricsPage(node).by_replica(gauge, labels)}
 
