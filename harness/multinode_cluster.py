@@ -16,20 +16,13 @@ import os
 import subprocess
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from harness.serve_cluster import BIN, REPO, START_TIMEOUT_S, free_port, wait_for_http
-
-# Ray's defaults for a test cluster, as harness/serve_cluster.py sets them for one node.
-RAY_ENV = {
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_metrics_report_interval_ms": "1000",
-    "RAY_AUTH_MODE": "disabled",
-}
+from harness.serve_cluster import BIN, REPO, START_TIMEOUT_S, TEST_CLUSTER_ENV, free_port, wait_for_http
 
 
 @dataclass
@@ -43,13 +36,6 @@ class ClusterNode:
     def node_id(self) -> str:
         return self.node.node_id
 
-    def process_ids(self) -> list[int]:
-        """Every process Ray started for this node (raylet first)."""
-        processes = self.node.all_processes
-        raylets = [info.process.pid for info in processes.get("raylet", [])]
-        others = [info.process.pid for kind, infos in processes.items() if kind != "raylet" for info in infos]
-        return raylets + others
-
 
 @dataclass
 class MultiNodeCluster:
@@ -59,7 +45,6 @@ class MultiNodeCluster:
     serve_run: subprocess.Popen
     log_dir: Path
     redis_address: str | None = None  # the GCS's external store, where it has one
-    removed: list[ClusterNode] = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -99,7 +84,6 @@ class MultiNodeCluster:
         """The node dies: SIGKILL to its raylet and every other process it runs."""
         self.cluster.remove_node(worker.node, allow_graceful=False)
         self.workers.remove(worker)
-        self.removed.append(worker)
 
 
 @contextmanager
@@ -130,7 +114,7 @@ def start(
     parsed) with the head's proxy on a free port."""
     from ray.cluster_utils import Cluster
 
-    os.environ.update(RAY_ENV)
+    os.environ.update(TEST_CLUSTER_ENV)
     head_port, metrics_port = free_port(), free_port()
     head_args = {"num_cpus": node_cpus, "metrics_export_port": metrics_port, "dashboard_port": free_port()}
     if redis_address is not None:  # a restarted GCS must come back where every raylet looks for it

@@ -23,7 +23,15 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 300
-REPORT_WAIT_S = 20  # Ray's workers report metrics every second in the test cluster; leave slack
+REPORT_WAIT_S = 20
+# A throwaway cluster on loopback: no token auth (ray start and its clients would otherwise disagree
+# on where the token lives), no usage stats, workers reporting metrics every second (default 10 s)
+# so tests see them sooner.
+TEST_CLUSTER_ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_metrics_report_interval_ms": "1000",
+}  # Ray's workers report metrics every second in the test cluster; leave slack
 
 
 def shipped_app_config() -> dict:
@@ -93,11 +101,8 @@ def wait_for_http(
 
 def start(config_path: Path, log_dir: Path) -> ServeCluster:
     gcs_port, http_port, metrics_port = free_port(), free_port(), free_port()
-    # A throwaway cluster on loopback: no token auth (ray start and its clients would otherwise
-    # disagree on where the token lives), no usage stats.
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # for this process's own driver, too
-    # Workers report metrics every second (default 10 s), so tests see them sooner.
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_metrics_report_interval_ms": "1000"}
+    os.environ["RAY_AUTH_MODE"] = TEST_CLUSTER_ENV["RAY_AUTH_MODE"]  # for this process's own driver, too
+    env = {**os.environ, **TEST_CLUSTER_ENV}
     subprocess.run(
         [
             BIN / "ray",

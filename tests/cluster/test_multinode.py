@@ -83,15 +83,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
             multinode_cluster.stop(cluster)
 
 
-def live_actors(cluster: MultiNodeCluster, class_name: str) -> list[tuple[str, str]]:
-    """(node, actor id) of every live actor of this class (Serve's replicas: ServeReplica:<app>:<name>),
-    from Ray's state API on the head's dashboard."""
-    from ray.util.state import list_actors
-
-    actors = list_actors(cluster.dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000)
-    return sorted((a.node_id, a.actor_id) for a in actors if a.class_name.split(":")[-1] == class_name)
-
-
 def replicas_reporting(nodes: list[ClusterNode]) -> set[str]:
     """The EngineReplicas whose gauges these nodes' metrics ports export (what the engines
     themselves say, across a GCS restart)."""
@@ -100,7 +91,12 @@ def replicas_reporting(nodes: list[ClusterNode]) -> set[str]:
 
 
 def nodes_running(cluster: MultiNodeCluster, class_name: str) -> list[str]:
-    return [node for node, _ in live_actors(cluster, class_name)]
+    """The node of every live actor of this class (Serve's replicas: ServeReplica:<app>:<name>),
+    from Ray's state API on the head's dashboard."""
+    from ray.util.state import list_actors
+
+    actors = list_actors(cluster.dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000)
+    return sorted(a.node_id for a in actors if a.class_name.split(":")[-1] == class_name)
 
 
 def routed_reasons(node: ClusterNode) -> Counter[str]:
