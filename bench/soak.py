@@ -37,12 +37,11 @@ from pathlib import Path
 
 from bench.driver import BenchmarkRun, print_verdicts
 from harness import multinode_cluster, serve_cluster
-from harness.metrics_scrape import ENGINE_PREFIX, EngineCounters, MetricsPage, MetricsSource, wait_drained
+from harness.metrics_scrape import EngineCounters, MetricsSource, replicas_reporting, wait_drained
 from harness.replicas import kill_replica, wait_replaced
 from harness.soak_load import client_report, outcome, run_load, soak_workload, with_expected_outputs
 
 NUM_REPLICAS = 2
-SLOT = "stallfree_engine"  # the custom resource that pins replicas to worker nodes
 GOALS = {
     "no_wrong_output": "no client got a wrong token count, or a token off its greedy output",
     "nothing_held_after_drain": "every replica reports no request running or waiting, no KV block held",
@@ -94,12 +93,7 @@ class ThreeNodes:
 
     def __init__(self, app_args: dict, work_dir: Path) -> None:
         self.app = "stallfree"
-        config = serve_cluster.shipped_app_config()
-        spread = {"resources": {SLOT: 1}, "ingress_replicas": 3}
-        config["applications"][0]["args"] = serve_cluster.with_app_args(
-            config["applications"][0]["args"], {**app_args, **spread}
-        )
-        self.cluster = multinode_cluster.start(config, work_dir, [{SLOT: 1}, {SLOT: 2}])
+        self.cluster = multinode_cluster.start_app(app_args, work_dir)
         self.metrics = self.cluster.node_named("worker-2")  # the survivor: both replicas end there
 
     def ready(self) -> str:
@@ -113,9 +107,8 @@ class ThreeNodes:
     def wait_whole(self, victim: str, timeout_s: float = 300) -> None:
         """Until the survivor's export port shows both replicas (the replacement's gauges appear
         once it runs)."""
-        gauge, labels = f"{ENGINE_PREFIX}num_requests_running", {"application": self.app}
         deadline = time.monotonic() + timeout_s
-        while len(MetricsPage(self.metrics).by_replica(gauge, labels)) < NUM_REPLICAS:
+        while len(replicas_reporting(self.metrics, self.app)) < NUM_REPLICAS:
             if time.monotonic() > deadline:
                 return
             time.sleep(0.5)

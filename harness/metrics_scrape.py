@@ -89,6 +89,12 @@ class EngineCounters:
         )
 
 
+def replicas_reporting(cluster: MetricsSource, app: str) -> set[str]:
+    """The app's EngineReplicas whose gauges this endpoint exports (what the engines themselves
+    say: a replacement appears once it runs; no GCS or dashboard needed)."""
+    return set(MetricsPage(cluster).by_replica(f"{ENGINE_PREFIX}num_requests_running", {"application": app}))
+
+
 def held_after_drain(cluster: MetricsSource, app: str) -> dict[str, dict[str, float]]:
     """Per live replica: requests running or waiting, and KV blocks still held."""
     page, labels = MetricsPage(cluster), {"application": app}

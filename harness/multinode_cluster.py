@@ -22,7 +22,19 @@ from typing import Any
 
 import yaml
 
-from harness.serve_cluster import BIN, REPO, START_TIMEOUT_S, TEST_CLUSTER_ENV, free_port, wait_for_http
+from harness.serve_cluster import (
+    BIN,
+    REPO,
+    START_TIMEOUT_S,
+    TEST_CLUSTER_ENV,
+    free_port,
+    shipped_app_config,
+    wait_for_http,
+    with_app_args,
+)
+
+SLOT = "stallfree_engine"  # the custom resource that pins EngineReplicas to worker nodes
+WORKER_SLOTS = [{SLOT: 1}, {SLOT: 2}]  # a replica on each worker, and a spare slot on worker-2
 
 
 @dataclass
@@ -139,6 +151,16 @@ def start(
         stderr=subprocess.STDOUT,
     )
     return MultiNodeCluster(cluster, head, workers, serve_run, log_dir, redis_address)
+
+
+def start_app(app_args: dict, log_dir: Path, redis_address: str | None = None) -> MultiNodeCluster:
+    """serve_config.yaml's app with `app_args` over its args on a head and the WORKER_SLOTS
+    workers: each replica needs a slot (none on the head), one Ingress per node."""
+    config = shipped_app_config()
+    app = config["applications"][0]
+    layout = {"resources": {SLOT: 1}, "ingress_replicas": 1 + len(WORKER_SLOTS)}
+    app["args"] = with_app_args(app["args"], {**app_args, **layout})
+    return start(config, log_dir, WORKER_SLOTS, redis_address=redis_address)
 
 
 def stop(cluster: MultiNodeCluster) -> None:

@@ -23,7 +23,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 300
-REPORT_WAIT_S = 20
+REPORT_WAIT_S = 20  # Ray's workers report metrics every second in the test cluster; leave slack
 # A throwaway cluster on loopback: no token auth (ray start and its clients would otherwise disagree
 # on where the token lives), no usage stats, workers reporting metrics every second (default 10 s)
 # so tests see them sooner.
@@ -31,7 +31,7 @@ TEST_CLUSTER_ENV = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_metrics_report_interval_ms": "1000",
-}  # Ray's workers report metrics every second in the test cluster; leave slack
+}
 
 
 def shipped_app_config() -> dict:

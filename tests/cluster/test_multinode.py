@@ -20,11 +20,11 @@ import httpx
 import openai
 import pytest
 
-from harness import multinode_cluster, redis_server, soak_load
+from harness import metrics_scrape, multinode_cluster, redis_server, soak_load
 from harness.debian_package import find_or_install
-from harness.metrics_scrape import ENGINE_PREFIX, EngineCounters, MetricsPage, wait_drained
+from harness.metrics_scrape import EngineCounters, MetricsPage, wait_drained
 from harness.multinode_cluster import ClusterNode, MultiNodeCluster
-from harness.serve_cluster import shipped_app_config, wait_for, with_app_args
+from harness.serve_cluster import wait_for
 from harness.sse_client import StreamResult
 from router.kv_router import ROUTED_METRIC
 from router.prefix_policy import BY_PREFIX
@@ -33,14 +33,11 @@ from tests.serve import prometheus_server
 
 pytestmark = pytest.mark.own_ray_cluster
 APP = "stallfree"
-SLOT = "stallfree_engine"
-APP_ARGS = {
+APP_ARGS = {  # over serve_config.yaml's; multinode_cluster.start_app adds the placement
     "model": "dummy:tiny-llama",
     "num_replicas": 2,
     "num_cpus": 0,
     "cpu_threads": 1,
-    "resources": {SLOT: 1},
-    "ingress_replicas": 3,
     "engine": {"num_kv_blocks": 256, "dtype": "float32"},
 }
 # The bounds README's "When things go wrong" states for a lost node. Measured: a request sent to
@@ -56,8 +53,6 @@ PROBE_ANSWER_S = 5.0
 # of 3 missed; 1 s apart, none).
 TURN_GAP_S = 1.0
 REPLACED_S = 60.0
-
-
 GCS_DOWN_S = 5.0  # the GCS is killed, left down this long, then started again
 
 
@@ -68,14 +63,11 @@ def redis_binary() -> tuple[str | None, str]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    config = shipped_app_config()
-    app = config["applications"][0]
-    app["args"] = with_app_args(app["args"], APP_ARGS)
     log_dir = tmp_path_factory.mktemp("multinode")
     with ExitStack() as stack:
         binary, _ = redis_binary()  # without it, only the GCS test skips
         redis = stack.enter_context(redis_server.running(binary, log_dir)) if binary else None
-        cluster = multinode_cluster.start(config, log_dir, [{SLOT: 1}, {SLOT: 2}], redis_address=redis)
+        cluster = multinode_cluster.start_app(APP_ARGS, log_dir, redis_address=redis)
         try:
             cluster.wait_ready()
             yield cluster  # no Ray driver here: Ray's state API through the dashboard, and the metrics
@@ -84,10 +76,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 
 
 def replicas_reporting(nodes: list[ClusterNode]) -> set[str]:
-    """The EngineReplicas whose gauges these nodes' metrics ports export (what the engines
-    themselves say, across a GCS restart)."""
-    gauge, labels = f"{ENGINE_PREFIX}num_requests_running", {"application": APP}
-    return {replica for node in nodes for replica in MetricsPage(node).by_replica(gauge, labels)}
+    """What the engines on these nodes report (across a GCS restart too)."""
+    return {replica for node in nodes for replica in metrics_scrape.replicas_reporting(node, APP)}
 
 
 def nodes_running(cluster: MultiNodeCluster, class_name: str) -> list[str]:
@@ -187,10 +177,7 @@ def test_prometheus_finds_every_node_and_the_dashboard_shows_each_nodes_replicas
         wait_for(lambda: ports <= scraped(), f"Prometheus scrapes every node's metrics port {ports}")
         # Every panel's query returns data, except those of features off by default, which say so.
         queries = prometheus_server.dashboard_queries(with_optional=False)
-        deadline, empty = time.monotonic() + 60, dict(queries)
-        while empty and time.monotonic() < deadline:
-            empty = {key: expr for key, expr in empty.items() if not prometheus_server.query(url, expr)}
-            time.sleep(1)
+        empty = prometheus_server.unanswered(url, queries)
         assert not empty, f"dashboard queries that return nothing: {json.dumps(empty, indent=1)}"
         # The per-replica panels show the replicas of every node.
         replicas = replicas_reporting(cluster.workers)

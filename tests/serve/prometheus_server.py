@@ -55,6 +55,16 @@ def query(url: str, promql: str) -> list[dict]:
     return body["data"]["result"]
 
 
+def unanswered(url: str, queries: dict[str, str], timeout_s: float = 60) -> dict[str, str]:
+    """The queries still returning nothing once `timeout_s` has passed (series appear as
+    Prometheus scrapes them)."""
+    deadline, empty = time.monotonic() + timeout_s, dict(queries)
+    while empty and time.monotonic() < deadline:
+        empty = {key: expr for key, expr in empty.items() if not query(url, expr)}
+        time.sleep(1)
+    return empty
+
+
 def dashboard_queries(with_optional: bool = True) -> dict[str, str]:
     """Every PromQL expression in the dashboard (panel targets, and the selectors its variables
     read labels from), with Grafana's variables replaced as Grafana would on 'All'. Without

@@ -82,9 +82,5 @@ def test_every_dashboard_query_returns_data(serve_cluster: ServeCluster, small_a
     post_concurrently(f"{serve_cluster.base_url}/v1/completions", body, 2)
     queries = prometheus_server.dashboard_queries()
     assert len(queries) >= 16
-    empty = dict(queries)
-    deadline = time.monotonic() + 60
-    while empty and time.monotonic() < deadline:
-        empty = {key: expr for key, expr in empty.items() if not prometheus_server.query(prometheus, expr)}
-        time.sleep(1)
+    empty = prometheus_server.unanswered(prometheus, queries)
     assert not empty, f"dashboard queries that return nothing: {json.dumps(empty, indent=1)}"
