@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from common.errors import InvalidRequestError
+from common.structured_outputs import StructuredOutputs
 
 
 def _is_int(value: object) -> bool:
@@ -17,6 +18,18 @@ def _is_number(value: object) -> bool:
 
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what a torch generator's seed can hold
+MAX_LOGPROBS = 20  # top logprobs per token, as vLLM's default max_logprobs (OpenAI allows 20)
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+def _check_range(name: str, value: object, low: float, high: float) -> None:
+    if not _is_number(value) or not low <= value <= high:  # type: ignore[operator]
+        raise InvalidRequestError(name, f"must be a number in [{low}, {high}], got {value!r}")
+
+
+def _check_count(name: str, value: int | None, high: int) -> None:
+    if value is not None and not (_is_int(value) and 0 <= value <= high):
+        raise InvalidRequestError(name, f"must be an integer in [0, {high}], got {value!r}")
 
 
 @dataclass
@@ -34,6 +47,20 @@ class SamplingParams:
     # Not sampling, but per request all the same: requests share prefix-cache blocks only with
     # requests of the same salt (vLLM's cache_salt), so tenants cannot read each other's TTFT.
     cache_salt: str | None = None
+    # Penalties, as OpenAI and vLLM define them: presence and frequency subtract from the logits
+    # of tokens already generated (once, and per occurrence); repetition divides positive logits
+    # (multiplies negative ones) of tokens in the prompt or output. 0, 0 and 1 turn them off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # drop tokens below min_p times the likeliest token's probability
+    min_tokens: int = 0  # no stop token (eos, stop_token_ids) before this many output tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    logprobs: int | None = None  # per output token: its logprob and this many top alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    structured_outputs: StructuredOutputs | None = None
+    # Not sampling either: the scheduler admits lower values first (vLLM's priority; ties by arrival).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +87,41 @@ class SamplingParams:
             raise InvalidRequestError("cache_salt", "must be a non-empty string")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", "must be a list of non-negative integers")
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequestError(
+                "repetition_penalty", f"must be a number > 0, got {self.repetition_penalty!r}"
+            )
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                "min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}"
+            )
+        self._check_logit_bias()
+        _check_count("logprobs", self.logprobs, MAX_LOGPROBS)
+        _check_count("prompt_logprobs", self.prompt_logprobs, MAX_LOGPROBS)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise InvalidRequestError("structured_outputs", "must be a StructuredOutputs")
+        if not _is_int(self.priority):
+            raise InvalidRequestError("priority", f"must be an integer, got {self.priority!r}")
+
+    def _check_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            self.logit_bias = {}
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(
+                "logit_bias", f"must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids to numbers"
+            )
+        for token_id, bias in self.logit_bias.items():
+            if not _is_int(token_id) or token_id < 0:
+                raise InvalidRequestError("logit_bias", f"keys must be token ids (>= 0), got {token_id!r}")
+            _check_range("logit_bias", bias, -100.0, 100.0)
+
+    @property
+    def needs_token_history(self) -> bool:
+        """Whether sampling reads the tokens so far (penalties)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:

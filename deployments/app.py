@@ -25,7 +25,18 @@ from router.round_robin import RoundRobinRouter
 # EngineConfig fields a deployment may set under `engine:` (model is its own arg; offline is for LLM).
 ENGINE_KNOBS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model", "offline"}
 # SamplingParams fields a server may default (stop and seed belong to a request).
-SAMPLING_DEFAULTS = frozenset({"max_tokens", "temperature", "top_p", "top_k"})
+SAMPLING_DEFAULTS = frozenset(
+    {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    }
+)
 
 
 def _check_known(given: dict[str, Any], known: frozenset[str], what: str) -> None:

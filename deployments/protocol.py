@@ -5,9 +5,12 @@ wrong types and missing fields all become one OpenAI-shaped 400 (never FastAPI's
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from common.structured_outputs import StructuredOutputs
 
 
 class ApiError(Exception):
@@ -31,14 +34,9 @@ class ApiError(Exception):
 # Fields we accept only at their no-op values (None is always fine): anything else would change
 # the answer in a way we do not implement, so the client hears about it.
 _NO_OP_VALUES: dict[str, tuple[object, ...]] = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "logit_bias": ({},),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
+    "top_logprobs": (0,),  # completions: `logprobs` is the count there
     "tools": ([],),
-    "response_format": ({"type": "text"},),
-    "echo": (False,),
+    "echo": (False,),  # chat (vLLM's chat echo repeats the last message: not implemented)
     "suffix": ("",),
     "best_of": (1,),
 }
@@ -49,6 +47,50 @@ MAX_STOP_STRINGS = 16
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")  # `schema` would shadow BaseModel's
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> StructuredOutputs | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True, param="response_format")
+        if self.json_schema is None:
+            raise ApiError(400, "response_format: json_schema is required", param="response_format")
+        spec = self.json_schema
+        return StructuredOutputs.from_schema(spec.schema_, bool(spec.strict), "response_format")
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's structured_outputs: exactly one of these."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def structured_outputs(self) -> StructuredOutputs:
+        schema = self.json_
+        return StructuredOutputs(
+            json=schema if isinstance(schema, str) or schema is None else json.dumps(schema),
+            json_object=bool(self.json_object),
+            regex=self.regex,
+            choice=None if self.choice is None else tuple(self.choice),
+            grammar=self.grammar,
+        )
 
 
 class SamplingRequest(BaseModel):
@@ -71,6 +113,16 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: a tenant's own prefix cache
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's, as are min_p, min_tokens, priority
+    min_p: float | None = None
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias
+    prompt_logprobs: int | None = None  # vLLM's
+    priority: int = 0
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -80,6 +132,28 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def output_logprobs(self) -> int | None:
+        """Top logprobs per output token (None: no logprobs); each endpoint spells it its own way."""
+        raise NotImplementedError
+
+    def _structured_outputs(self) -> StructuredOutputs | None:
+        from_format = self.response_format.structured_outputs() if self.response_format else None
+        if from_format is not None and self.structured_outputs is not None:
+            raise ApiError(
+                400, "give response_format or structured_outputs, not both", param="structured_outputs"
+            )
+        if self.structured_outputs is not None:
+            return self.structured_outputs.structured_outputs()
+        return from_format
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        if not all(key.isdigit() for key in self.logit_bias):
+            raise ApiError(400, "logit_bias: keys must be token ids", param="logit_bias")
+        return {int(key): bias for key, bias in self.logit_bias.items()}
 
     def sampling(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """SamplingParams fields: this request's, else the server's `defaults`. SamplingParams
@@ -93,6 +167,16 @@ class SamplingRequest(BaseModel):
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "cache_salt": self.cache_salt,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_p": self.min_p,
+            "min_tokens": self.min_tokens,
+            "logit_bias": self._logit_bias(),
+            "logprobs": self.output_logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
+            "structured_outputs": self._structured_outputs(),
+            "priority": self.priority,
         }
         # None means "the default": the server's, else SamplingParams'. max_tokens stays None: the
         # Ingress fits it (and the server's default) to the context the prompt leaves.
@@ -105,6 +189,18 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # top logprobs per token (0: the chosen token's only)
+    echo: bool = False  # the prompt comes back before the completion (its logprobs too)
+
+    @property
+    def output_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def sampling(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        sampling = super().sampling(defaults)
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            sampling["prompt_logprobs"] = self.logprobs  # echoed tokens come with theirs
+        return sampling
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt (text or token ids) or a batch of them, always as a list."""
@@ -134,6 +230,16 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @property
+    def output_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ApiError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
     def sampling(self, defaults: dict[str, Any]) -> dict[str, Any]:
         sampling = super().sampling(defaults)
