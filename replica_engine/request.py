@@ -29,6 +29,7 @@ class Request:
     sampling_params: SamplingParams
     stop_token_ids: frozenset[int] = frozenset()  # eos and chat-end ids, unless ignore_eos
     arrival_time: float = field(default_factory=time.monotonic)
+    arrival_seq: int = 0  # the scheduler's count when added: FCFS among equal priorities
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)

@@ -5,8 +5,8 @@ Not thread-safe, by design: one thread (the engine's step thread) owns it and ev
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,6 +16,7 @@ from replica_engine.outputs import EngineStats
 from replica_engine.request import Request, RequestStatus
 from replica_engine.scheduler.plan import ScheduledBatch, StepPlan
 from replica_engine.scheduler.token_budget import SLOTokenBudget
+from replica_engine.scheduler.waiting_queue import WaitingQueue, admission_key
 
 
 @dataclass(frozen=True)
@@ -35,17 +36,19 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.slo_budget = slo_budget  # sizes prompt chunks from a TBT target; None: the budget alone
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last is the first to preempt
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     # -- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in flight")
         self.requests[request.request_id] = request
+        request.arrival_seq = next(self._arrivals)
         self._expect_cache_hit(request)
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def _expect_cache_hit(self, request: Request) -> None:
         """What the prefix cache holds of it as it queues: load reports count only the rest."""
@@ -116,7 +119,7 @@ class Scheduler:
     # -- building blocks for policies ---------------------------------------------------
     def _schedule_running(self, plan: StepPlan, select: Callable[[Request], bool], chunked: bool) -> None:
         """Schedule running requests that `select` picks, oldest first. When the pool is dry,
-        preempt the newest running request until this one fits (or is itself the newest)."""
+        preempt the least urgent running request until this one fits (or is itself the victim)."""
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or request in plan.num_scheduled_tokens:
                 continue
@@ -127,7 +130,9 @@ class Scheduler:
             if num_tokens <= 0 or num_tokens > plan.budget_left:
                 break
             while not self.kv_cache_manager.allocate(request, num_tokens):
-                victim = self.running[-1]
+                # vLLM's priority victim: highest value, then latest arrival. At one priority
+                # `running` is in arrival order, so this is the newest, as plain FCFS preempts.
+                victim = max(self.running, key=admission_key)
                 self._preempt(victim, plan)
                 if victim is request:
                     break
@@ -135,13 +140,13 @@ class Scheduler:
                 plan.num_scheduled_tokens[request] = num_tokens
 
     def _admit_waiting(self, plan: StepPlan, chunked: bool) -> None:
-        """Admit waiting requests in FCFS order while budget, width and blocks last. A request
+        """Admit waiting requests by (priority, arrival) while budget, width and blocks last. A request
         starts from its prompt's longest cached prefix: only the rest is charged to the budget
         and the pool. Nothing new is admitted in a step that had to preempt: the pool is short."""
         if plan.preempted:
             return
         while self.waiting and len(self.running) < self.config.max_num_seqs and plan.budget_left > 0:
-            request = self.waiting[0]
+            request = self.waiting.first()
             cached_block_ids = self.kv_cache_manager.find_cached_blocks(request)
             owed = request.num_owed_tokens - len(cached_block_ids) * self.kv_cache_manager.block_size
             if chunked:
@@ -155,7 +160,7 @@ class Scheduler:
                 return
             if not self.kv_cache_manager.allocate(request, num_tokens, cached_block_ids):
                 return
-            self.waiting.popleft()
+            self.waiting.pop_first()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -178,8 +183,8 @@ class Scheduler:
         return min(owed, allowed)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
-        """Free the request's blocks and put it at the front of the queue to recompute later.
-        Its tokens (prompt and output so far) are kept: nothing is lost."""
+        """Free the request's blocks and queue it again to recompute later, ahead of every later
+        arrival of its priority. Its tokens (prompt and output so far) are kept: nothing is lost."""
         plan.num_scheduled_tokens.pop(request, None)
         plan.preempted.append(request)
         self.running.remove(request)
@@ -188,4 +193,4 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.num_preemptions += 1
         self._expect_cache_hit(request)
-        self.waiting.appendleft(request)
+        self.waiting.push(request)

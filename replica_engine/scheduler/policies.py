@@ -1,7 +1,8 @@
 """Scheduling policies: the order a step's token budget is spent in.
 
 `stall_free` is Sarathi-Serve's stall-free batching (the default); `prefill_first` and `static`
-reproduce the Orca/vLLM-v0 and request-level baselines for benchmarks."""
+reproduce the Orca/vLLM-v0 and request-level baselines for benchmarks. All of them admit waiting
+requests by priority (lower value first), FCFS among equals, and preempt the least urgent."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _any(request: Request) -> bool:
 
 class StallFreeScheduler(Scheduler):
     """Decodes first (never stalled by a prefill), then prompts part-way through, then new
-    requests FCFS; prompts are chunked to whatever budget is left."""
+    requests by priority and arrival; prompts are chunked to whatever budget is left."""
 
     def _fill(self, plan: StepPlan) -> None:
         self._schedule_running(plan, _owes_one_token, chunked=True)

@@ -1,0 +1,47 @@
+"""The waiting queue, in admission order: lower priority value first, then arrival (vLLM's priority
+policy). Kept sorted as requests enter, so a step reads and pops its front in O(1)."""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from replica_engine.request import Request
+
+
+def admission_key(request: Request) -> tuple[int, int]:
+    """Smaller is served first; the largest running request is the first to preempt."""
+    return request.sampling_params.priority, request.arrival_seq
+
+
+@dataclass
+class WaitingQueue:
+    _requests: deque[Request] = field(default_factory=deque)
+
+    def push(self, request: Request) -> None:
+        """A new arrival, or a preempted request going back by its original arrival. At one
+        priority this is always an append (new) or an appendleft (preempted), as plain FCFS."""
+        key, queue = admission_key(request), self._requests
+        if not queue or admission_key(queue[-1]) <= key:
+            queue.append(request)
+        elif key < admission_key(queue[0]):
+            queue.appendleft(request)
+        else:
+            queue.insert(bisect.bisect_right(queue, key, key=admission_key), request)
+
+    def first(self) -> Request:
+        return self._requests[0]
+
+    def pop_first(self) -> Request:
+        return self._requests.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._requests.remove(request)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._requests)
+
+    def __len__(self) -> int:
+        return len(self._requests)
