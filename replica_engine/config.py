@@ -62,6 +62,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     scheduling_policy: str = "stall_free"  # or prefill_first, static (benchmark baselines)
     enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes already computed
+    # Requests' priorities must lie in [-max_priority, max_priority] (lower is served first);
+    # others are refused naming `priority`. None: any integer, as vLLM.
+    max_priority: int | None = None
     seed: int = 0  # for dummy weights and unseeded sampling
     offline: bool = False  # set by LLM: throughput over latency when choosing defaults
 
@@ -86,6 +89,9 @@ class EngineConfig:
                     "tbt_slo_s",
                     f"sizes stall_free's prompt chunks; scheduling_policy is {self.scheduling_policy!r}",
                 )
+        bound = self.max_priority
+        if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool) or bound < 0):
+            raise InvalidRequestError("max_priority", f"must be an integer >= 0 or None, got {bound!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidRequestError(
                 "enable_prefix_caching", f"must be true or false, got {self.enable_prefix_caching!r}"

@@ -47,6 +47,11 @@ class InputProcessor:
         check_pool_fits(len(prompt_token_ids) + params.max_tokens, self.config.block_size, self.num_kv_blocks)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
+        bound = self.config.max_priority
+        if bound is not None and abs(params.priority) > bound:
+            raise InvalidRequestError(
+                "priority", f"must be within [-{bound}, {bound}] (max_priority), got {params.priority}"
+            )
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.stop_token_ids))
         request = Request(request_id, list(prompt_token_ids), params, frozenset(stop_ids))
         if params.seed is not None:
