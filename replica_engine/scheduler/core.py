@@ -130,9 +130,7 @@ class Scheduler:
             if num_tokens <= 0 or num_tokens > plan.budget_left:
                 break
             while not self.kv_cache_manager.allocate(request, num_tokens):
-                # vLLM's priority victim: highest value, then latest arrival. At one priority
-                # `running` is in arrival order, so this is the newest, as plain FCFS preempts.
-                victim = max(self.running, key=admission_key)
+                victim = self._preemption_victim()
                 self._preempt(victim, plan)
                 if victim is request:
                     break
@@ -181,6 +179,11 @@ class Scheduler:
         else:
             allowed = self.slo_budget.allowance(shape, start, plan.budget_left)
         return min(owed, allowed)
+
+    def _preemption_victim(self) -> Request:
+        """vLLM's priority victim: the highest value, then the latest arrival. At one priority
+        `running` is in arrival order, so this is the newest, as plain FCFS preempts."""
+        return max(self.running, key=admission_key)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Free the request's blocks and queue it again to recompute later, ahead of every later
