@@ -251,11 +251,11 @@ class ChatCompletionRequest(SamplingRequest):
         return [message.as_template_input() for message in self.messages]
 
 
-RequestModel = TypeVar("RequestModel", bound=SamplingRequest)
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
 
 
 def parse_body(model: type[RequestModel], body: bytes) -> RequestModel:
-    """Raw JSON -> a checked request, or ApiError(400) naming the first bad field."""
+    """Raw JSON -> a checked request (any body model), or ApiError(400) naming the first bad field."""
     try:
         request = model.model_validate_json(body, strict=True)
     except ValidationError as error:
@@ -268,5 +268,6 @@ def parse_body(model: type[RequestModel], body: bytes) -> RequestModel:
             raise ApiError(400, f"request body is not valid JSON: {first['msg']}") from None
         param = str(first["loc"][0]) if first["loc"] else None
         raise ApiError(400, f"{location or 'body'}: {first['msg']}", param=param) from None
-    request.check_supported()
+    if isinstance(request, SamplingRequest):
+        request.check_supported()
     return request
