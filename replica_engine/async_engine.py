@@ -125,7 +125,11 @@ class AsyncEngine:
         """Validate and queue a request (raising InvalidRequestError at once if it is bad); return
         its stream. Closing the stream early (or cancelling the task reading it) aborts it."""
         self._check_alive()
-        request = self.inputs.make_request(prompt, params, request_id, in_flight=self._open_queues)
+        # Compiled on a worker thread, before the request is queued: a step never waits for it.
+        grammar = None
+        if params is not None and params.structured_outputs is not None:
+            grammar = await asyncio.to_thread(self.inputs.compile_grammar, params)
+        request = self.inputs.make_request(prompt, params, request_id, self._open_queues, grammar)
         request_id = request.request_id
         state = RequestState(request, self.inputs.tokenizer, self._end_by_stop_string)
         output_queue = _OutputQueue(asyncio.get_running_loop(), state)

@@ -24,6 +24,7 @@ from replica_engine.models.loader import load_config, load_model
 from replica_engine.output_processor import RequestState
 from replica_engine.outputs import CoreOutput, EngineStats, RequestOutput
 from replica_engine.step_listeners import StepListener
+from replica_engine.structured import GrammarCompiler
 
 if TYPE_CHECKING:
     from replica_engine.metrics import EngineMetrics
@@ -52,8 +53,12 @@ def build_engine(config: EngineConfig, metrics: EngineMetrics | None) -> tuple[E
         param = "num_kv_blocks" if config.num_kv_blocks is not None else "kv_cache_bytes"
         raise InvalidRequestError(param, "leaves no room for a single KV block")
     prompts = PromptProcessor.load(source, config.max_model_len)
+    tokenizer = loaded.tokenizer
+    grammars = (
+        GrammarCompiler(tokenizer, model_config.vocab_size, loaded.stop_token_ids) if tokenizer else None
+    )
     inputs = InputProcessor(
-        config, source.name, model_config, prompts, loaded.tokenizer, loaded.stop_token_ids, num_kv_blocks
+        config, source.name, model_config, prompts, tokenizer, loaded.stop_token_ids, num_kv_blocks, grammars
     )
     return EngineCore(config, runner, num_kv_blocks, metrics), inputs
 

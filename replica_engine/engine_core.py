@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.finish_reason import FinishReason
+from common.logprobs import TokenLogprob
 from replica_engine.config import EngineConfig
 from replica_engine.errors import StepFailedError
 from replica_engine.kv_cache_manager import KVCacheManager
-from replica_engine.model_runner import ModelRunner
+from replica_engine.model_runner import ModelRunner, RunnerOutput
 from replica_engine.outputs import CoreOutput
 from replica_engine.request import Request
+from replica_engine.sampler import SampledTokens
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from replica_engine.scheduler.plan import ScheduledBatch, StepSummary
 from replica_engine.scheduler.step_time_model import StepTimeModel
@@ -34,10 +36,10 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ExecutedBatch:
     """What running a step's batch gave: the requests that ran (all, unless the batch raised and
-    its rows were rerun one by one), their sampled tokens, and the requests that failed."""
+    its rows were rerun one by one), what they computed, and the requests that failed."""
 
     ran: ScheduledBatch
-    sampled_token_ids: list[int]
+    output: RunnerOutput
     failed_request_ids: list[str]
 
     def summary(self, duration_s: float) -> StepSummary:
@@ -137,40 +139,53 @@ class EngineCore:
         except Exception:
             logger.exception("a step of %d requests failed", len(batch.rows))
         if len(batch.rows) == 1:
-            return ExecutedBatch(batch.only([]), [], [batch.rows[0].request_id])
-        tokens: dict[str, list[int]] = {}
+            return ExecutedBatch(batch.only([]), RunnerOutput(), [batch.rows[0].request_id])
+        alone: dict[str, RunnerOutput] = {}
         failed: list[str] = []
         for row in batch.rows:
             try:
-                tokens[row.request_id] = self.runner.execute(batch.only([row.request_id]))
+                alone[row.request_id] = self.runner.execute(batch.only([row.request_id]))
             except Exception:
                 logger.exception("request %s fails on its own", row.request_id)
                 failed.append(row.request_id)
-        survivors = batch.only(tokens)
-        return ExecutedBatch(
-            survivors, [tokens[row.request_id][0] for row in survivors.sampling_rows], failed
+        survivors = batch.only(alone)
+        sampled = [alone[row.request_id].sampled for row in survivors.sampling_rows]
+        output = RunnerOutput(
+            SampledTokens([s.token_ids[0] for s in sampled], [s.logprobs[0] for s in sampled]),
+            {rid: logprobs for out in alone.values() for rid, logprobs in out.prompt_logprobs.items()},
         )
+        return ExecutedBatch(survivors, output, failed)
 
     def _update(self, executed: ExecutedBatch) -> list[CoreOutput]:
         """Advance the requests that ran (an output each); finish the failed ones, reason error."""
-        advanced = self.scheduler.update(executed.ran, executed.sampled_token_ids)
+        for request_id, logprobs in executed.output.prompt_logprobs.items():
+            self.scheduler.requests[request_id].prompt_logprobs += logprobs
+        sampled = executed.output.sampled
+        advanced = self.scheduler.update(executed.ran, sampled.token_ids)
         now = time.monotonic()
-        outputs = [self._token_output(request, now) for request in advanced]
+        outputs = [
+            self._token_output(request, logprob, now)
+            for request, logprob in zip(advanced, sampled.logprobs, strict=True)
+        ]
         failed = [
             self.abort_request(request_id, FinishReason.ERROR) for request_id in executed.failed_request_ids
         ]
         return outputs + [output for output in failed if output is not None]
 
-    def _token_output(self, request: Request, now: float) -> CoreOutput:
+    def _token_output(self, request: Request, logprob: TokenLogprob | None, now: float) -> CoreOutput:
         if self.metrics is not None:
             self.metrics.record_token(request, now, request.last_token_time)
             if request.is_finished:
                 self.metrics.record_finished(request, now)
         request.last_token_time = now
+        first = len(request.output_token_ids) == 1
+        wants_prompt_logprobs = first and request.sampling_params.prompt_logprobs is not None
         return CoreOutput(
             request.request_id,
             [request.output_token_ids[-1]],
             request.num_prompt_tokens,
             request.finish_reason,
             request.num_cached_tokens,
+            new_logprobs=[] if logprob is None else [logprob],
+            prompt_logprobs=request.prompt_logprobs if wants_prompt_logprobs else None,
         )

@@ -17,6 +17,7 @@ from common.sampling_params import SamplingParams
 from replica_engine.config import EngineConfig
 from replica_engine.kv_cache_manager import check_pool_fits
 from replica_engine.request import Request
+from replica_engine.structured import GrammarCompiler, RequestGrammar
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,17 @@ class InputProcessor:
     tokenizer: PreTrainedTokenizerBase | None  # for detokenizing; None for dummy weights
     stop_token_ids: frozenset[int]  # eos and chat-end ids
     num_kv_blocks: int  # blocks requests may hold
+    grammars: GrammarCompiler | None  # structured outputs; None without a tokenizer
+
+    def compile_grammar(self, params: SamplingParams | None) -> RequestGrammar | None:
+        """The request's grammar, compiled (None if it asks for none). Slow for a large schema:
+        AsyncEngine calls this on a worker thread, never the step thread."""
+        spec = params.structured_outputs if params is not None else None
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequestError(spec.param, "structured outputs need a tokenizer; this model has none")
+        return self.grammars.compile(spec)
 
     def make_request(
         self,
@@ -35,9 +47,11 @@ class InputProcessor:
         params: SamplingParams | None,
         request_id: str | None,
         in_flight: Container[str],
+        grammar: RequestGrammar | None = None,
     ) -> Request:
         """A new Request for the step thread (a fresh id unless the caller names one that is not
-        `in_flight`), or InvalidRequestError naming what is wrong."""
+        `in_flight`), or InvalidRequestError naming what is wrong. A constrained request's
+        `grammar` is compiled here unless the caller compiled it already (compile_grammar)."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in in_flight:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
@@ -52,8 +66,15 @@ class InputProcessor:
             raise InvalidRequestError(
                 "priority", f"must be within [-{bound}, {bound}] (max_priority), got {params.priority}"
             )
+        vocab_size = self.model_config.vocab_size
+        if any(token_id >= vocab_size for token_id in params.logit_bias):
+            raise InvalidRequestError(
+                "logit_bias", f"token ids must be below the vocabulary size {vocab_size}"
+            )
+        if grammar is None:
+            grammar = self.compile_grammar(params)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.stop_token_ids))
-        request = Request(request_id, list(prompt_token_ids), params, frozenset(stop_ids))
+        request = Request(request_id, list(prompt_token_ids), params, frozenset(stop_ids), grammar=grammar)
         if params.seed is not None:
             request.generator = torch.Generator(device=self.config.torch_device).manual_seed(params.seed)
         return request

@@ -3,15 +3,29 @@ It reads only the ScheduledBatch it is given, never a live request."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from common.logprobs import TokenLogprob
 from common.sampling_params import SamplingParams
 from replica_engine.config import EngineConfig
 from replica_engine.flat_batch import build_flat_batch
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens, blocks_in_bytes, kv_block_bytes
+from replica_engine.logprobs import logprobs_of
 from replica_engine.models.llama import LlamaForCausalLM
-from replica_engine.sampler import sample
+from replica_engine.sampler import SampledTokens, sample
 from replica_engine.scheduler.plan import SamplingRow, ScheduledBatch, ScheduledRow
+
+PROMPT_LOGPROBS_SLICE = 512  # positions per logits pass: 512 x a 128k vocabulary is 256 MB of fp32
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What a step computed: a token per sampling row, and prompt logprobs where asked."""
+
+    sampled: SampledTokens = field(default_factory=lambda: SampledTokens([], []))
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # by request id
 
 
 class ModelRunner:
@@ -77,13 +91,34 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int]:
-        """Compute every scheduled token; return one sampled token per `batch.sampling_rows`."""
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Compute every scheduled token; sample one token per `batch.sampling_rows`."""
         on_gpu = self.device.type == "cuda"
         flat = build_flat_batch(batch, self.config.block_size, pin_memory=on_gpu).to(self.device)
         hidden = self.model(flat.input_ids, flat.positions, self.kv_caches, flat.attention)
+        prompt_logprobs = self._prompt_logprobs(batch.rows, hidden)
         sampling = [row.sampling for row in batch.rows if row.sampling is not None]
         if not sampling:
-            return []
+            return RunnerOutput(prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[flat.logits_indices])
-        return sample(logits, sampling)
+        return RunnerOutput(sample(logits, sampling), prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, rows: tuple[ScheduledRow, ...], hidden: torch.Tensor
+    ) -> dict[str, list[TokenLogprob]]:
+        """Logprobs of the prompt tokens each asking row's chunk predicts (rows' tokens lie in
+        `hidden` one after another, in batch order)."""
+        results: dict[str, list[TokenLogprob]] = {}
+        row_start = 0
+        for row in rows:
+            wanted = row.prompt_logprobs
+            if wanted is not None:
+                found = results.setdefault(row.request_id, [])
+                first = row_start + wanted.offset
+                for done in range(0, len(wanted.targets), PROMPT_LOGPROBS_SLICE):
+                    targets = list(wanted.targets[done : done + PROMPT_LOGPROBS_SLICE])
+                    at = first + done
+                    logits = self.model.compute_logits(hidden[at : at + len(targets)])
+                    found += logprobs_of(logits, targets, [wanted.num_top] * len(targets))
+            row_start += row.num_tokens
+        return results

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from transformers import PreTrainedTokenizerBase
 
 from common.finish_reason import FinishReason
+from common.logprobs import TokenLogprob
 from replica_engine.detokenizer import IncrementalDetokenizer
 from replica_engine.outputs import CoreOutput, RequestOutput
 from replica_engine.request import Request
@@ -56,13 +57,20 @@ class RequestState:
                 if not output.finished:
                     self.on_stop_string(self.request_id)
                 break
-        return self._output(new_token_ids, finish_reason)
+        logprobs = output.new_logprobs[: len(new_token_ids)]  # none past a stop string
+        return self._output(new_token_ids, finish_reason, logprobs, output.prompt_logprobs)
 
     def finish(self, reason: FinishReason) -> RequestOutput | None:
         """End the request here (abort, timeout): the last output, with any held-back text."""
         return None if self.finished else self._output([], reason)
 
-    def _output(self, new_token_ids: list[int], finish_reason: FinishReason | None) -> RequestOutput:
+    def _output(
+        self,
+        new_token_ids: list[int],
+        finish_reason: FinishReason | None,
+        logprobs: list[TokenLogprob] | None = None,
+        prompt_logprobs: list[TokenLogprob] | None = None,
+    ) -> RequestOutput:
         self.num_output_tokens += len(new_token_ids)
         self.finish_reason = finish_reason
         finished = finish_reason is not None
@@ -76,4 +84,6 @@ class RequestState:
             finished=finished,
             finish_reason=finish_reason,
             num_cached_tokens=self.num_cached_tokens,
+            logprobs=logprobs or [],
+            prompt_logprobs=prompt_logprobs,
         )

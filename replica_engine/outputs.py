@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.finish_reason import FinishReason
+from common.logprobs import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class CoreOutput:
     num_prompt_tokens: int
     finish_reason: FinishReason | None = None  # once finished
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token, if asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1..; with the first token
 
     @property
     def finished(self) -> bool:
@@ -52,6 +55,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None  # once finished
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache (OpenAI cached_tokens)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of new_token_ids, if asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., in the first output
 
 
 @dataclass
@@ -64,10 +69,15 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, if asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1.., if asked
 
     def add(self, output: RequestOutput) -> None:
         self.num_cached_tokens = output.num_cached_tokens
         self.text += output.text_delta
         self.token_ids.extend(output.new_token_ids)
+        self.logprobs.extend(output.logprobs)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         if output.finished:
             self.finish_reason = output.finish_reason

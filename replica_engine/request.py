@@ -10,10 +10,13 @@ from typing import TYPE_CHECKING
 
 from common.block_hash import BlockHash
 from common.finish_reason import FinishReason
+from common.logprobs import TokenLogprob
 from common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch  # a seeded request's generator; the scheduler itself needs no torch
+
+    from replica_engine.structured import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -42,6 +45,8 @@ class Request:
     num_hashed_blocks: int = 0  # of its blocks, how many leading ones the prefix cache knows
     num_cached_tokens: int = 0  # prompt tokens found cached when first admitted
     num_expected_cached_tokens: int = 0  # found cached when it last entered the waiting queue
+    grammar: RequestGrammar | None = None  # structured outputs: where its output is in its grammar
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., so far
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -68,9 +73,20 @@ class Request:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and has not had them all: its prompt must be computed,
+        not read from the prefix cache."""
+        wanted = self.sampling_params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
     def append_output_token(self, token_id: int) -> FinishReason | None:
         """Record a sampled token; return why the request is done, if it is."""
         self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)  # the mask allowed only tokens it accepts
+            if self.grammar.is_terminated:
+                return FinishReason.STOP
         if token_id in self.stop_token_ids:
             return FinishReason.STOP
         if len(self.output_token_ids) >= self.sampling_params.max_tokens:

@@ -1,12 +1,26 @@
-"""Batched sampling: greedy at temperature 0, else temperature, top-k and top-p, with a
-per-request generator where a seed is given (so a seeded request samples the same tokens
-whatever else shares its batch)."""
+"""Batched sampling. Each row's logits are first processed (logits_processors: bias, min_tokens,
+penalties, grammar mask); logprobs, for rows that ask, are read from those processed logits,
+before temperature, min-p, top-k and top-p (so a greedy row's logprob is the model's own
+log-softmax when nothing else applies). Then greedy at temperature 0, else temperature, min-p,
+top-k and top-p, with a per-request generator where a seed is given (so a seeded request
+samples the same tokens whatever else shares its batch)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from common.logprobs import TokenLogprob
+from replica_engine.logits_processors import process_logits
+from replica_engine.logprobs import token_logprobs
 from replica_engine.scheduler.plan import SamplingRow
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    token_ids: list[int]  # one per sampling row
+    logprobs: list[TokenLogprob | None]  # per row: set where the request asked for logprobs
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -24,8 +38,17 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    """One token id per row of `logits` ([num_requests, vocab], float32)."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
+    """One token per row of `logits` ([num_requests, vocab], float32; changed in place)."""
+    if all(row.is_plain for row in rows):
+        token_ids = _sample(logits, rows)
+        return SampledTokens(token_ids, [None] * len(rows))
+    process_logits(logits, rows)
+    token_ids = _sample(logits, rows)
+    return SampledTokens(token_ids, token_logprobs(logits, rows, token_ids))
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     greedy_ids = logits.argmax(dim=-1)
     if all(r.params.greedy for r in rows):
         return greedy_ids.tolist()
@@ -38,6 +61,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):
         logits = _apply_top_k_top_p(logits, top_k, top_p)
     probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    if bool((min_p > 0).any()):  # below min_p times the likeliest token's probability: out
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
     # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p; seeded rows use
     # their own generator.
     noise = torch.empty_like(probs).exponential_()

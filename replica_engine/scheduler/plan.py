@@ -5,7 +5,7 @@ can change under it, whatever happens to the requests afterwards."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -53,10 +53,37 @@ class StepSummary:
 @dataclass(frozen=True)
 class SamplingRow:
     """How to sample one request's next token. The generator is the request's own (seeded
-    requests only); only the step thread draws from it."""
+    requests only); only the step thread draws from it. The rest is what sampling reads of the
+    request beyond its params, copied as the step is sealed, and only for requests that use it."""
 
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None = None
+    prompt_token_ids: Sequence[int] = ()  # repetition penalty (a prompt never changes)
+    output_token_ids: tuple[int, ...] = ()  # penalties
+    banned_token_ids: frozenset[int] = frozenset()  # stop tokens, until min_tokens are out
+    allowed_tokens: torch.Tensor | None = None  # the grammar's bitmask for this token
+
+    @property
+    def is_plain(self) -> bool:
+        """Nothing but temperature, top-k and top-p (the fast path)."""
+        p = self.params
+        return not (
+            p.logit_bias
+            or p.needs_token_history
+            or p.logprobs is not None
+            or self.banned_token_ids
+            or self.allowed_tokens is not None
+        )
+
+
+@dataclass(frozen=True)
+class PromptLogprobsSlice:
+    """A prefill chunk's share of a request's prompt logprobs: the chunk's tokens from `offset`
+    on predict `targets` (the prompt tokens after them), with `num_top` alternatives each."""
+
+    offset: int
+    targets: tuple[int, ...]
+    num_top: int
 
 
 @dataclass(frozen=True)
@@ -69,6 +96,7 @@ class ScheduledRow:
     block_ids: tuple[int, ...]  # covers start_position + len(token_ids) tokens
     is_decode: bool  # one token, past the prompt
     sampling: SamplingRow | None  # set when this step computes the request's last owed token
+    prompt_logprobs: PromptLogprobsSlice | None = None  # set for prompt chunks that want them
 
     @property
     def num_tokens(self) -> int:
@@ -154,8 +182,38 @@ def _row(request: Request, num_tokens: int) -> ScheduledRow:
         start_position=start,
         block_ids=tuple(request.block_ids),
         is_decode=_is_decode(request, num_tokens),
-        sampling=SamplingRow(request.sampling_params, request.generator) if samples else None,
+        sampling=_sampling_row(request) if samples else None,
+        prompt_logprobs=_prompt_logprobs_slice(request, start, start + num_tokens),
     )
+
+
+def _sampling_row(request: Request) -> SamplingRow:
+    params = request.sampling_params
+    history = params.needs_token_history
+    grammar = request.grammar
+    # A grammar decides when output may end; min_tokens holds back stop tokens otherwise.
+    holding = grammar is None and len(request.output_token_ids) < params.min_tokens
+    return SamplingRow(
+        params,
+        request.generator,
+        prompt_token_ids=request.prompt_token_ids if history and params.repetition_penalty != 1 else (),
+        output_token_ids=tuple(request.output_token_ids) if history else (),
+        banned_token_ids=request.stop_token_ids if holding else frozenset(),
+        allowed_tokens=grammar.allowed_tokens() if grammar is not None else None,
+    )
+
+
+def _prompt_logprobs_slice(request: Request, start: int, end: int) -> PromptLogprobsSlice | None:
+    """Positions p in [start, end) predict token p + 1; the prompt's, those not yet recorded
+    (a preempted request recomputes its prompt but records each logprob once)."""
+    num_top = request.sampling_params.prompt_logprobs
+    if num_top is None:
+        return None
+    first = max(start, len(request.prompt_logprobs))
+    last = min(end, request.num_prompt_tokens - 1)
+    if first >= last:
+        return None
+    return PromptLogprobsSlice(first - start, tuple(request.prompt_token_ids[first + 1 : last + 1]), num_top)
 
 
 def _is_decode(request: Request, num_tokens: int) -> bool:

@@ -1,7 +1,8 @@
 import torch
 
 from common.sampling_params import SamplingParams
-from replica_engine.sampler import sample
+from replica_engine.logits_processors import process_logits
+from replica_engine.sampler import sample as sample_tokens
 from replica_engine.scheduler.plan import SamplingRow
 
 
@@ -9,6 +10,10 @@ def _requests(*params: SamplingParams) -> list[SamplingRow]:
     return [
         SamplingRow(p, torch.Generator().manual_seed(p.seed) if p.seed is not None else None) for p in params
     ]
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    return sample_tokens(logits.clone(), rows).token_ids
 
 
 def _logits(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -60,3 +65,51 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch():
     assert sample(logits, seeded)[1] == alone[0]
     other_seed = [sample(logits[1:2], _requests(SamplingParams(seed=s)))[0] for s in range(20)]
     assert len(set(other_seed)) > 1  # the seed matters
+
+
+def test_penalties_follow_vllms_definitions():
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
+    row = SamplingRow(
+        SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+        prompt_token_ids=[2],
+        output_token_ids=(0, 0, 3),
+    )
+    processed = logits.clone()
+    process_logits(processed, [row])
+    # token 0: seen twice -> 2/2 - 0.5*2 - 0.25; token 2: in the prompt only -> -1*2; token 3: once
+    expected = torch.tensor([[2.0 / 2 - 1.0 - 0.25, 1.0, -2.0, 0.5 / 2 - 0.5 - 0.25]])
+    assert torch.allclose(processed, expected)
+
+
+def test_logit_bias_min_p_and_banned_tokens():
+    logits = torch.zeros(1, 6)
+    assert sample(logits, [SamplingRow(SamplingParams(temperature=0, logit_bias={4: 5.0}))]) == [4]
+    banned = SamplingRow(SamplingParams(temperature=0), banned_token_ids=frozenset({0, 1}))
+    assert sample(torch.tensor([[9.0, 8.0, 1.0, 0.0, 0.0, 0.0]]), [banned]) == [2]
+    skewed = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.05, 0.03, 0.02]]))
+    draws = {sample(skewed, [SamplingRow(SamplingParams(min_p=0.5))])[0] for _ in range(300)}
+    assert draws == {0, 1}  # 0.3 >= 0.5 * 0.5 > 0.1
+
+
+def test_a_grammar_bitmask_allows_only_its_tokens_and_leaves_other_rows_alone():
+    logits = _logits(2, vocab=64, seed=4)
+    bitmask = torch.zeros(1, 2, dtype=torch.int32)
+    bitmask[0, 1] = 1 << 3  # only token 35
+    rows = [SamplingRow(SamplingParams(), allowed_tokens=bitmask), SamplingRow(SamplingParams(temperature=0))]
+    for _ in range(20):
+        assert sample(logits, rows) == [35, logits[1].argmax().item()]
+
+
+def test_logprobs_are_the_processed_log_softmax_with_rank_and_top():
+    logits = _logits(2, seed=5)
+    rows = [
+        SamplingRow(SamplingParams(temperature=0, logprobs=3)),
+        SamplingRow(SamplingParams(temperature=0)),
+    ]
+    sampled = sample_tokens(logits.clone(), rows)
+    expected = logits[0].log_softmax(-1)
+    first = sampled.logprobs[0]
+    assert first is not None and sampled.logprobs[1] is None
+    assert first.token_id == sampled.token_ids[0] and first.rank == 1
+    assert abs(first.logprob - expected.max().item()) < 1e-6
+    assert [t for t, _ in first.top] == expected.topk(3).indices.tolist()
