@@ -30,7 +30,7 @@ class PromptProcessor:
         tokenizer = PromptTokenizer.load(source.hf_dir) if source.hf_dir is not None else None
         return cls(tokenizer, config["vocab_size"], max_model_len or model_max_len)
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """Text through the tokenizer, or token ids checked against the vocabulary."""
         if isinstance(prompt, str):
             if not prompt:
@@ -39,7 +39,7 @@ class PromptProcessor:
                 raise InvalidRequestError(
                     "prompt", "this model has no tokenizer (dummy weights): pass token ids"
                 )
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens)
         if not isinstance(prompt, list) or not prompt:
             raise InvalidRequestError("prompt", "must be a non-empty string or a non-empty list of token ids")
         vocab_size = self.vocab_size
@@ -47,8 +47,13 @@ class PromptProcessor:
             raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab_size})")
         return prompt
 
-    def chat_text(self, messages: list[Message]) -> str:
-        """The model's chat template applied, ready for the assistant's turn."""
+    def chat_text(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The model's chat template applied, by default ready for the assistant's turn."""
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise InvalidRequestError("messages", "this model has no chat template")
         if not isinstance(messages, list) or not messages:
@@ -60,13 +65,19 @@ class PromptProcessor:
                 or not isinstance(message.get("content"), str)
             ):
                 raise InvalidRequestError("messages", "each message needs a string 'role' and 'content'")
-        return self.tokenizer.render_chat(messages)
+        return self.tokenizer.render_chat(messages, add_generation_prompt, continue_final_message)
 
-    def chat_prompt(self, messages: list[Message]) -> tuple[str, list[int]]:
+    def chat_prompt(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,  # the template writes the model's special tokens itself
+    ) -> tuple[str, list[int]]:
         """The conversation as text (the chat template applied) and as token ids."""
-        text = self.chat_text(messages)
+        text = self.chat_text(messages, add_generation_prompt, continue_final_message)
         assert self.tokenizer is not None
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self.tokenizer.encode(text, add_special_tokens)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         total = num_prompt_tokens + max_tokens

@@ -16,8 +16,14 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from common.errors import InvalidRequestError
+
 Message = dict[str, str]
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
+# Appended to the message to continue: where it lands in the rendered chat is where the text is cut.
+# Its space tells a template that trims messages (then the text before it is trimmed too) from one
+# that does not, as transformers' apply_chat_template tells them.
+_CONTINUE_MARKER = "<<continue final message>> "
 
 
 def _raise_exception(message: str) -> None:
@@ -59,13 +65,52 @@ class PromptTokenizer:
         template = _template_environment().from_string(source) if source else None
         return cls(Tokenizer.from_file(str(hf_dir / "tokenizer.json")), template, special)
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids this tokenizer can write out, added tokens included."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def render_chat(self, messages: list[Message]) -> str:
-        """The conversation as the model's chat template writes it, ready for the assistant's turn."""
+    def decode(self, ids: list[int]) -> str:
+        # Special tokens kept, as transformers' decode keeps them by default.
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """The vocabulary's spelling of each token (byte-level: "Ġ" for a leading space), as
+        transformers' convert_ids_to_tokens gives it."""
+        return [self.tokenizer.id_to_token(token_id) for token_id in ids]
+
+    def render_chat(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The conversation as the model's chat template writes it: ready for the assistant's turn
+        (add_generation_prompt), or left open after the final message for the model to continue it
+        (continue_final_message: a "prefill")."""
         assert self.chat_template is not None
-        return self.chat_template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidRequestError(
+                    "continue_final_message",
+                    "cannot be combined with add_generation_prompt (set it to false)",
+                )
+            last = messages[-1]
+            messages = [*messages[:-1], {**last, "content": last["content"] + _CONTINUE_MARKER}]
+        text = self.chat_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+        )
+        if not continue_final_message:
+            return text
+        cut = text.rfind(_CONTINUE_MARKER.rstrip())
+        if cut < 0:
+            raise InvalidRequestError(
+                "continue_final_message", "this model's chat template does not write out the final message"
+            )
+        return text[:cut] if text.startswith(_CONTINUE_MARKER, cut) else text[:cut].rstrip()
 
 
 def _token_text(token: str | dict[str, Any]) -> str:

@@ -2,8 +2,9 @@
 
 It parses and checks requests, tokenizes them (the chat template applied), decides max_tokens,
 asks a replica through a streaming DeploymentHandle with token ids, and writes OpenAI bodies or
-Server-Sent Events. It imports no torch (tests/common/test_common.py checks): the model lives in the
-replicas, and the router that runs in this process sees exact prompt lengths."""
+Server-Sent Events; vLLM's /tokenize and /detokenize answer from its tokenizer alone
+(deployments/tokenize_api.py). It imports no torch (tests/common/test_common.py checks): the
+model lives in the replicas, and the router that runs in this process sees exact prompt lengths."""
 
 import asyncio
 import contextlib
@@ -28,6 +29,7 @@ from common.model_source import resolve_model
 from common.prompts import Prompt, PromptProcessor
 from common.sampling_params import SamplingParams
 from common.tokenizer import Message
+from deployments import tokenize_api
 from deployments.auth import check_api_key, load_api_keys
 from deployments.protocol import (
     ApiError,
@@ -48,6 +50,12 @@ app = FastAPI(title="stallfree", description="OpenAI-compatible LLM serving")
 @app.exception_handler(ApiError)
 async def _api_error(_: Request, error: ApiError) -> JSONResponse:
     return JSONResponse(error.body, status_code=error.status, headers=error.headers)
+
+
+@app.exception_handler(InvalidRequestError)
+async def _invalid_request(_: Request, error: InvalidRequestError) -> JSONResponse:
+    # Raised wherever a request is checked (prompts, sampling): a 400 naming the field.
+    return await _api_error(_, ApiError(400, str(error), error.param, error.code))
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -170,6 +178,22 @@ class Ingress:
         generate = self._generate_request(body, await self._pool_tokens(), conversation=body.conversation())
         return await self._respond(generate, body, CHAT)
 
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> tokenize_api.TokenizeResponse:
+        body = tokenize_api.parse_tokenize(await self._read_body(request))
+        self._check_model(body.model)
+        return tokenize_api.tokenize(self.prompts, body)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> tokenize_api.DetokenizeResponse:
+        body = parse_body(tokenize_api.DetokenizeRequest, await self._read_body(request))
+        self._check_model(body.model)
+        return tokenize_api.detokenize(self.prompts, body)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
     async def _read_body(self, request: Request) -> bytes:
         """The authorized caller's body, refused with 413 past the size limit (before reading it
         all when the client declares its length)."""
@@ -204,24 +228,18 @@ class Ingress:
         prompts: list[Prompt] | None = None,
         conversation: list[Message] | None = None,
     ) -> GenerateRequest:
-        """The request tokenized and its sampling decided; a bad input is a 400 naming its field,
-        answered before any replica is asked."""
-        if body.model is not None and body.model != self.model_name:
-            raise ApiError(
-                404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found"
-            )
-        try:
-            if conversation is not None:
-                text, ids = self.prompts.chat_prompt(conversation)
-                texts, prompt_token_ids = [text], [ids]
-            else:
-                # token ids written out: a text-matching router still sees shared prefixes
-                texts = [p if isinstance(p, str) else " ".join(map(str, p)) for p in prompts or []]
-                prompt_token_ids = [self.prompts.tokenize(p) for p in prompts or []]
-            sampling = body.sampling(self.sampling_defaults)
-            params = [self._params(sampling, len(ids), kv_pool_tokens) for ids in prompt_token_ids]
-        except InvalidRequestError as error:
-            raise ApiError(400, str(error), error.param, error.code) from None
+        """The request tokenized and its sampling decided; a bad input is a 400 naming its field
+        (InvalidRequestError's handler), answered before any replica is asked."""
+        self._check_model(body.model)
+        if conversation is not None:
+            text, ids = self.prompts.chat_prompt(conversation)
+            texts, prompt_token_ids = [text], [ids]
+        else:
+            # token ids written out: a text-matching router still sees shared prefixes
+            texts = [p if isinstance(p, str) else " ".join(map(str, p)) for p in prompts or []]
+            prompt_token_ids = [self.prompts.tokenize(p) for p in prompts or []]
+        sampling = body.sampling(self.sampling_defaults)
+        params = [self._params(sampling, len(ids), kv_pool_tokens) for ids in prompt_token_ids]
         return GenerateRequest(uuid.uuid4().hex, prompt_token_ids, params, body.n, "\n".join(texts))
 
     def _params(
