@@ -4,9 +4,10 @@ Plain dataclasses with no torch import: the Ingress and the router build and rea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.finish_reason import FinishReason
+from common.logprobs import TokenLogprob
 from common.sampling_params import SamplingParams
 
 
@@ -45,6 +46,8 @@ class ChoiceDelta:
     num_prompt_tokens: int
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0  # of the prompt, found in the replica's prefix cache
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, if asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., in the first delta if asked
 
 
 @dataclass

@@ -98,11 +98,16 @@ def _coalesce(batch: list[tuple[int, RequestOutput]]) -> list[ChoiceDelta]:
                 out.num_prompt_tokens,
                 out.finish_reason,
                 out.num_cached_tokens,
+                list(out.logprobs),
+                out.prompt_logprobs,
             )
         else:
             delta.text += out.text_delta
             delta.token_ids += out.new_token_ids
+            delta.logprobs += out.logprobs
             delta.finish_reason = out.finish_reason
+            if out.prompt_logprobs is not None:
+                delta.prompt_logprobs = out.prompt_logprobs
     return list(deltas.values())
 
 

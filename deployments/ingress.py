@@ -8,6 +8,7 @@ model lives in the replicas, and the router that runs in this process sees exact
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -31,6 +32,7 @@ from common.sampling_params import SamplingParams
 from common.tokenizer import Message
 from deployments import tokenize_api
 from deployments.auth import check_api_key, load_api_keys
+from deployments.logprobs_format import EchoedPrompt, LogprobsFormat
 from deployments.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -151,6 +153,8 @@ class Ingress:
         self.api_keys = load_api_keys(settings.api_key_env, settings.api_key_file)
         self._kv_pool_tokens: int | None = None  # a replica's whole KV pool, asked once
         self.created = int(time.time())
+        # a token's text, for logprobs: the same few thousand tokens come up again and again
+        self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: self._decode([token_id]))
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -169,8 +173,13 @@ class Ingress:
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         body = parse_body(CompletionRequest, await self._read_body(request))
-        generate = self._generate_request(body, await self._pool_tokens(), body.prompts())
-        return await self._respond(generate, body, COMPLETIONS)
+        prompts = body.prompts()
+        generate = self._generate_request(body, await self._pool_tokens(), prompts)
+        echoed = None
+        if body.echo:
+            pairs = zip(prompts, generate.prompt_token_ids, strict=True)
+            echoed = [EchoedPrompt(p if isinstance(p, str) else self._decode(ids), ids) for p, ids in pairs]
+        return await self._respond(generate, body, COMPLETIONS, echoed)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -254,8 +263,22 @@ class Ingress:
         self.prompts.check_fits(num_prompt_tokens, params.max_tokens)
         return params
 
+    def _decode(self, token_ids: list[int]) -> str:
+        """Token ids as text; a model without a tokenizer writes them as vLLM does, token_id:N."""
+        tokenizer = self.prompts.tokenizer
+        if tokenizer is None:
+            return "".join(f"token_id:{token_id}" for token_id in token_ids)
+        return tokenizer.decode(token_ids)
+
+    def _logprobs_format(self, endpoint: Endpoint, asked: bool) -> LogprobsFormat | None:
+        return LogprobsFormat(self._token_text, endpoint.is_chat) if asked else None
+
     async def _respond(
-        self, generate: GenerateRequest, body: SamplingRequest, endpoint: Endpoint
+        self,
+        generate: GenerateRequest,
+        body: SamplingRequest,
+        endpoint: Endpoint,
+        echoed: list[EchoedPrompt] | None = None,
     ) -> Response:
         deadline = None
         if self.request_timeout_s is not None:
@@ -278,6 +301,9 @@ class Ingress:
             Usage(generate.n),
             body.include_usage,
             body.return_token_ids,
+            self._logprobs_format(endpoint, body.output_logprobs is not None),
+            self._logprobs_format(endpoint, body.prompt_logprobs is not None),
+            echoed,
         )
         if body.stream:
             events = self._events(writer, first, replies, replica_call)

@@ -128,6 +128,8 @@ class SamplingRequest(BaseModel):
         for name, value in (self.model_extra or {}).items():
             if name in _NO_OP_VALUES and value is not None and value not in _NO_OP_VALUES[name]:
                 raise ApiError(400, f"{name}: not supported by this server", param=name)
+        if self.stream and self.prompt_logprobs is not None:  # as vLLM
+            raise ApiError(400, "prompt_logprobs: not available when stream is true", param="prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:

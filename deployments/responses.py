@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 from common.finish_reason import FinishReason
+from common.logprobs import TokenLogprob
 from common.messages import ChoiceDelta
+from deployments.logprobs_format import EchoedPrompt, LogprobsFormat
 
 
 @dataclass(frozen=True)
@@ -21,14 +23,19 @@ class Endpoint:
     is_chat: bool
 
     def choice(
-        self, index: int, text: str, finish_reason: FinishReason | None, token_ids: list[int] | None
+        self,
+        index: int,
+        text: str,
+        finish_reason: FinishReason | None,
+        token_ids: list[int] | None,
+        logprobs: dict[str, object] | None,
     ) -> dict[str, object]:
         body: dict[str, object] = {"index": index}
         if self.is_chat:
             body["message"] = {"role": "assistant", "content": text}
         else:
             body["text"] = text
-        return {**body, **_finish_reason(finish_reason), "logprobs": None, **_token_ids(token_ids)}
+        return {**body, **_finish_reason(finish_reason), "logprobs": logprobs, **_token_ids(token_ids)}
 
     def sends(self, delta: ChoiceDelta, first: bool) -> bool:
         """Whether a delta gets a chunk. Completions send one per delta with tokens, even when
@@ -38,14 +45,21 @@ class Endpoint:
             return True
         return bool(delta.token_ids) and not self.is_chat
 
-    def chunk_choice(self, delta: ChoiceDelta, first: bool, with_token_ids: bool) -> dict[str, object]:
+    def chunk_choice(
+        self,
+        delta: ChoiceDelta,
+        text: str,
+        first: bool,
+        with_token_ids: bool,
+        logprobs: dict[str, object] | None,
+    ) -> dict[str, object]:
         body: dict[str, object] = {"index": delta.index}
         if self.is_chat:
-            body["delta"] = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+            body["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
-            body["text"] = delta.text
+            body["text"] = text
         token_ids = _token_ids(delta.token_ids if with_token_ids else None)
-        return {**body, **_finish_reason(delta.finish_reason), "logprobs": None, **token_ids}
+        return {**body, **_finish_reason(delta.finish_reason), "logprobs": logprobs, **token_ids}
 
 
 def _finish_reason(reason: FinishReason | None) -> dict[str, object]:
@@ -98,7 +112,25 @@ class ResponseWriter:
     usage: Usage
     include_usage: bool = False
     return_token_ids: bool = False
+    logprobs: LogprobsFormat | None = None  # set when the request asked for logprobs
+    prompt_logprobs: LogprobsFormat | None = None  # set when it asked for vLLM's prompt_logprobs
+    echoed: list[EchoedPrompt] | None = None  # completions with echo: each prompt, sent back first
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def _echoed(self, index: int) -> EchoedPrompt | None:
+        return None if self.echoed is None else self.echoed[index // self.usage.n]
+
+    def _logprobs(
+        self,
+        index: int,
+        logprobs: list[TokenLogprob],
+        prompt_logprobs: list[TokenLogprob] | None,
+        first: bool,
+    ) -> dict[str, object] | None:
+        if self.logprobs is None:
+            return None
+        echoed = self._echoed(index) if first else None
+        return self.logprobs.render(index, logprobs, echoed, prompt_logprobs)
 
     def _envelope(self, object_name: str) -> dict[str, object]:
         return {
@@ -112,18 +144,32 @@ class ResponseWriter:
         texts: dict[int, str] = {}
         token_ids: dict[int, list[int]] = {}
         finish_reasons: dict[int, FinishReason | None] = {}
+        logprobs: dict[int, list[TokenLogprob]] = {}
+        prompt_logprobs: dict[int, list[TokenLogprob]] = {}
         async for batch in batches:
             for delta in batch:
                 self.usage.add(delta)
-                texts[delta.index] = texts.get(delta.index, "") + delta.text
+                echoed = self._echoed(delta.index) if delta.index not in texts else None
+                texts[delta.index] = texts.get(delta.index, echoed.text if echoed else "") + delta.text
                 token_ids[delta.index] = token_ids.get(delta.index, []) + delta.token_ids
+                logprobs[delta.index] = logprobs.get(delta.index, []) + delta.logprobs
+                if delta.prompt_logprobs is not None:
+                    prompt_logprobs[delta.index] = delta.prompt_logprobs
                 finish_reasons[delta.index] = delta.finish_reason
         choices = [
             self.endpoint.choice(
-                i, texts[i], finish_reasons[i], token_ids[i] if self.return_token_ids else None
+                i,
+                texts[i],
+                finish_reasons[i],
+                token_ids[i] if self.return_token_ids else None,
+                self._logprobs(i, logprobs[i], prompt_logprobs.get(i), first=True),
             )
             for i in sorted(texts)
         ]
+        if self.prompt_logprobs is not None:
+            for choice in choices:
+                found = prompt_logprobs.get(int(choice["index"]), [])  # type: ignore[call-overload]
+                choice["prompt_logprobs"] = self.prompt_logprobs.vllm_prompt_logprobs(found)
         return {
             **self._envelope(self.endpoint.object_name),
             "choices": choices,
@@ -138,7 +184,12 @@ class ResponseWriter:
                 self.usage.add(delta)
                 first = delta.index not in started
                 if self.endpoint.sends(delta, first):
-                    choices.append(self.endpoint.chunk_choice(delta, first, self.return_token_ids))
+                    echoed = self._echoed(delta.index) if first else None
+                    text = (echoed.text if echoed else "") + delta.text
+                    logprobs = self._logprobs(delta.index, delta.logprobs, delta.prompt_logprobs, first)
+                    choices.append(
+                        self.endpoint.chunk_choice(delta, text, first, self.return_token_ids, logprobs)
+                    )
                     started.add(delta.index)
             if choices:
                 yield self._event(choices)

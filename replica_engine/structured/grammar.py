@@ -53,8 +53,8 @@ class GrammarCompiler:
         if spec.json is not None:
             schema = spec.json
             return self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=spec.strict)
-        if spec.json_object:
-            return self._compiler.compile_builtin_json_grammar()
+        if spec.json_object:  # an object, as OpenAI's json_object means (the builtin grammar takes any value)
+            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.regex is not None:
             return self._compiler.compile_regex(spec.regex)
         if spec.choice is not None:

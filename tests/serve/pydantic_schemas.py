@@ -1,0 +1,152 @@
+"""Twenty Pydantic models of the kinds extraction pipelines ask for (nested objects, enums, arrays,
+optional fields, literals, numbers, bounds), each with a prompt a small model can answer. Some
+carry bounds (maxItems, maximum) as real extraction schemas do: SmolLM2-135M otherwise repeats a
+list item or a digit until max_tokens on a few of them (valid JSON so far, never finished)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class Color(str, Enum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population: int = Field(ge=0, le=100_000_000)
+
+
+class Address(BaseModel):
+    street: str
+    city: str
+    zip_code: str
+
+
+class Employee(BaseModel):
+    name: str
+    address: Address
+
+
+class Paint(BaseModel):
+    color: Color
+    liters: float
+
+
+class ShoppingList(BaseModel):
+    items: list[str]
+
+
+class Book(BaseModel):
+    title: str
+    author: str
+    year: int | None
+
+
+class Weather(BaseModel):
+    city: str
+    temperature_celsius: float
+    condition: Literal["sunny", "cloudy", "rainy", "snowy"]
+
+
+class Answer(BaseModel):
+    answer: bool
+    confidence: float
+
+
+class Point(BaseModel):
+    x: int
+    y: int
+
+
+class Polygon(BaseModel):
+    name: str
+    points: list[Point] = Field(max_length=4)
+
+
+class Movie(BaseModel):
+    title: str
+    genres: list[Literal["action", "comedy", "drama", "horror", "romance"]]
+    rating: float
+
+
+class Pet(BaseModel):
+    name: str
+    species: Literal["cat", "dog", "bird"]
+    nickname: str | None
+
+
+class Order(BaseModel):
+    order_id: int
+    quantities: list[int]
+    paid: bool
+
+
+class Country(BaseModel):
+    name: str
+    capital: str
+    languages: list[str] = Field(min_length=1, max_length=3)
+
+
+class Recipe(BaseModel):
+    dish: str
+    ingredients: list[str] = Field(max_length=6)
+    minutes: int = Field(ge=0, le=600)
+
+
+class Team(BaseModel):
+    name: str
+    members: list[Person]
+
+
+class Sentiment(BaseModel):
+    text: str
+    label: Literal["positive", "negative", "neutral"]
+
+
+class Event(BaseModel):
+    title: str
+    date: str
+    attendees: int
+
+
+class Profile(BaseModel):
+    username: str
+    email: str | None
+    favorite_color: Color
+    tags: list[str]
+
+
+SCHEMAS: list[tuple[type[BaseModel], str]] = [
+    (Person, "Alice is 30 years old. Give her name and age."),
+    (City, "Describe Paris: its name, country and population."),
+    (Employee, "Bob lives at 12 Main Street, Springfield, zip 12345."),
+    (Paint, "I need 2.5 liters of blue paint."),
+    (ShoppingList, "Make a shopping list with milk, eggs and bread."),
+    (Book, "The book 1984 was written by George Orwell in 1949."),
+    (Weather, "It is 21 degrees and sunny in Rome."),
+    (Answer, "Is the sky blue? Answer with your confidence."),
+    (Point, "Give the point with x 3 and y 4."),
+    (Polygon, "A triangle with points (0,0), (1,0) and (0,1)."),
+    (Movie, "The movie Titanic is a romance and drama rated 7.9."),
+    (Pet, "My cat is called Tom."),
+    (Order, "Order 42 has quantities 1, 2 and 3 and is paid."),
+    (Country, "France: capital Paris, language French."),
+    (Recipe, "Pancakes need flour, milk and eggs and take 20 minutes."),
+    (Team, "Team Blue has Ann, 25, and Ben, 31."),
+    (Sentiment, "Classify the sentiment of: I love this phone."),
+    (Event, "The concert is on 2025-06-01 with 500 attendees."),
+    (Profile, "User jdoe likes green and is tagged admin and staff."),
+    (Person, "Describe a person called Carol who is 41."),
+]
