@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from common.sampling_params import MAX_LOGPROBS
 from common.structured_outputs import StructuredOutputs
 
 
@@ -237,6 +238,8 @@ class ChatCompletionRequest(SamplingRequest):
 
     @property
     def output_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
         if not self.logprobs:
             if self.top_logprobs:
                 raise ApiError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")

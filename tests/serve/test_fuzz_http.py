@@ -18,7 +18,9 @@ from harness.serve_cluster import ServeCluster
 FIELDS = [
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "stream", "stream_options",
-    "logprobs", "presence_penalty", "response_format", "echo", "user",
+    "logprobs", "presence_penalty", "response_format", "echo", "user", "top_logprobs",
+    "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "priority",
+    "prompt_logprobs", "structured_outputs",
 ]  # fmt: skip
 scalars = st.one_of(
     st.none(),
@@ -57,6 +59,39 @@ edgy_fields = {
     "ignore_eos": st.booleans(),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "logprobs": st.booleans() | st.integers(-2, 25),
+    "top_logprobs": st.integers(-2, 25),
+    "echo": st.booleans(),
+    "prompt_logprobs": st.integers(-2, 25),
+    "presence_penalty": st.floats(-3, 3),
+    "repetition_penalty": st.floats(-1, 3),
+    "min_p": st.floats(-0.5, 1.5),
+    "min_tokens": st.integers(-2, 50),
+    "logit_bias": st.dictionaries(
+        st.integers(-3, 70000).map(str) | st.text(max_size=3), st.floats(-150, 150)
+    ),
+    "priority": st.integers(-(2**40), 2**40),
+    "response_format": st.sampled_from(
+        [
+            {"type": "json_object"},
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "array", "minItems": 99}},
+            },
+            {"type": "json_schema", "json_schema": {"schema": {"enum": []}, "strict": True}},
+        ]
+    ),
+    "structured_outputs": st.fixed_dictionaries(
+        {},
+        optional={
+            "regex": st.text(max_size=8),
+            "choice": st.lists(st.text(max_size=5), max_size=3),
+            "grammar": st.text(max_size=20),
+            "json": json_values,
+            "json_object": st.booleans(),
+        },
+    ),
 }
 edgy_prompts = (
     st.text(max_size=60)

@@ -1,0 +1,192 @@
+"""Structured outputs, logprobs, penalties and priority through the real app (serve_config.yaml,
+SmolLM2) and the official `openai` client, as users of vLLM call them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from ray import serve
+
+from harness.serve_cluster import ServeCluster
+from tests.serve.pydantic_schemas import SCHEMAS
+
+MODEL = "smollm2-135m-instruct"
+SYSTEM = {"role": "system", "content": "Answer in JSON."}
+
+
+@pytest.fixture(scope="module")
+def client(serve_cluster: ServeCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{serve_cluster.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_parse_returns_a_valid_object_for_twenty_pydantic_schemas(client: openai.OpenAI):
+    def parse(case):
+        model, prompt = case
+        return client.chat.completions.parse(
+            model=MODEL,
+            messages=[SYSTEM, {"role": "user", "content": prompt}],
+            response_format=model,
+            max_tokens=200,
+            temperature=0,
+        )
+
+    with ThreadPoolExecutor(len(SCHEMAS)) as pool:  # all at once: the engine batches them
+        completions = list(pool.map(parse, SCHEMAS))
+    for (model, _), completion in zip(SCHEMAS, completions, strict=True):
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, model)
+        assert model.model_validate_json(choice.message.content or "") == choice.message.parsed
+
+
+def test_json_object_regex_choice_and_grammar_are_honoured(client: openai.OpenAI):
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[SYSTEM, {"role": "user", "content": "Give the name and age of a cat called Tom, aged 3."}],
+        response_format={"type": "json_object"},
+        max_tokens=200,
+        temperature=0,
+    )
+    assert chat.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(chat.choices[0].message.content or ""), dict)
+    cases = [
+        ({"regex": r"[0-9]{3}-[0-9]{4}"}, lambda text: re.fullmatch(r"[0-9]{3}-[0-9]{4}", text)),
+        ({"choice": ["Paris", "Rome", "Berlin"]}, lambda text: text in {"Paris", "Rome", "Berlin"}),
+        ({"grammar": 'root ::= "yes" | "no"'}, lambda text: text in {"yes", "no"}),
+    ]
+    for spec, holds in cases:
+        completion = client.completions.create(
+            model=MODEL,
+            prompt="The capital of France is",
+            max_tokens=20,
+            temperature=0.7,
+            extra_body={"structured_outputs": spec},
+        )
+        text = completion.choices[0].text
+        assert holds(text), (spec, text)
+        assert completion.choices[0].finish_reason == "stop"
+
+
+def test_chat_logprobs_streamed_and_whole(client: openai.OpenAI):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(  # 6 tokens: not yet at the end-of-turn token
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 6
+    assert "".join(entry.token for entry in content) == whole.choices[0].message.content
+    for entry in content:
+        assert entry.logprob <= 0 and bytes(entry.bytes) == entry.token.encode()
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the likeliest
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    )
+    streamed = [
+        entry
+        for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_completion_echo_with_logprobs_scores_the_prompt(serve_cluster: ServeCluster, client: openai.OpenAI):
+    prompt = "The capital of France is"
+    completion = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True
+    )
+    choice = completion.choices[0]
+    logprobs = choice.logprobs
+    num_prompt = completion.usage.prompt_tokens
+    assert choice.text.startswith(prompt) and len(logprobs.tokens) == num_prompt + 3
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(value <= 0 for value in logprobs.token_logprobs[1:])
+    assert logprobs.text_offset == [
+        sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))
+    ]
+    for token, value, top in zip(
+        logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], strict=True
+    ):
+        assert top[token] == pytest.approx(value) and 2 <= len(top) <= 3
+    # vLLM's prompt_logprobs: the same numbers, by token id
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+    raw = httpx.post(f"{serve_cluster.base_url}/v1/completions", json=body, timeout=60).json()
+    prompt_logprobs = raw["choices"][0]["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == num_prompt
+    scored = [next(iter(entry.values()))["logprob"] for entry in prompt_logprobs[1:]]
+    assert scored == pytest.approx(logprobs.token_logprobs[1:num_prompt], abs=1e-3)
+
+
+def test_penalties_change_the_output(client: openai.OpenAI):
+    def complete(**fields) -> str:
+        return (
+            client.completions.create(
+                model=MODEL, prompt="Say yes five times:", max_tokens=16, temperature=0, **fields
+            )
+            .choices[0]
+            .text
+        )
+
+    plain = complete()
+    assert complete(frequency_penalty=2.0) != plain
+    assert complete(presence_penalty=2.0) != plain
+    assert complete(extra_body={"repetition_penalty": 2.0}) != plain
+    assert complete(frequency_penalty=0.0, presence_penalty=0.0) == plain
+
+
+def test_under_a_full_pool_the_urgent_request_is_admitted_first(small_app: str):
+    """small_app's pool (8 blocks) holds one of these requests at a time; two less urgent ones wait
+    when an urgent one arrives: it runs before them (with FCFS it would run last). It may also
+    preempt the running one (priority 0) when the pool runs dry, as vLLM's priority policy does."""
+    stats = serve.get_deployment_handle("EngineReplica", app_name="small").stats
+    prompt = "Tell me about the history of Rome. " * 9  # ~72 tokens (5 blocks), 102 with its output (7)
+    finished: list[str] = []
+
+    async def run(name: str, priority: int) -> None:
+        body = {
+            "prompt": prompt,
+            "max_tokens": 30,
+            "ignore_eos": True,
+            "temperature": 0,
+            "priority": priority,
+        }
+        async with httpx.AsyncClient(timeout=120) as http:
+            response = await http.post(f"{small_app}/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        finished.append(name)
+
+    async def until(predicate) -> None:
+        for _ in range(400):
+            if predicate(await stats.remote()):
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError("the replica never got there")
+
+    async def scenario() -> None:
+        first = asyncio.create_task(run("running", 0))
+        await until(lambda s: s.num_running == 1)
+        late = [asyncio.create_task(run(f"background-{i}", 5)) for i in range(2)]
+        await until(lambda s: s.num_waiting == 2)
+        urgent = asyncio.create_task(run("urgent", -5))
+        await asyncio.gather(first, *late, urgent)
+
+    asyncio.run(scenario())
+    assert finished.index("urgent") < min(finished.index("background-0"), finished.index("background-1"))
