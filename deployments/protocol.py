@@ -118,10 +118,10 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's, as are min_p, min_tokens, priority
     min_p: float | None = None
-    min_tokens: int = 0
+    min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias
     prompt_logprobs: int | None = None  # vLLM's
-    priority: int = 0
+    priority: int | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's
 
@@ -193,7 +193,7 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None  # top logprobs per token (0: the chosen token's only)
-    echo: bool = False  # the prompt comes back before the completion (its logprobs too)
+    echo: bool | None = None  # the prompt comes back before the completion (its logprobs too)
 
     @property
     def output_logprobs(self) -> int | None:
@@ -233,7 +233,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
 
     @property

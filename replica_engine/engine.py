@@ -55,7 +55,9 @@ def build_engine(config: EngineConfig, metrics: EngineMetrics | None) -> tuple[E
     prompts = PromptProcessor.load(source, config.max_model_len)
     tokenizer = loaded.tokenizer
     grammars = (
-        GrammarCompiler(tokenizer, model_config.vocab_size, loaded.stop_token_ids) if tokenizer else None
+        GrammarCompiler.for_tokenizer(tokenizer, model_config.vocab_size, loaded.stop_token_ids)
+        if tokenizer
+        else None
     )
     inputs = InputProcessor(
         config, source.name, model_config, prompts, tokenizer, loaded.stop_token_ids, num_kv_blocks, grammars

@@ -24,15 +24,18 @@ _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[05:41:18] /project/cpp/x.c
 
 
 class GrammarCompiler:
-    def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: frozenset[int]
-    ) -> None:
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
-        )
-        self.vocab_size = vocab_size
+    def __init__(self, info: xgr.TokenizerInfo) -> None:
+        self.vocab_size = info.vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._lock = threading.Lock()  # one compile at a time: a replica's CPU is the step's too
+
+    @classmethod
+    def for_tokenizer(
+        cls, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: frozenset[int]
+    ) -> GrammarCompiler:
+        """For the model's tokenizer; any of `stop_token_ids` (eos, chat-end) ends a grammar."""
+        stop = sorted(stop_token_ids)
+        return cls(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop))
 
     def compile(self, spec: StructuredOutputs) -> RequestGrammar:
         """A fresh matcher for `spec`, or InvalidRequestError naming the request field it came from."""

@@ -1,8 +1,9 @@
 """Which JSON-schema keywords a constrained request may use: the ones xgrammar enforces (each
 checked, a valid and an invalid instance per keyword, by tests/engine/test_grammar.py). xgrammar
-compiles some others without enforcing them (`not`, `if`, `contains`, `uniqueItems`, several
-`format`s, remote `$ref`s); a schema with one is refused, naming it, rather than served with a
-constraint silently dropped."""
+compiles some others without enforcing them (`not`, `if`, `contains`, `uniqueItems`,
+`dependentRequired`, `unevaluatedProperties`, several `format`s, remote `$ref`s) or wrongly
+(`patternProperties` refuses valid instances); a schema with one is refused, naming it, rather
+than served with a constraint silently dropped."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from common.errors import InvalidRequestError
 _ENFORCED = frozenset(
     {
         "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
-        "properties", "required", "additionalProperties", "unevaluatedProperties",
-        "patternProperties", "propertyNames", "minProperties", "maxProperties",
+        "properties", "required", "additionalProperties", "propertyNames", "minProperties",
+        "maxProperties",
         "items", "prefixItems", "unevaluatedItems", "minItems", "maxItems",
         "minLength", "maxLength", "pattern", "format",
         "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
@@ -35,11 +36,9 @@ _FORMATS = frozenset(
     }
 )  # fmt: skip
 # Keywords whose value maps names to subschemas, or lists subschemas.
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions"})
 _SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems"})
-_SUBSCHEMAS = frozenset(
-    {"items", "additionalProperties", "unevaluatedProperties", "propertyNames", "unevaluatedItems"}
-)
+_SUBSCHEMAS = frozenset({"items", "additionalProperties", "propertyNames", "unevaluatedItems"})
 
 
 def check_schema(schema: Any, param: str) -> None:

@@ -1,0 +1,143 @@
+"""The grammar layer on its own (no model): every JSON-schema keyword we accept is enforced (a
+valid instance accepted, an invalid one refused, by a character-level vocabulary), and every one
+we refuse is named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+
+from common.errors import InvalidRequestError
+from common.structured_outputs import StructuredOutputs
+from replica_engine.structured.grammar import GrammarCompiler
+from replica_engine.structured.schema_check import check_schema
+
+VOCAB = [chr(code) for code in range(32, 127)] + ["</s>"]
+STOP = len(VOCAB) - 1
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    return GrammarCompiler(xgr.TokenizerInfo(VOCAB, vocab_size=len(VOCAB), stop_token_ids=[STOP]))
+
+
+def accepts(compiler: GrammarCompiler, spec: StructuredOutputs, text: str) -> bool:
+    grammar = compiler.compile(spec)
+    return all(grammar.accept(VOCAB.index(char)) for char in text) and grammar.accept(STOP)
+
+
+OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+# keyword: (schema, a valid instance, an invalid one), JSON as we generate it (", " and ": ")
+ENFORCED = {
+    "type": ({"type": "integer"}, "3", '"3"'),
+    "enum": ({"enum": ["x", 1]}, "1", "2"),
+    "const": ({"const": "x"}, '"x"', '"y"'),
+    "anyOf": ({"anyOf": [{"type": "integer"}, {"type": "string"}]}, '"s"', "true"),
+    "oneOf": ({"oneOf": [{"type": "integer"}, {"type": "boolean"}]}, "true", '"s"'),
+    "allOf": ({"allOf": [{"type": "integer"}]}, "4", '"s"'),
+    "$ref": ({"$defs": {"n": {"type": "integer"}}, "$ref": "#/$defs/n"}, "1", '"s"'),
+    "properties": (OBJECT, '{"a": 1}', '{"a": "x"}'),
+    "required": ({**OBJECT, "required": ["a"]}, '{"a": 1}', '{"b": "x"}'),
+    "additionalProperties": ({**OBJECT, "additionalProperties": False}, '{"a": 1}', '{"c": 1}'),
+    "propertyNames": ({"type": "object", "propertyNames": {"pattern": "^x"}}, '{"x": 1}', '{"y": 1}'),
+    "minProperties": ({"type": "object", "minProperties": 1}, '{"a": 1}', "{}"),
+    "maxProperties": ({"type": "object", "maxProperties": 1}, '{"a": 1}', '{"a": 1, "b": 2}'),
+    "items": ({"type": "array", "items": {"type": "integer"}}, "[1, 2]", '[1, "x"]'),
+    "prefixItems": ({"type": "array", "prefixItems": [{"type": "integer"}], "items": False}, "[1]", "[1, 2]"),
+    "unevaluatedItems": (
+        {"type": "array", "prefixItems": [{"type": "integer"}], "unevaluatedItems": False},
+        "[1]",
+        "[1, 2]",
+    ),
+    "minItems": ({"type": "array", "minItems": 2}, "[1, 2]", "[1]"),
+    "maxItems": ({"type": "array", "maxItems": 1}, "[1]", "[1, 2]"),
+    "minLength": ({"type": "string", "minLength": 2}, '"ab"', '"a"'),
+    "maxLength": ({"type": "string", "maxLength": 2}, '"ab"', '"abc"'),
+    "pattern": ({"type": "string", "pattern": "^[a-z]+$"}, '"ab"', '"A1"'),
+    "format": ({"type": "string", "format": "date"}, '"2025-01-31"', '"soon"'),
+    "minimum": ({"type": "integer", "minimum": 3}, "3", "2"),
+    "maximum": ({"type": "integer", "maximum": 3}, "3", "4"),
+    "exclusiveMinimum": ({"type": "integer", "exclusiveMinimum": 3}, "4", "3"),
+    "exclusiveMaximum": ({"type": "integer", "exclusiveMaximum": 3}, "2", "3"),
+    "multipleOf": ({"type": "integer", "multipleOf": 3}, "6", "4"),
+}
+
+
+@pytest.mark.parametrize("keyword", list(ENFORCED))
+def test_every_accepted_keyword_is_enforced(compiler: GrammarCompiler, keyword: str):
+    schema, valid, invalid = ENFORCED[keyword]
+    spec = StructuredOutputs(json=json.dumps(schema))
+    assert accepts(compiler, spec, valid), f"{keyword}: valid {valid} refused"
+    assert not accepts(compiler, spec, invalid), f"{keyword}: invalid {invalid} accepted"
+
+
+@pytest.mark.parametrize(
+    ("schema", "named"),
+    [
+        ({"not": {"type": "string"}}, "'not'"),
+        ({"type": "object", "if": {}, "then": {}}, "'if'"),
+        ({"type": "array", "contains": {"type": "integer"}}, "'contains'"),
+        ({"type": "array", "uniqueItems": True}, "'uniqueItems'"),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "'dependentRequired'"),
+        ({"type": "object", "unevaluatedProperties": False}, "'unevaluatedProperties'"),
+        ({"type": "object", "patternProperties": {"^x": {}}}, "'patternProperties'"),
+        ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf with more than one"),
+        ({"$ref": "https://example.com/schema.json"}, "only local references"),
+        ({"type": "string", "format": "idn-email"}, "format 'idn-email'"),
+        ({"type": "object", "properties": {"a": {"not": {}}}}, "#/properties/a/not"),
+    ],
+)
+def test_a_keyword_that_would_not_be_enforced_is_named(schema: dict, named: str):
+    with pytest.raises(InvalidRequestError, match=named) as raised:
+        check_schema(schema, "response_format")
+    assert raised.value.param == "response_format"
+
+
+def test_the_choice_of_strings_and_the_json_object(compiler: GrammarCompiler):
+    choice = StructuredOutputs(choice=("yes", 'say "no"'))
+    assert accepts(compiler, choice, 'say "no"') and not accepts(compiler, choice, "maybe")
+    json_object = StructuredOutputs(json_object=True)
+    assert accepts(compiler, json_object, '{"a": [1, {}]}') and not accepts(compiler, json_object, "[1]")
+
+
+def test_strict_allows_no_unnamed_property(compiler: GrammarCompiler):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert accepts(compiler, StructuredOutputs(json=json.dumps(schema)), '{"a": 1, "z": 2}')
+    assert not accepts(compiler, StructuredOutputs(json=json.dumps(schema), strict=True), '{"a": 1, "z": 2}')
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"regex": "[a-"},
+        {"grammar": "root ::= "},
+        {
+            "json": json.dumps(
+                {"type": "object", "minProperties": 3, "properties": {}, "additionalProperties": False}
+            )
+        },
+    ],
+)
+def test_a_spec_that_does_not_compile_is_refused_naming_its_field(compiler: GrammarCompiler, spec: dict):
+    with pytest.raises(InvalidRequestError, match="cannot compile") as raised:
+        compiler.compile(StructuredOutputs(**spec, param="structured_outputs"))
+    assert raised.value.param == "structured_outputs" and "/project/" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"regex": "a", "choice": ("a",)},
+        {"json": "{"},
+        {"json": "[1]"},
+        {"choice": ()},
+        {"regex": "x" * 70000},
+    ],
+)
+def test_a_malformed_spec_is_refused_before_compiling(fields: dict):
+    with pytest.raises(InvalidRequestError) as raised:
+        StructuredOutputs(**fields, param="response_format")
+    assert raised.value.param == "response_format"
