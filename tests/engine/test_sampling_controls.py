@@ -154,3 +154,19 @@ def test_a_spec_that_cannot_be_enforced_is_refused_naming_the_field(llm: LLM, sp
         llm.generate(["Hi"], SamplingParams(max_tokens=4, structured_outputs=spec))
     assert raised.value.param == "structured_outputs"  # type: ignore[attr-defined]
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_an_aborted_constrained_request_frees_its_blocks_and_the_rest_go_on(llm: LLM):
+    engine = llm.engine
+    constrained = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=_json())
+    request_id = engine.add_request("Describe a person as JSON:", constrained)
+    other = engine.add_request("The capital of France is", SamplingParams(max_tokens=8, temperature=0.0))
+    for _ in range(3):
+        engine.step()
+    assert engine.abort_request(request_id) is not None
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert {o.request_id for o in outputs} == {other}
+    kv = engine.core.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
