@@ -166,15 +166,21 @@ class ResponseWriter:
             )
             for i in sorted(texts)
         ]
-        if self.prompt_logprobs is not None:
-            for choice in choices:
-                found = prompt_logprobs.get(int(choice["index"]), [])  # type: ignore[call-overload]
-                choice["prompt_logprobs"] = self.prompt_logprobs.vllm_prompt_logprobs(found)
-        return {
+        body = {
             **self._envelope(self.endpoint.object_name),
             "choices": choices,
             "usage": self.usage.as_dict(),
         }
+        if self.prompt_logprobs is not None:  # where vLLM puts it: per choice; chat, once (one prompt)
+            rendered = {
+                i: self.prompt_logprobs.vllm_prompt_logprobs(found) for i, found in prompt_logprobs.items()
+            }
+            if self.endpoint.is_chat:
+                body["prompt_logprobs"] = rendered.get(0)
+            else:
+                for choice in choices:
+                    choice["prompt_logprobs"] = rendered.get(int(choice["index"]))  # type: ignore[call-overload]
+        return body
 
     async def events(self, batches: AsyncIterator[list[ChoiceDelta]]) -> AsyncIterator[str]:
         started: set[int] = set()

@@ -73,7 +73,7 @@ def test_json_object_regex_choice_and_grammar_are_honoured(client: openai.OpenAI
         assert completion.choices[0].finish_reason == "stop"
 
 
-def test_chat_logprobs_streamed_and_whole(client: openai.OpenAI):
+def test_chat_logprobs_streamed_and_whole(serve_cluster: ServeCluster, client: openai.OpenAI):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     whole = client.chat.completions.create(  # 6 tokens: not yet at the end-of-turn token
         model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
@@ -105,6 +105,11 @@ def test_chat_logprobs_streamed_and_whole(client: openai.OpenAI):
         for entry in chunk.choices[0].logprobs.content
     ]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # vLLM's prompt_logprobs on chat: once, beside the choices
+    body = {"messages": messages, "max_tokens": 1, "prompt_logprobs": 1}
+    raw = httpx.post(f"{serve_cluster.base_url}/v1/chat/completions", json=body, timeout=60).json()
+    assert raw["prompt_logprobs"][0] is None and len(raw["prompt_logprobs"]) == raw["usage"]["prompt_tokens"]
+    assert all(1 <= len(entry) <= 2 for entry in raw["prompt_logprobs"][1:])
 
 
 def test_completion_echo_with_logprobs_scores_the_prompt(serve_cluster: ServeCluster, client: openai.OpenAI):
