@@ -85,3 +85,18 @@ def run_to_completion(
         step += 1
         assert step < max_steps, "no progress"
     return run
+
+
+def add_request(
+    scheduler: Scheduler, name: str, prompt_len: int = 4, max_tokens: int = 8, priority: int = 0
+) -> Request:
+    request = Request(name, [1] * prompt_len, SamplingParams(max_tokens=max_tokens, priority=priority))
+    scheduler.add_request(request)
+    return request
+
+
+def step(scheduler: Scheduler) -> dict[str, int]:
+    """One step, every request 'sampling' token 7; the tokens it scheduled per request, in batch order."""
+    batch = scheduler.schedule()
+    scheduler.update(batch, [7] * len(batch.sampling_rows))
+    return scheduled_tokens(batch)

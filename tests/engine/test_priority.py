@@ -16,40 +16,35 @@ from replica_engine.kv_cache_manager import blocks_for_tokens
 from replica_engine.request import Request, RequestStatus
 from replica_engine.scheduler import SCHEDULING_POLICIES, Scheduler
 from replica_engine.scheduler.waiting_queue import WaitingQueue
-from tests.engine.scheduler_harness import Run, make_scheduler, run_to_completion, scheduled_tokens
+from tests.engine.scheduler_harness import (
+    Run,
+    add_request,
+    make_scheduler,
+    run_to_completion,
+    scheduled_tokens,
+    step,
+)
 from tests.engine.test_scheduler import arrivals_strategy
-
-
-def _add(scheduler: Scheduler, name: str, priority: int, prompt_len: int = 4, max_tokens: int = 8) -> Request:
-    request = Request(name, [1] * prompt_len, SamplingParams(max_tokens=max_tokens, priority=priority))
-    scheduler.add_request(request)
-    return request
-
-
-def _step(scheduler: Scheduler) -> dict[str, int]:
-    batch = scheduler.schedule()
-    scheduler.update(batch, [7] * len(batch.sampling_rows))
-    return scheduled_tokens(batch)
 
 
 @pytest.mark.parametrize("policy", sorted(SCHEDULING_POLICIES))
 def test_waiting_requests_are_admitted_by_priority_then_arrival(policy):
     scheduler = make_scheduler(policy, budget=256, max_seqs=16, num_blocks=64, block_size=4)
     for name, priority in [("a", 2), ("b", 0), ("c", 1), ("d", -1), ("e", 0), ("f", 2), ("g", 1)]:
-        _add(scheduler, name, priority)
+        add_request(scheduler, name, priority=priority)
     # Budget, width and pool hold them all: one step admits all seven, most urgent first.
-    assert list(_step(scheduler)) == ["d", "b", "e", "c", "g", "a", "f"]
+    assert list(step(scheduler)) == ["d", "b", "e", "c", "g", "a", "f"]
 
 
 def test_equal_priorities_are_served_first_come_first_served_one_at_a_time():
     scheduler = make_scheduler("stall_free", budget=256, max_seqs=1, num_blocks=64, block_size=4)
     first_steps: dict[str, int] = {}
     arrivals = {0: [("a", 3), ("b", 3)], 2: [("c", 3), ("d", 1)], 5: [("e", 1), ("f", 3)]}
-    for step in range(60):
-        for name, priority in arrivals.get(step, []):
-            _add(scheduler, name, priority, max_tokens=3)
-        for name in _step(scheduler):
-            first_steps.setdefault(name, step)
+    for step_index in range(60):
+        for name, priority in arrivals.get(step_index, []):
+            add_request(scheduler, name, max_tokens=3, priority=priority)
+        for name in step(scheduler):
+            first_steps.setdefault(name, step_index)
     assert not scheduler.has_unfinished_requests()
     # a runs alone from step 0; then the 1s (d, e) in arrival order, then the 3s (b, c, f).
     assert sorted(first_steps, key=first_steps.__getitem__) == ["a", "d", "e", "b", "c", "f"]
@@ -59,10 +54,10 @@ def test_a_dry_pool_preempts_the_least_urgent_running_request_not_the_newest():
     # 3 blocks of 4 tokens. a (priority 1) holds two blocks, b (priority 0, newer) one; b's next
     # decode needs a block: a is preempted, though b is the newest.
     scheduler = make_scheduler("stall_free", budget=64, max_seqs=8, num_blocks=3, block_size=4)
-    a = _add(scheduler, "a", priority=1)
-    assert _step(scheduler) == {"a": 4}
-    b = _add(scheduler, "b", priority=0)
-    assert _step(scheduler) == {"a": 1, "b": 4}  # a's decode takes its second block, b the last
+    a = add_request(scheduler, "a", priority=1)
+    assert step(scheduler) == {"a": 4}
+    b = add_request(scheduler, "b", priority=0)
+    assert step(scheduler) == {"a": 1, "b": 4}  # a's decode takes its second block, b the last
     batch = scheduler.schedule()
     assert scheduled_tokens(batch) == {"b": 1} and batch.num_preempted == 1
     assert a.status is RequestStatus.WAITING and not a.block_ids and b.status is RequestStatus.RUNNING
@@ -71,18 +66,18 @@ def test_a_dry_pool_preempts_the_least_urgent_running_request_not_the_newest():
 def test_a_preempted_request_goes_back_ahead_of_less_urgent_and_later_equal_arrivals():
     # c (priority 1) arrives first but waits behind a and b (priority 0); width 2.
     scheduler = make_scheduler("stall_free", budget=64, max_seqs=2, num_blocks=3, block_size=4)
-    c = _add(scheduler, "c", priority=1)
-    _add(scheduler, "a", priority=0)
-    b = _add(scheduler, "b", priority=0)
-    assert _step(scheduler) == {"a": 4, "b": 4}
-    e = _add(scheduler, "e", priority=0)  # as urgent as b, later
-    assert _step(scheduler) == {"a": 1}  # a takes the last block; b, the least urgent running, yields
+    c = add_request(scheduler, "c", priority=1)
+    add_request(scheduler, "a", priority=0)
+    b = add_request(scheduler, "b", priority=0)
+    assert step(scheduler) == {"a": 4, "b": 4}
+    e = add_request(scheduler, "e", priority=0)  # as urgent as b, later
+    assert step(scheduler) == {"a": 1}  # a takes the last block; b, the least urgent running, yields
     assert b.status is RequestStatus.WAITING
-    d = _add(scheduler, "d", priority=-1)  # more urgent, later
+    d = add_request(scheduler, "d", priority=-1)  # more urgent, later
     assert list(scheduler.waiting) == [d, b, e, c]
     scheduled_in_order: list[str] = []  # each request once, when it is next scheduled
     while scheduler.has_unfinished_requests():
-        scheduled_in_order += [name for name in _step(scheduler) if name not in scheduled_in_order]
+        scheduled_in_order += [name for name in step(scheduler) if name not in scheduled_in_order]
     assert [name for name in scheduled_in_order if name != "a"] == ["d", "b", "e", "c"]
 
 

@@ -7,73 +7,61 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.finish_reason import FinishReason
-from common.sampling_params import SamplingParams
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
 from replica_engine.request import Request, RequestStatus
 from replica_engine.scheduler import Scheduler
 from replica_engine.scheduler.plan import ScheduledBatch
 from tests.engine.scheduler_harness import (
     StepArrival,
+    add_request,
     arrival_order,
     free_block_ids,
     make_scheduler,
     run_to_completion,
     scheduled_tokens,
+    step,
 )
-
-
-def _add(scheduler: Scheduler, name: str, prompt_len: int, max_tokens: int = 8) -> Request:
-    request = Request(name, [1] * prompt_len, SamplingParams(max_tokens=max_tokens))
-    scheduler.add_request(request)
-    return request
-
-
-def _step(scheduler: Scheduler) -> dict[str, int]:
-    """One step; the tokens it scheduled per request, in batch order."""
-    batch = scheduler.schedule()
-    scheduler.update(batch, [7] * len(batch.sampling_rows))
-    return scheduled_tokens(batch)
 
 
 def test_stall_free_runs_decodes_first_then_chunks_prompts_to_the_budget_left():
     scheduler = make_scheduler("stall_free", budget=16, max_seqs=8, num_blocks=64, block_size=4)
-    a = _add(scheduler, "a", 10)
-    assert _step(scheduler) == {"a": 10}  # whole prompt fits: a samples
-    b = _add(scheduler, "b", 40)
-    assert list(_step(scheduler).items()) == [("a", 1), ("b", 15)]  # a's decode first, b chunked
-    c = _add(scheduler, "c", 5)
-    assert list(_step(scheduler).items()) == [("a", 1), ("b", 15)]  # c waits: no budget left
-    assert list(_step(scheduler).items()) == [("a", 1), ("b", 10), ("c", 5)]
+    a = add_request(scheduler, "a", 10)
+    assert step(scheduler) == {"a": 10}  # whole prompt fits: a samples
+    b = add_request(scheduler, "b", 40)
+    assert list(step(scheduler).items()) == [("a", 1), ("b", 15)]  # a's decode first, b chunked
+    c = add_request(scheduler, "c", 5)
+    assert list(step(scheduler).items()) == [("a", 1), ("b", 15)]  # c waits: no budget left
+    assert list(step(scheduler).items()) == [("a", 1), ("b", 10), ("c", 5)]
     assert a.output_token_ids == [7] * 4 and b.output_token_ids == [7] and c.output_token_ids == [7]
 
 
 def test_prefill_first_stalls_decodes_while_prompts_are_admitted():
     scheduler = make_scheduler("prefill_first", budget=64, max_seqs=8, num_blocks=64, block_size=4)
-    _add(scheduler, "a", 10)
-    _step(scheduler)
-    _add(scheduler, "b", 20)
-    assert _step(scheduler) == {"b": 20}  # a's decode waits
-    assert _step(scheduler) == {"a": 1, "b": 1}
+    add_request(scheduler, "a", 10)
+    step(scheduler)
+    add_request(scheduler, "b", 20)
+    assert step(scheduler) == {"b": 20}  # a's decode waits
+    assert step(scheduler) == {"a": 1, "b": 1}
 
 
 def test_static_admits_a_new_batch_only_when_the_last_has_drained():
     scheduler = make_scheduler("static", budget=64, max_seqs=8, num_blocks=64, block_size=4)
-    a = _add(scheduler, "a", 4, max_tokens=3)
-    _step(scheduler)
-    _add(scheduler, "b", 4, max_tokens=1)
-    assert _step(scheduler) == {"a": 1}
-    assert _step(scheduler) == {"a": 1}
+    a = add_request(scheduler, "a", 4, max_tokens=3)
+    step(scheduler)
+    add_request(scheduler, "b", 4, max_tokens=1)
+    assert step(scheduler) == {"a": 1}
+    assert step(scheduler) == {"a": 1}
     assert a.is_finished
-    assert _step(scheduler) == {"b": 4}
+    assert step(scheduler) == {"b": 4}
 
 
 def test_out_of_blocks_preempts_the_newest_keeps_its_tokens_and_admits_nothing():
     # 3 blocks of 4 tokens. a and b each hold one full block; the next decode needs a new block.
     scheduler = make_scheduler("stall_free", budget=64, max_seqs=8, num_blocks=3, block_size=4)
-    _add(scheduler, "a", 4)
-    b = _add(scheduler, "b", 4)
-    _step(scheduler)  # prompts: a and b fill one block each and sample their first token
-    c = _add(scheduler, "c", 2)
+    add_request(scheduler, "a", 4)
+    b = add_request(scheduler, "b", 4)
+    step(scheduler)  # prompts: a and b fill one block each and sample their first token
+    c = add_request(scheduler, "c", 2)
     batch = scheduler.schedule()  # each decode needs a 2nd block: a takes the last; b, newest, is preempted
     scheduler.update(batch, [7] * len(batch.sampling_rows))
     assert batch.num_preempted == 1
@@ -86,11 +74,11 @@ def test_out_of_blocks_preempts_the_newest_keeps_its_tokens_and_admits_nothing()
 
 def test_abort_frees_blocks_at_once_wherever_the_request_is():
     scheduler = make_scheduler("stall_free", budget=8, max_seqs=8, num_blocks=16, block_size=4)
-    a = _add(scheduler, "a", 20)
-    _step(scheduler)
+    a = add_request(scheduler, "a", 20)
+    step(scheduler)
     assert a.block_ids
     scheduler.finish_request(a, FinishReason.ABORT)
-    w = _add(scheduler, "w", 4)
+    w = add_request(scheduler, "w", 4)
     scheduler.finish_request(w, FinishReason.ABORT)
     assert scheduler.kv_cache_manager.num_free_blocks == 16
     assert not scheduler.has_unfinished_requests()
@@ -222,7 +210,7 @@ def test_blocks_are_owned_once_under_any_add_abort_step_interleaving(
     added: list[Request] = []
     for op in ops:
         if op[0] == "add":
-            added.append(_add(scheduler, f"r{len(added)}", op[1], max_tokens=op[2]))
+            added.append(add_request(scheduler, f"r{len(added)}", op[1], max_tokens=op[2]))
         elif op[0] == "abort" and added:
             request = added[op[1] % len(added)]
             if not request.is_finished:
@@ -232,7 +220,7 @@ def test_blocks_are_owned_once_under_any_add_abort_step_interleaving(
             scheduler.update(batch, [op[1]] * len(batch.sampling_rows))
         _check_ownership(scheduler, [r for r in added if r.is_finished])
     while scheduler.has_unfinished_requests():  # drain
-        _step(scheduler)
+        step(scheduler)
         _check_ownership(scheduler, [r for r in added if r.is_finished])
     assert sorted(free_block_ids(scheduler.kv_cache_manager)) == list(
         range(1, scheduler.kv_cache_manager.num_blocks + 1)
