@@ -83,8 +83,8 @@ def small_app(serve_cluster):
     """A second app on the same cluster, at /small: a KV pool of 8 blocks (128 tokens: four
     requests of 54 tokens cannot all fit, so the engine preempts), a 160-token context (a request
     may be too large for the whole pool), and a replica that holds 4 requests and queues 1 more
-    (the rest get 503), and a TBT target (the adaptive budget's path through Serve). Yields its
-    base URL."""
+    (the rest get 503), a TBT target (the adaptive budget's path through Serve) and a bound on
+    requests' priority (max_priority 10). Yields its base URL."""
     from ray import serve
 
     from deployments.app import AppArgs, build_app
@@ -94,7 +94,13 @@ def small_app(serve_cluster):
         max_queued_requests=1,
         num_cpus=0,
         # tbt_slo_s: far above its steps (changes no chunk), set so the budget's metrics exist
-        engine={"num_kv_blocks": 8, "max_model_len": 160, "dtype": "float32", "tbt_slo_s": 2.0},
+        engine={
+            "num_kv_blocks": 8,
+            "max_model_len": 160,
+            "dtype": "float32",
+            "tbt_slo_s": 2.0,
+            "max_priority": 10,
+        },
         sampling_defaults={"max_tokens": 256},
     )
     serve.run(build_app(args), name="small", route_prefix="/small")

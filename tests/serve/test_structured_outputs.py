@@ -194,4 +194,6 @@ def test_under_a_full_pool_the_urgent_request_is_admitted_first(small_app: str):
         await asyncio.gather(first, *late, urgent)
 
     asyncio.run(scenario())
+    beyond = httpx.post(f"{small_app}/v1/completions", json={"prompt": "hi", "priority": -11}, timeout=60)
+    assert beyond.status_code == 400 and beyond.json()["error"]["param"] == "priority"  # max_priority 10
     assert finished.index("urgent") < min(finished.index("background-0"), finished.index("background-1"))
