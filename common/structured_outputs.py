@@ -1,6 +1,6 @@
 """What a request constrains its output to (vLLM's `structured_outputs`; OpenAI's `response_format`
 maps onto it): exactly one of a JSON schema, any JSON object, a regex, a choice of strings, or an
-EBNF grammar. Torch-free: the Ingress builds it; the replica compiles it (replica_engine.grammar)."""
+EBNF grammar. Torch-free: the Ingress builds it; the replica compiles it (replica_engine.structured)."""
 
 from __future__ import annotations
 
@@ -64,8 +64,3 @@ class StructuredOutputs:
     def from_schema(cls, schema: Any, strict: bool, param: str) -> StructuredOutputs:
         """A JSON schema given as an object (as OpenAI's response_format carries it)."""
         return cls(json=json.dumps(schema), strict=strict, param=param)
-
-    @property
-    def cache_key(self) -> tuple[object, ...]:
-        """Equal specs compile to the same grammar."""
-        return (self.json, self.json_object, self.regex, self.choice, self.grammar, self.strict)

@@ -5,6 +5,8 @@ grammar's mask. Batched over the rows that use each, in place; rows that use non
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from replica_engine.scheduler.plan import SamplingRow
@@ -29,9 +31,7 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         apply_token_bitmasks(logits, constrained, bitmasks)  # type: ignore[arg-type]
 
 
-def _token_counts(
-    token_ids: list[tuple[int, ...]] | list[list[int]], vocab: int, device: torch.device
-) -> torch.Tensor:
+def _token_counts(token_ids: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(token_ids), vocab]: how often each row holds each token."""
     counts = torch.zeros(len(token_ids), vocab, device=device)
     row_index = [row for row, ids in enumerate(token_ids) for _ in ids]
@@ -56,7 +56,7 @@ def _apply_penalties(logits: torch.Tensor, index: list[int], rows: list[Sampling
     in_output = output_counts > 0
     repetition = torch.tensor([row.params.repetition_penalty for row in rows], device=device)[:, None]
     if bool((repetition != 1).any()):
-        seen = in_output | (_token_counts([list(row.prompt_token_ids) for row in rows], vocab, device) > 0)
+        seen = in_output | (_token_counts([row.prompt_token_ids for row in rows], vocab, device) > 0)
         penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
         sub = torch.where(seen, penalized, sub)
     frequency = torch.tensor([row.params.frequency_penalty for row in rows], device=device)[:, None]

@@ -30,7 +30,7 @@ def logprobs_of(logits: torch.Tensor, targets: list[int], num_top: list[int]) ->
             targets[i],
             chosen_l[i],
             ranks_l[i],
-            tuple(zip(map(int, ids_l[i][: num_top[i]]), values_l[i][: num_top[i]], strict=True)),
+            tuple(zip(ids_l[i][: num_top[i]], values_l[i][: num_top[i]], strict=True)),
         )
         for i in range(len(targets))
     ]
