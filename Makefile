@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast serve lint bench
+.PHONY: setup test test-fast test-busy serve lint bench
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml Makefile
 # first use; otherwise the tests that need them skip, saying so): apt-get install prometheus redis-server
 test: setup
 	$(PY) -m pytest -q
+
+# The suite with two CPU-bound processes beside it: what a busy laptop or CI runner sees.
+test-busy: setup
+	bash .ci/busy
 
 # Everything that needs no Ray cluster: engine, kernels, scheduler, routers' logic (a few minutes).
 test-fast: setup
