@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from bench.driver import Arrival, EngineClient, engine_as_served, greedy
-from harness.latency import percentile
+from common.latency import percentile
 from harness.pacing import open_loop
 from harness.random_workload import log_uniform, random_tokens
 from replica_engine.metrics.engine_metrics import PREFIX

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import httpx
 
 from bench.text_prompts import english_text
-from harness.latency import RequestTiming
+from common.latency import RequestTiming
 from harness.pacing import open_loop
 from harness.random_workload import zipf_weights
 from harness.sse_client import stream_completion

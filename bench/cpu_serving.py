@@ -38,8 +38,8 @@ from bench.driver import (
     pyplot,
 )
 from bench.text_prompts import text_prompts
+from common.latency import RequestTiming, summarize
 from harness import serve_cluster
-from harness.latency import RequestTiming, summarize
 from harness.pacing import closed_loop
 from harness.random_workload import log_uniform, poisson_times
 

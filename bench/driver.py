@@ -18,7 +18,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness.latency import RequestTiming
+from common.latency import RequestTiming
 from harness.random_workload import random_tokens
 from harness.serve_cluster import shipped_app_config, with_app_args
 

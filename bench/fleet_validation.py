@@ -17,12 +17,12 @@ from pathlib import Path
 
 from bench.capacity_run import workload
 from bench.driver import BenchmarkRun, EngineClient, engine_as_served, greedy, print_verdicts
+from common.latency import summarize
 from fleet_sim.fleet import Fleet, FleetConfig
 from fleet_sim.records import summarize_records
 from fleet_sim.replica import ReplicaConfig
 from fleet_sim.routers import make_router
 from fleet_sim.trace import SimRequest
-from harness.latency import summarize
 from harness.pacing import open_loop
 from replica_engine.scheduler.step_time_model import StepTimeModel
 from replica_engine.step_profile import profile_step_times

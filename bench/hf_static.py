@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from bench.driver import Workload
-from harness.latency import RequestTiming
+from common.latency import RequestTiming
 
 
 class _FirstTokenClock(StoppingCriteria):

@@ -10,8 +10,8 @@ from functools import partial
 import httpx
 
 from bench.driver import Arrival
+from common.latency import RequestTiming
 from harness import pacing
-from harness.latency import RequestTiming
 from harness.sse_client import stream_completion
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from bench import hf_static
 from bench.driver import BenchmarkRun, Workload, greedy, pyplot, uniform_workload
+from common.latency import RequestTiming, summarize
 from common.model_source import DEFAULT_MODEL, resolve_model
-from harness.latency import RequestTiming, summarize
 from replica_engine import LLM
 
 GOALS = {"throughput_ratio_min": 2.0, "ttft_p50_ratio_max": 0.3}

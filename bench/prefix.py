@@ -40,7 +40,7 @@ from bench.driver import (
     print_verdicts,
     pyplot,
 )
-from harness.latency import percentile
+from common.latency import percentile
 from harness.pacing import open_loop
 from harness.random_workload import log_uniform, poisson_times, random_tokens
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from bench import chat_workload, http_load
 from bench.driver import Arrival, BenchmarkRun, Spread, print_verdicts, pyplot
+from common.latency import summarize
 from harness import serve_cluster
-from harness.latency import summarize
 from harness.metrics_scrape import EngineCounters
 from harness.random_workload import random_tokens
 from harness.replicas import kill_replica, wait_replaced

@@ -9,7 +9,7 @@ length like the others, its grammar mask changing as it goes (structure, strings
 Each system runs in a worker process of its own that keeps its engine; runs alternate between
 them round by round (order reversed every other round), and figures are ratios taken within a
 round, then the median over rounds. Also reported: grammar compile time per schema, cold (a
-fresh compiler) and cached, over this schema and tests/serve/pydantic_schemas.py's twenty.
+fresh compiler) and cached, over this schema and harness/pydantic_schemas.py's twenty.
 Writes bench/results/structured.json. ~15 minutes; not part of make test."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ REPO = Path(__file__).resolve().parents[1]
 # -- the worker: one engine, runs on request ----------------------------------------------
 def _run(client, arrivals, fraction: float) -> dict[str, float]:
     from bench.driver import greedy
-    from harness.latency import summarize
+    from common.latency import summarize
     from harness.pacing import closed_loop
 
     salt = f"run-{uuid.uuid4().hex}"  # a run never finds another run's prompts cached
@@ -143,9 +143,9 @@ def compile_times() -> dict[str, object]:
     from openai.lib._pydantic import to_strict_json_schema
 
     from common.structured_outputs import StructuredOutputs
+    from harness.pydantic_schemas import SCHEMAS
     from replica_engine.config import EngineConfig
     from replica_engine.engine import build_engine
-    from tests.serve.pydantic_schemas import SCHEMAS
 
     _, inputs = build_engine(EngineConfig(num_kv_blocks=16), None)
     specs = [StructuredOutputs.from_schema(SCHEMA, True, "response_format")]

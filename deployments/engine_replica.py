@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from ray import serve
 
+from common.autoscaling_stats import KV_USAGE, WAITING
 from common.block_hash import root_hash
 from common.finish_reason import FinishReason
 from common.messages import ChoiceDelta, GenerateError, GenerateRequest
@@ -27,7 +28,6 @@ from replica_engine import (
 )
 from replica_engine.metrics import EngineMetrics, RayServeSink
 from replica_engine.outputs import RequestOutput
-from router.autoscaling import KV_USAGE, WAITING
 
 ChoiceStream = AsyncIterator[RequestOutput]  # one choice's outputs, as AsyncEngine.add_request streams them
 

@@ -1,12 +1,12 @@
-"""What a simulation measured, in the shapes the real benchmarks report (harness/latency.py)."""
+"""What a simulation measured, in the shapes the real benchmarks report (common/latency.py)."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
 
+from common.latency import RequestTiming, summarize
 from fleet_sim.trace import SimRequest
-from harness.latency import RequestTiming, summarize
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from harness.latency import percentile
+from common.latency import percentile
 from harness.pacing import closed_loop
 from harness.random_workload import log_uniform, random_tokens
 from harness.sse_client import StreamResult, stream_completion

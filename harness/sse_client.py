@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from harness.latency import RequestTiming
+from common.latency import RequestTiming
 
 
 @dataclass

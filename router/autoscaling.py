@@ -17,11 +17,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from common.autoscaling_stats import KV_USAGE, WAITING
+
 if TYPE_CHECKING:
     from ray.serve.config import AutoscalingContext  # Serve passes one; the simulator calls desired_replicas
-
-KV_USAGE = "kv_cache_usage"
-WAITING = "num_waiting"
 
 
 class KVPressurePolicy:

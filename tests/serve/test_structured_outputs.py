@@ -13,8 +13,8 @@ import openai
 import pytest
 from ray import serve
 
+from harness.pydantic_schemas import SCHEMAS
 from harness.serve_cluster import ServeCluster
-from tests.serve.pydantic_schemas import SCHEMAS
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = {"role": "system", "content": "Answer in JSON."}

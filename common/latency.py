@@ -1,4 +1,5 @@
-"""What a client measured of one request, and the latency summary every load reports."""
+"""What a client measured of one request, and the latency summary every load reports (the real
+benchmarks' and the fleet simulator's alike, so it lives below both)."""
 
 from __future__ import annotations
 
