@@ -46,51 +46,109 @@ def _check_known(given: dict[str, Any], known: frozenset[str], what: str) -> Non
 
 
 class AppArgs(BaseModel):
+    """The `args:` of serve_config.yaml. Every field's description is its row in the docs'
+    generated settings table (docs/configuration.md)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    model: str = DEFAULT_MODEL  # embedded SmolLM2, a local HF directory, a .gguf file, or dummy:<shape>
-    served_model_name: str | None = None  # the `model` clients send; default: derived from `model`
-    engine: dict[str, Any] = Field(default_factory=dict)  # EngineConfig knobs (README: settings table)
-    # Resources per replica. The only place the GPU count is set: YAML ray_actor_options would
-    # replace the builder's options wholesale and silently drop it.
-    num_gpus: float = Field(default=0, ge=0)
-    num_cpus: float = Field(default=1, ge=0)
-    # Custom Ray resources per replica, e.g. {"stallfree_engine": 1} with nodes started by
-    # `ray start --resources='{"stallfree_engine": 1}'`: replicas go only where a node offers them.
-    resources: dict[str, float] = Field(default_factory=dict)
-    cpu_threads: int | None = Field(default=None, ge=1)  # torch threads on CPU; default: every core
-    num_replicas: int | Literal["auto"] = 1
-    # Serve's (min/max_replicas, upscale/downscale_delay_s, ...), used with num_replicas: auto.
-    # The policy is ours: it scales on KV cache usage and queue depth against the targets below.
-    autoscaling_config: dict[str, Any] | None = None
-    target_kv_cache_usage: float = Field(default=0.6, gt=0, le=1)  # mean per replica
-    target_waiting_requests: float = Field(default=4, gt=0)  # mean queue depth per replica
-    target_ongoing_requests: float = Field(default=4, gt=0)  # running + queued requests per replica
-    # kv_prefix: ours (router/), by prefix-cache overlap and KV load; kv_pressure: ours, by load
-    # alone. Baselines: power_of_two (Serve's default), round_robin, and prefix_cache_affinity
-    # (Ray Serve LLM's PrefixCacheAffinityRouter, unchanged).
+    model: str = Field(
+        default=DEFAULT_MODEL,
+        description="As `LLM(model=...)`: the embedded SmolLM2, a local Hugging Face directory, a "
+        "`.gguf` file, or `dummy:<shape>`",
+    )
+    served_model_name: str | None = Field(
+        default=None, description="The `model` clients send. Default: derived from `model`"
+    )
+    engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Engine settings: any `EngineConfig` field but `model` and `offline` "
+        "(`max_num_batched_tokens`, `max_num_seqs`, `kv_cache_bytes`, ...; table below)",
+    )
+    num_gpus: float = Field(
+        default=0,
+        ge=0,
+        description="GPUs per replica. Set it here only: a YAML `ray_actor_options` would replace "
+        "the builder's options wholesale and silently drop it",
+    )
+    num_cpus: float = Field(default=1, ge=0, description="CPUs Ray reserves per replica")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per replica, e.g. `{stallfree_engine: 1}` with nodes "
+        "started by `ray start --resources='{\"stallfree_engine\": 1}'`: replicas go only to "
+        "nodes that offer them",
+    )
+    cpu_threads: int | None = Field(
+        default=None, ge=1, description="Torch threads of a CPU replica. Default: every core"
+    )
+    num_replicas: int | Literal["auto"] = Field(
+        default=1,
+        description="Engine replicas, or `auto`: our autoscaling policy (KV cache usage, queue "
+        "depth and ongoing requests against the targets below), bounded by `autoscaling_config`",
+    )
+    autoscaling_config: dict[str, Any] | None = Field(
+        default=None,
+        description="Serve's autoscaling config (`min_replicas`, `max_replicas`, "
+        "`upscale_delay_s`, `downscale_delay_s`, `look_back_period_s`, ...), used with "
+        "`num_replicas: auto`; the policy is ours",
+    )
+    target_kv_cache_usage: float = Field(
+        default=0.6, gt=0, le=1, description="Autoscaling target: mean KV cache usage per replica"
+    )
+    target_waiting_requests: float = Field(
+        default=4, gt=0, description="Autoscaling target: mean queue depth per replica"
+    )
+    target_ongoing_requests: float = Field(
+        default=4, gt=0, description="Autoscaling target: running + queued requests per replica"
+    )
     request_router: Literal[
         "kv_prefix", "kv_pressure", "power_of_two", "round_robin", "prefix_cache_affinity"
-    ] = "kv_prefix"
-    max_ongoing_requests: int = Field(default=128, ge=1)  # per replica: the engine batches these
-    max_queued_requests: int = Field(default=512, ge=-1)  # beyond this, 503 + Retry-After (-1: no cap)
-    ingress_max_ongoing_requests: int = Field(default=4096, ge=1)
-    # Ingress replicas, each with its own routers, at most one per node: with proxy_location
-    # EveryNode, one per node keeps a request on the node whose proxy it entered (Serve's proxy
-    # prefers its own node's). More than the cluster has nodes: the rest wait for nodes.
-    ingress_replicas: int = Field(default=1, ge=1)
-    # Sampling for fields a request leaves out (vLLM's generation-config defaults), e.g. the
-    # model card's {temperature: 0.2, top_p: 0.9}; without it, OpenAI's (temperature 1).
-    sampling_defaults: dict[str, Any] = Field(default_factory=dict)
-    # API keys (`Authorization: Bearer`), read on the Ingress's node: an environment variable
-    # with comma-separated keys and/or a file with one per line. Neither set: no auth.
-    api_key_env: str | None = None
-    api_key_file: str | None = None
-    max_request_body_bytes: int = Field(default=4 << 20, ge=1024)  # larger bodies get 413
-    # A request still unanswered after this long (streamed or not) gets 408 and is aborted,
-    # freeing its KV blocks. None: no limit of ours (Serve's http_options.request_timeout_s
-    # still applies if set, with Serve's plain-text 408).
-    request_timeout_s: float | None = Field(default=None, gt=0)
+    ] = Field(
+        default="kv_prefix",
+        description="`kv_prefix` (ours: prefix-cache overlap and KV load), `kv_pressure` (ours: "
+        "KV load alone), or the baselines `power_of_two` (Serve's default), `round_robin` and "
+        "`prefix_cache_affinity` (Ray Serve LLM's `PrefixCacheAffinityRouter`, unchanged)",
+    )
+    max_ongoing_requests: int = Field(
+        default=128, ge=1, description="Requests one replica holds at once; its engine batches them"
+    )
+    max_queued_requests: int = Field(
+        default=512,
+        ge=-1,
+        description="Requests waiting for a replica beyond this get 503 with `Retry-After` (-1: no cap)",
+    )
+    ingress_max_ongoing_requests: int = Field(
+        default=4096, ge=1, description="Concurrent HTTP requests per Ingress replica"
+    )
+    ingress_replicas: int = Field(
+        default=1,
+        ge=1,
+        description="Ingress replicas, each with its own routers, at most one per node: with "
+        "`proxy_location: EveryNode`, one per node keeps a request on the node whose proxy it "
+        "entered (Serve's proxy prefers its own node's). More than the cluster has nodes: the "
+        "rest wait for nodes",
+    )
+    sampling_defaults: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Sampling for the fields a request leaves out (vLLM's generation-config "
+        "defaults), e.g. the model card's `{temperature: 0.2, top_p: 0.9}`; without it, "
+        "OpenAI's (temperature 1)",
+    )
+    api_key_env: str | None = Field(
+        default=None,
+        description="An environment variable, read on the Ingress's node, holding comma-separated "
+        "API keys (`Authorization: Bearer`). Neither this nor `api_key_file`: no auth",
+    )
+    api_key_file: str | None = Field(
+        default=None, description="A file on the Ingress's node with one API key per line"
+    )
+    max_request_body_bytes: int = Field(default=4 << 20, ge=1024, description="Larger request bodies get 413")
+    request_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="A request still unanswered after this long (streamed or not) gets 408 "
+        "`request_timeout` and is aborted, its KV blocks freed. None: no limit of ours "
+        "(Serve's `http_options.request_timeout_s` still applies if set, with Serve's plain-text 408)",
+    )
 
     @field_validator("engine")
     @classmethod

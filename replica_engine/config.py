@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PretrainedConfig
@@ -23,7 +23,7 @@ GiB = 1 << 30
 # Defaults per device. Serving keeps steps short so time between tokens stays low; offline
 # (the LLM class) wants throughput, and a bigger budget means fewer passes over the weights
 # (vLLM's usage-context defaults make the same split).
-_CPU_DEFAULTS = {
+CPU_DEFAULTS = {
     # SmolLM2 in bf16 on 2 cores: a 256-token chunk step takes ~0.25 s; 512 doubled the TBT
     # p99 under load for 3% more throughput (bench.cpu_serving).
     "max_num_batched_tokens": 256,
@@ -31,7 +31,7 @@ _CPU_DEFAULTS = {
     "max_num_seqs": 64,
     "kv_cache_bytes": GiB,
 }
-_GPU_DEFAULTS = {"max_num_batched_tokens": 2048, "offline_max_num_batched_tokens": 8192, "max_num_seqs": 256}
+GPU_DEFAULTS = {"max_num_batched_tokens": 2048, "offline_max_num_batched_tokens": 8192, "max_num_seqs": 256}
 
 
 def cpu_has_native_bf16() -> bool:
@@ -44,29 +44,103 @@ def _positive_int(name: str, value: object) -> None:
         raise InvalidRequestError(name, f"must be a positive integer, got {value!r}")
 
 
+def _doc(text: str) -> dict[str, str]:
+    """A field's description, read by the docs' generated settings table (docs/configuration.md)."""
+    return {"doc": text}
+
+
 @dataclass
 class EngineConfig:
-    model: str = DEFAULT_MODEL  # embedded SmolLM2, a HF directory, a .gguf file, or dummy:<shape>
-    device: str = "auto"  # cuda when available, else cpu
-    dtype: str = "auto"  # bfloat16 on cuda and on CPUs that multiply it natively, else float32
-    max_num_batched_tokens: int | None = None  # the per-step token budget (with tbt_slo_s: its cap)
-    tbt_slo_s: float | None = None  # time-between-tokens target: prompt chunks sized to keep steps within it
-    max_num_seqs: int | None = None  # most requests running at once
-    block_size: int = 16  # tokens per KV block
-    kv_cache_bytes: int | None = None  # KV pool size; on GPU, overrides gpu_memory_utilization
-    num_kv_blocks: int | None = (
-        None  # KV blocks requests may hold; overrides both (vLLM's num_gpu_blocks_override)
+    """Keyword arguments of `LLM(...)`, and a deployment's `engine:` settings (all but `model`
+    and `offline`). `None` defaults are filled per device by `resolve` (CPU_DEFAULTS,
+    GPU_DEFAULTS)."""
+
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata=_doc(
+            "What to load: the embedded SmolLM2-135M-Instruct, a local Hugging Face directory, a "
+            "`.gguf` file, or `dummy:<shape>` (random weights of a real shape, for benchmarks)"
+        ),
     )
-    gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use in all
-    max_model_len: int | None = None  # prompt + output cap; default: the model's context
-    attention_backend: str = "auto"
-    scheduling_policy: str = "stall_free"  # or prefill_first, static (benchmark baselines)
-    enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes already computed
-    # Requests' priorities must lie in [-max_priority, max_priority] (lower is served first);
-    # others are refused naming `priority`. None: any integer, as vLLM.
-    max_priority: int | None = None
-    seed: int = 0  # for dummy weights and unseeded sampling
-    offline: bool = False  # set by LLM: throughput over latency when choosing defaults
+    device: str = field(default="auto", metadata=_doc("`auto`: `cuda` when available, else `cpu`"))
+    dtype: str = field(
+        default="auto",
+        metadata=_doc(
+            "`auto`: bfloat16 on GPU and on CPUs that multiply it natively (AVX512-BF16 or AMX), "
+            "else float32. `float32` is what the exactness tests run (greedy output equals "
+            "transformers'); `bfloat16` halves the bytes a decode step reads (what it changes in "
+            "outputs: `python -m bench.dtype_agreement`); `float16`"
+        ),
+    )
+    max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata=_doc(
+            "The token budget of one step: decodes first, then prompt chunks (with `tbt_slo_s`: "
+            "its cap). Offline runs favour throughput (fewer, larger steps); serving favours the "
+            "time between tokens"
+        ),
+    )
+    tbt_slo_s: float | None = field(
+        default=None,
+        metadata=_doc(
+            "A time-between-tokens target in seconds (`stall_free` only): each step's prompt "
+            "chunks are sized so its predicted time stays within 0.9x of it, and "
+            "`max_num_batched_tokens` becomes the cap. Unset: the fixed budget"
+        ),
+    )
+    max_num_seqs: int | None = field(default=None, metadata=_doc("Most requests holding KV cache at once"))
+    block_size: int = field(default=16, metadata=_doc("Tokens per KV cache block"))
+    kv_cache_bytes: int | None = field(
+        default=None,
+        metadata=_doc("Size of the KV pool in bytes; on GPU it overrides `gpu_memory_utilization`"),
+    )
+    num_kv_blocks: int | None = field(
+        default=None,
+        metadata=_doc(
+            "KV blocks requests may hold; overrides both settings above (vLLM's "
+            "`num_gpu_blocks_override`). One more block is allocated: block 0, the null block "
+            "that pads block tables. Default: from `kv_cache_bytes`"
+        ),
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata=_doc("GPU: the share of its memory for weights, activations and the KV pool")
+    )
+    max_model_len: int | None = field(
+        default=None, metadata=_doc("Most prompt + output tokens per request. Default: the model's context")
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata=_doc(
+            "`auto`: `triton` on GPU; on CPU `cpu` where our CPU kernels build, else `torch`. "
+            "`triton`: one kernel launch per layer for a mixed batch of prompt chunks and decodes "
+            "over the paged cache; `cpu`: our C++ kernels reading the paged cache in place; "
+            "`torch`: the reference (gather + SDPA)"
+        ),
+    )
+    scheduling_policy: str = field(
+        default="stall_free",
+        metadata=_doc(
+            "`stall_free` (Sarathi-Serve's chunked prefill); `prefill_first` (Orca/vLLM v0) and "
+            "`static` (request-level batching) are benchmark baselines"
+        ),
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_doc("Reuse the K/V of prompt prefixes the engine has already computed")
+    )
+    max_priority: int | None = field(
+        default=None,
+        metadata=_doc(
+            "Requests' `priority` must lie in [-max_priority, max_priority] (lower is served "
+            "first); others are refused naming `priority`. None: any integer, as vLLM"
+        ),
+    )
+    seed: int = field(default=0, metadata=_doc("Seeds dummy weights and unseeded sampling"))
+    offline: bool = field(
+        default=False,
+        metadata=_doc(
+            "Set by `LLM`: throughput over latency when choosing the defaults (not a serve setting)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -128,7 +202,7 @@ class EngineConfig:
         on_gpu = torch.device(device).type == "cuda"
         if on_gpu and not torch.cuda.is_available():
             raise InvalidRequestError("device", f"{device!r} asked for, but CUDA is not available")
-        defaults = _GPU_DEFAULTS if on_gpu else _CPU_DEFAULTS
+        defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
         model_max_len = context_length(model_config.to_dict())
         if self.max_model_len is not None and self.max_model_len > model_max_len:
             raise InvalidRequestError(
