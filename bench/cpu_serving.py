@@ -12,8 +12,8 @@ median and spread). Every run (and warm-up) sends its own cache_salt, so stallfr
 
 Serving overhead: the client's mean time between tokens and mean TTFT at c=1 over HTTP, minus
 the same c=1 run straight into an AsyncEngine in this process (no Ray, no HTTP).
-Writes bench/results/cpu_serving.json and .png. Not part of make test or CI (~35 minutes with
-every peer installed)."""
+Writes bench/results/cpu_serving.json, .png and .raw.json.gz (each request's timing). Not part
+of make test or CI (~35 minutes with every peer installed)."""
 
 from __future__ import annotations
 
@@ -211,14 +211,22 @@ def print_table(results: dict, overhead: dict[str, float], offered_tok_s: float)
     )
 
 
-def plot(path: Path, results: dict) -> None:
+def requests(results: dict) -> dict[str, dict[str, list[dict]]]:
+    """Per measured server and run, each request's timing: the side file, and what the plot draws."""
+    return {
+        name: {run: [asdict(t) for t in ts] for run, ts in r["timings"].items()}
+        for name, r in results.items()
+        if "timings" in r  # quoted: no requests
+    }
+
+
+def plot(path: Path, raw: dict[str, dict[str, list[dict]]]) -> None:
+    """From `requests(...)`, or the side file it went to (bench.driver.raw_path)."""
     plt = pyplot()
     figure, axes = plt.subplots(1, 3, figsize=(13, 4))
     for axis, run in zip(axes, ("c1", "c16", "poisson"), strict=True):
-        for name, r in results.items():
-            if "timings" not in r:
-                continue  # quoted: no intervals to draw
-            gaps = sorted(g for t in r["timings"][run] for g in t.token_intervals_s)
+        for name, by_run in raw.items():
+            gaps = sorted(g for t in by_run[run] for g in t["token_intervals_s"])
             axis.plot(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], label=name)
         axis.set_xscale("log")
         axis.set_xlabel("time between tokens (s)")
@@ -286,14 +294,10 @@ def main(argv: list[str] | None = None) -> None:
         "results": {name: _without_timings(r) for name, r in results.items()},
         "ratios_ours_over_peer": ratios(results),
         "serving_overhead": overhead,
-        "requests": {
-            name: {run: [asdict(t) for t in ts] for run, ts in r["timings"].items()}
-            for name, r in results.items()
-            if "timings" in r
-        },
     }
-    run.write(body, met)
-    plot(args.output.with_suffix(".png"), results)
+    raw = requests(results)
+    run.write(body, met, raw)
+    plot(args.output.with_suffix(".png"), raw)
 
 
 if __name__ == "__main__":

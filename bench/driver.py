@@ -1,11 +1,12 @@
 """The driver every benchmark runs on: workload records, an in-process engine as the app builds
 it with a client that times each request (paced by harness.pacing's open and closed loops, as
 the HTTP loads are), one figure's median and spread over seeds, and result files that always say
-what they were judged by."""
+what they were judged by: summaries a person can read, per-request records beside them, gzipped."""
 
 from __future__ import annotations
 
 import datetime
+import gzip
 import json
 import os
 import platform
@@ -162,14 +163,41 @@ def result_header(benchmark: str) -> dict[str, object]:
     }
 
 
-def write_result(path: Path, result: dict) -> None:
-    """A result file; every one says what it was judged by and how long it took."""
+def write_result(path: Path, result: dict, raw: dict | None = None) -> None:
+    """A result file; every one says what it was judged by and how long it took. It holds
+    summaries only: per-request records (what a plot draws) go to `raw_path(path)`."""
     missing = {"goals", "goals_met", "run_s"} - result.keys()
     if missing:
         raise ValueError(f"a result needs {sorted(missing)}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, default=str))  # default: settings may hold Paths
     print(f"wrote {path} ({result['run_s']} s)")
+    if raw is not None:
+        write_raw(path, raw)
+
+
+def raw_path(result_path: Path) -> Path:
+    return result_path.with_name(f"{result_path.stem}.raw.json.gz")
+
+
+def write_raw(result_path: Path, raw: dict) -> None:
+    """Per-request records beside a result, rounded to the microsecond (finer than a client's
+    timings mean) and gzipped: about a tenth of them as plain JSON, which git carries per rerun."""
+    path = raw_path(result_path)
+    data = json.dumps(_microseconds(raw), separators=(",", ":")).encode()
+    with gzip.GzipFile(path, "wb", mtime=0) as file:  # no timestamp: the same records, the same bytes
+        file.write(data)
+    print(f"wrote {path}")
+
+
+def _microseconds(value: object) -> object:
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, dict):
+        return {key: _microseconds(v) for key, v in value.items()}
+    if isinstance(value, list):
+        return [_microseconds(v) for v in value]
+    return value
 
 
 @dataclass
@@ -181,11 +209,11 @@ class BenchmarkRun:
     goals: dict
     started: float = field(default_factory=time.monotonic)
 
-    def write(self, body: dict, goals_met: dict[str, bool]) -> None:
-        """The result so far or in full (goals_met empty: not judged)."""
+    def write(self, body: dict, goals_met: dict[str, bool], raw: dict | None = None) -> None:
+        """The result so far or in full (goals_met empty: not judged); raw: per-request records."""
         run_s = round(time.monotonic() - self.started, 1)
         result = {**result_header(self.benchmark), **body, "goals": self.goals, "goals_met": goals_met}
-        write_result(self.output, {**result, "run_s": run_s})
+        write_result(self.output, {**result, "run_s": run_s}, raw)
 
 
 def print_verdicts(goals_met: dict[str, bool]) -> None:

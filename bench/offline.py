@@ -1,6 +1,7 @@
 """`python -m bench.offline`: our engine against Hugging Face static batching, same model, same
 machine, same run. 32 requests (prompt 16-512, output 16-128 tokens, fixed seed) arrive at once;
-greedy with ignore_eos, so both produce exactly the requested tokens."""
+greedy with ignore_eos, so both produce exactly the requested tokens. Writes
+bench/results/offline_cpu.json, .png and .raw.json.gz (each request's timing)."""
 
 from __future__ import annotations
 
@@ -49,12 +50,13 @@ def _print_table(rows: dict[str, dict[str, float]]) -> None:
         print(name.ljust(44) + "".join(f"{summary[c]:>17.2f}" for c in columns))
 
 
-def _plot(path: Path, timings: dict[str, list[RequestTiming]]) -> None:
+def _plot(path: Path, raw: dict[str, list[dict]]) -> None:
+    """Per system, each request's timing (as in the side file, bench.driver.raw_path)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, values in timings.items():
+    for name, values in raw.items():
         for axis, field in zip(axes, ("ttft_s", "e2e_s"), strict=True):
-            xs = sorted(getattr(t, field) for t in values)
+            xs = sorted(t[field] for t in values)
             axis.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
     for axis, title in zip(axes, ("time to first token (s)", "end-to-end latency (s)"), strict=True):
         axis.set_xlabel(title)
@@ -141,10 +143,10 @@ def main() -> None:
         "baseline": "transformers generate on static batches in arrival order, left-padded, same dtype",
         "summaries": summaries,
         "ratios": ratios,
-        "requests": {name: [asdict(t) for t in records_] for name, (_, records_) in timings.items()},
     }
-    run.write(body, met)
-    _plot(args.output.with_suffix(".png"), {name: records_ for name, (_, records_) in timings.items()})
+    raw = {name: [asdict(t) for t in records_] for name, (_, records_) in timings.items()}
+    run.write(body, met, raw)
+    _plot(args.output.with_suffix(".png"), raw)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""Result files stay what a person can read and git can carry: summaries under a size bound, each
+judged by its goals; per-request records go beside them, gzipped (bench.driver.write_raw)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.driver import raw_path, write_result
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+MAX_BYTES = 200_000  # the largest summary-only file (fleet.json, 225 runs' summaries) is 150 KB
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda path: path.name)
+def test_a_result_file_is_a_summary_judged_by_its_goals(path: Path):
+    size = path.stat().st_size
+    assert size <= MAX_BYTES, f"{path.name}: {size} bytes; per-request records go to {raw_path(path).name}"
+    result = json.loads(path.read_text())
+    assert {"goals", "goals_met"} <= result.keys(), f"{path.name} does not say what it was judged by"
+
+
+def test_every_side_file_belongs_to_a_result():
+    results = {raw_path(path) for path in RESULTS.glob("*.json")}
+    assert not [side.name for side in RESULTS.glob("*.raw.json.gz") if side not in results]
+
+
+def test_write_result_puts_requests_beside_the_summary(tmp_path: Path):
+    path = tmp_path / "bench.json"
+    raw = {"ours": [{"ttft_s": 0.12345678, "token_intervals_s": [0.0200000049, 0.03]}]}
+    write_result(path, {"summary": {"ttft_p50_s": 0.1}, "goals": {}, "goals_met": {}, "run_s": 1.0}, raw)
+    assert "ours" not in json.loads(path.read_text())
+    with gzip.open(raw_path(path), "rt") as file:
+        assert json.load(file) == {"ours": [{"ttft_s": 0.123457, "token_intervals_s": [0.02, 0.03]}]}
+    first = raw_path(path).read_bytes()
+    write_result(path, {"goals": {}, "goals_met": {}, "run_s": 2.0}, raw)
+    assert raw_path(path).read_bytes() == first  # a rerun with the same records changes nothing in git
