@@ -16,7 +16,8 @@ from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from replica_engine.scheduler.step_time_model import StepShape, StepTimeModel
 from replica_engine.scheduler.token_budget import MIN_PREFILL_CHUNK, SLOTokenBudget
-from tests.engine.scheduler_harness import StepArrival, run_to_completion
+from replica_engine.step_profile import profile_shapes
+from tests.engine.scheduler_harness import StepArrival, make_scheduler, run_to_completion
 
 # A CPU-like step: 15 ms over the weights, 0.4 ms a prompt token, 0.5 ms a decode, attention 0.1 µs
 # a prompt chunk's query-key pair and 0.3 µs a decode's, 0.8 ms a request.
@@ -122,6 +123,40 @@ def test_with_a_perfect_model_only_decodes_and_the_minimum_chunk_exceed_the_targ
             assert chunks <= MIN_PREFILL_CHUNK, (batch.shape(), chunks)
             assert batch.budget_decision is not None
     assert all(request.is_finished for request in run.requests)
+
+
+def chunk_steps(scheduler, speed: float) -> list[tuple[int, float]]:
+    """(prompt tokens, time on a host `speed` times TRUE's) of each step carrying a prompt chunk,
+    while four requests decode and two long prompts arrive (bench.token_budget_threads' load)."""
+    arrivals = [StepArrival(0, 24, 60)] * 4 + [StepArrival(2, 900, 2)] * 2
+    run = run_to_completion(scheduler, arrivals)
+    shapes = [batch.shape() for batch in run.batches]
+    return [(s.num_prefill_tokens, true_time(s) / speed) for s in shapes if s.num_prefill_tokens > 1]
+
+
+def test_a_slower_host_gets_smaller_chunks_and_every_step_stays_within_the_target():
+    """tbt_slo_s on hardware of two speeds, as a replica meets it: the step-time model is fitted
+    on the replica's own startup profile (step_profile's shapes), here timed by a host of known
+    speed. The speed claim itself (real threads, real steps) is bench.token_budget_threads'."""
+    config = EngineConfig(max_num_batched_tokens=1024, max_model_len=2048, max_num_seqs=16, tbt_slo_s=0.06)
+    chunks = {}
+    for name, speed in (("slow", 1.0), ("fast", 2.0)):
+        model = StepTimeModel()
+        model.fit_profile((s, true_time(s) / speed) for s in map(StepShape.of, profile_shapes(config)))
+        budget = SLOTokenBudget(model, config.tbt_slo_s)
+        scheduler = SCHEDULING_POLICIES["stall_free"](
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs),
+            KVCacheManager(400, 16),
+            budget,
+        )
+        steps = chunk_steps(scheduler, speed)
+        assert all(seconds <= config.tbt_slo_s for _, seconds in steps), (name, steps)
+        chunks[name] = max(tokens for tokens, _ in steps)
+    # one target, two hosts: the faster one's chunks are larger (a slow host's budget would waste it)
+    assert MIN_PREFILL_CHUNK < chunks["slow"] < chunks["fast"], chunks
+    # the baseline: a fixed 256-token budget's chunk steps go over the target on the slow host
+    fixed = make_scheduler("stall_free", budget=256, max_seqs=16, num_blocks=400, block_size=16)
+    assert max(seconds for _, seconds in chunk_steps(fixed, speed=1.0)) > config.tbt_slo_s
 
 
 def test_the_target_is_checked_and_belongs_to_stall_free():
