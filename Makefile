@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast test-busy serve lint bench
+.PHONY: setup test test-fast test-busy serve lint bench docs
 
 setup: $(STAMP)
 
@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml Makefile
 # The tests use Debian's prometheus and redis-server where installed (as root they install them on
 # first use; otherwise the tests that need them skip, saying so): apt-get install prometheus redis-server
 test: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir .site
 	$(PY) -m pytest -q
 
 # The suite with two CPU-bound processes beside it: what a busy laptop or CI runner sees.
@@ -41,3 +42,7 @@ lint: setup
 
 bench: setup
 	$(PY) -m bench.offline
+
+# The docs site (mkdocs.yml), rebuilt as you edit: http://127.0.0.1:8001
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --watch bench/results

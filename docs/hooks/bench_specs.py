@@ -1,0 +1,319 @@
+"""Which figures of the engine's result files the docs show (one process, no fleet): per file,
+its page and tables. bench_tables.py renders them; every file's header and goals come too."""
+
+from __future__ import annotations
+
+from docs.hooks.bench_tables import BenchSpec, Col, Rows, Values
+
+
+def _steps(caption: str) -> Rows:
+    return Rows(
+        "steps",
+        caption,
+        "steps",
+        (),
+        (
+            Col("dtype", "dtype", "str"),
+            Col("case", "case", "str"),
+            Col("step", "step_ms", "ms_value"),
+            Col("model runner", "runner_ms", "ms_value"),
+            Col("host", "host_ms", "ms_value"),
+            Col("floor", ("floor_ms", "floor_kind"), ("ms_value", "str"), sep=" "),
+            Col("step / floor", "ratio", "x"),
+            Col("goal", "goal_met", "met"),
+        ),
+    )
+
+
+ENGINE_SPECS: dict[str, BenchSpec] = {
+    "offline_cpu": BenchSpec(
+        "benchmarks/offline_cpu.md",
+        "Offline throughput and TTFT against Hugging Face static batching",
+        (
+            Rows(
+                "systems",
+                "Every request at once (medians are over requests):",
+                "summaries",
+                ("system",),
+                (
+                    Col("tok/s", "output_tok_per_s", best="max"),
+                    Col("TTFT p50", "ttft_p50_s", "s", best="min"),
+                    Col("TTFT p99", "ttft_p99_s", "s", best="min"),
+                    Col("e2e p50", "e2e_p50_s", "s", best="min"),
+                    Col("wall", "wall_s", "s", best="min"),
+                ),
+            ),
+            Values(
+                "ratios",
+                "Against the best static batch:",
+                (
+                    Col("throughput", "ratios/throughput_ratio", "x", goal="throughput"),
+                    Col("TTFT p50", "ratios/ttft_p50_ratio", "x", goal="ttft_p50"),
+                    Col("baseline", "ratios/throughput_baseline", "str"),
+                ),
+            ),
+        ),
+    ),
+    "cpu_steps": BenchSpec(
+        "benchmarks/cpu_steps.md",
+        "Engine step times on this CPU against its measured floors",
+        (
+            Values(
+                "floors",
+                "Floors measured in the same run (the best of several methods):",
+                (
+                    Col("read bandwidth (GB/s)", "floors/read_gb_per_s", "num"),
+                    Col("fp32 matmul GFLOP/s", "floors/matmul_float32_gflop_per_s"),
+                    Col("bf16 matmul GFLOP/s", "floors/matmul_bfloat16_gflop_per_s"),
+                ),
+            ),
+            Rows(
+                "bandwidth",
+                "Bytes per second (GB/s), each method:",
+                "floor_methods/read_gb_per_s",
+                ("method",),
+                (Col("GB/s", "", best="max"),),
+            ),
+            _steps("Step times in ms and their ratio to this run's floor:"),
+        ),
+    ),
+    "cpu_steps_torch_ops": BenchSpec(
+        "benchmarks/cpu_steps.md",
+        "Engine step times with torch's ops alone (an earlier run, its own floors)",
+        (_steps("Step times with torch's ops only, in ms:"),),
+    ),
+    "dtype_agreement": BenchSpec(
+        "benchmarks/dtype_agreement.md",
+        "What bf16 changes in greedy outputs against fp32",
+        (
+            Values(
+                "agreement",
+                "Held text prompts, greedy, in both dtypes:",
+                (
+                    Col("prompts", "num_prompts", "int"),
+                    Col("tokens per output", "max_tokens", "int"),
+                    Col("outputs identical", "identical_outputs", "pct"),
+                    Col("first token the same", "first_token_agrees", "pct"),
+                    Col(
+                        "tokens before the first difference (median)", "tokens_before_first_difference_median"
+                    ),
+                    Col("tokens before the first difference (mean)", "tokens_before_first_difference_mean"),
+                ),
+            ),
+            Rows(
+                "answers",
+                "The chat question, answered in each dtype:",
+                "chat_answers",
+                ("dtype",),
+                (Col("answer", "", "str"),),
+            ),
+        ),
+    ),
+    "capacity_cpu": BenchSpec(
+        "benchmarks/capacity_cpu.md",
+        "The scheduler's capacity under a TBT SLO (Sarathi-Serve's definition), fixed and adaptive budgets",
+        (
+            Values(
+                "slos",
+                "SLOs, from the decode step measured at start:",
+                (
+                    Col("decode step at batch 8", "decode_step_batch8_s", "ms"),
+                    Col("strict P99 TBT SLO", "slos_s/strict", "ms"),
+                    Col("relaxed P99 TBT SLO", "slos_s/relaxed", "ms"),
+                    Col("median scheduling delay bound", "scheduling_delay_bound_s", "s"),
+                    Col("arrival window per point", "arrival_window_s", "s"),
+                ),
+            ),
+            Rows(
+                "capacity",
+                "Capacity in requests/s, median of 3 seeds [spread]:",
+                "capacity_median_req_per_s",
+                ("system",),
+                (
+                    Col(
+                        "strict",
+                        ("strict", "/capacity_spread_req_per_s/{0}/strict"),
+                        ("num", "range"),
+                        sep=" ",
+                        best="max",
+                    ),
+                    Col(
+                        "relaxed",
+                        ("relaxed", "/capacity_spread_req_per_s/{0}/relaxed"),
+                        ("num", "range"),
+                        sep=" ",
+                        best="max",
+                    ),
+                    Col("strict / best fixed", "/summary_median/ratio_to_best_fixed/{0}/strict", "x"),
+                    Col("relaxed / best fixed", "/summary_median/ratio_to_best_fixed/{0}/relaxed", "x"),
+                    Col("worse of the two", "/summary_median/worse_ratio/{0}", "x", best="max"),
+                ),
+            ),
+            Rows(
+                "adaptive_points",
+                "Seed 0, the adaptive budget at the strict target, every rate tried:",
+                "points/adaptive (strict)",
+                (),
+                (
+                    Col("rate (req/s)", "rate"),
+                    Col("P99 TBT", "tbt_p99_s", "ms"),
+                    Col("scheduling delay p50", "scheduling_delay_p50_s", "s"),
+                    Col("token budget p50", "token_budget_p50", "int"),
+                    Col("tok/s", "output_tok_per_s"),
+                ),
+            ),
+            Rows(
+                "threads",
+                "Same target, 1 and 2 torch threads (seed 0, one rate):",
+                "threads/points",
+                ("run",),
+                (
+                    Col("P99 TBT", "tbt_p99_s", "ms"),
+                    Col("TBT p50", "tbt_p50_s", "ms"),
+                    Col("scheduling delay p50", "scheduling_delay_p50_s", "ms"),
+                    Col("token budget p50", "token_budget_p50", "int"),
+                    Col("tok/s", "output_tok_per_s"),
+                ),
+            ),
+            Values(
+                "threads_target",
+                "Where the thread comparison ran:",
+                (
+                    Col("rate (req/s)", "threads/rate"),
+                    Col("TBT target", "threads/target_s", "ms"),
+                    Col("fixed budget compared", "threads/fixed", "str"),
+                ),
+            ),
+        ),
+    ),
+    "prefix_cpu": BenchSpec(
+        "benchmarks/prefix_cpu.md",
+        "Prefix caching on against off, one engine",
+        (
+            Rows(
+                "summary",
+                "TTFT under Poisson arrivals (median of seeds), throughput with every request at once:",
+                "summary",
+                (),
+                (
+                    Col("workload", "workload", "str"),
+                    Col("prefix cache", "system", "str"),
+                    Col("TTFT p50", ("ttft_p50_s", "ttft_p50_spread_s"), ("s", "range"), sep=" "),
+                    Col("TTFT p99", "ttft_p99_s", "s"),
+                    Col("burst tok/s", "burst_output_tok_per_s"),
+                    Col("hit rate", "hit_rate", "pct"),
+                ),
+            ),
+            Values(
+                "ratios",
+                "Caching on over off:",
+                (
+                    Col(
+                        "shared prefix TTFT p50",
+                        "ratios/shared_prefix_ttft_p50_ratio",
+                        "x",
+                        goal="shared_prefix_ttft_p50_ratio_max",
+                    ),
+                    Col(
+                        "shared prefix throughput",
+                        "ratios/shared_prefix_throughput_ratio",
+                        "x",
+                        goal="shared_prefix_throughput_ratio_min",
+                    ),
+                    Col("multi-turn TTFT p50", "ratios/multi_turn_ttft_p50_ratio", "x"),
+                    Col(
+                        "nothing shared: throughput",
+                        "ratios/no_shared_throughput_ratio",
+                        "x",
+                        goal="no_shared_throughput_ratio_min",
+                    ),
+                    Col(
+                        "nothing shared: the cache's own work, share of the run",
+                        "no_shared_prefix_cache_bookkeeping_share",
+                        "pct",
+                    ),
+                ),
+            ),
+        ),
+    ),
+    "priority_cpu": BenchSpec(
+        "benchmarks/priority_cpu.md",
+        "Request priority: its cost when unused, and who gets served first",
+        (
+            Rows(
+                "runs",
+                "(a) and (b): the same workload, priority left out, 0 everywhere, half at 1:",
+                "",
+                ("run",),
+                (
+                    Col("steps", "num_steps", "int"),
+                    Col("preemptions", "num_preemptions", "int"),
+                    Col("schedule() p50", "schedule_us_p50", "us_value"),
+                    Col("tok/s", "output_tok_per_s"),
+                    Col("tok per CPU-s", "output_tok_per_cpu_s"),
+                ),
+                only=("a_priority_left_out", "a_priority_zero", "b_half_priority_one"),
+            ),
+            Values(
+                "identical",
+                "(a) priority 0 everywhere against priority left out:",
+                (
+                    Col(
+                        "the same steps and tokens",
+                        "a_priority_zero/identical_steps_and_tokens",
+                        "yes",
+                        goal="a_identical_to_no_priority",
+                    ),
+                ),
+            ),
+            Rows(
+                "late",
+                "(c) late priority-0 arrivals behind queued priority-1 requests: TTFT in steps (median):",
+                "c_late_urgent",
+                ("scheduler",),
+                (
+                    Col(
+                        "late priority 0",
+                        "high_ttft_steps_p50",
+                        goal="c_high_ttft_below_low",
+                        goal_row="priority",
+                    ),
+                    Col("queued priority 1", "low_ttft_steps_p50"),
+                    Col("steps", "num_steps", "int"),
+                    Col("preemptions", "num_preemptions", "int"),
+                    Col("tok/s", "output_tok_per_s"),
+                ),
+            ),
+        ),
+    ),
+    "token_budget_threads": BenchSpec(
+        "benchmarks/token_budget_threads.md",
+        "One TBT target on a 1-thread and a 2-thread replica: adaptive against fixed budget",
+        (
+            Values(
+                "target",
+                "The target and the budgets:",
+                (
+                    Col("TBT target", "target_s", "ms"),
+                    Col("how it was set", "target_rule", "str"),
+                    Col("fixed budget (tokens)", "fixed_budget", "int"),
+                    Col("adaptive budget's cap (tokens)", "adaptive_cap", "int"),
+                ),
+            ),
+            Rows(
+                "chunk_steps",
+                "Steps that carried a prompt chunk beside the decodes, per budget and thread count:",
+                "chunk_steps",
+                ("budget, threads",),
+                (
+                    Col("chunk steps", "num_chunk_steps", "int"),
+                    Col("step p50", "step_p50_s", "ms"),
+                    Col("step p90", "step_p90_s", "ms"),
+                    Col("step max", "step_max_s", "ms"),
+                    Col("within the target", "within_target", "pct"),
+                    Col("chunk tokens p50", "chunk_tokens_p50", "int"),
+                ),
+            ),
+        ),
+    ),
+}

@@ -1,0 +1,157 @@
+"""Which figures of the serving-throughput result files the docs show (CPU serving beside its
+peers, structured outputs' cost): per file, its page and tables. bench_tables.py renders them."""
+
+from __future__ import annotations
+
+from docs.hooks.bench_tables import BenchSpec, Col, Rows, Values
+
+_SERVERS = "server"
+_SERVING = (
+    Col("c=1 tok/s", "c1/output_tok_per_s", best="max"),
+    Col(
+        "c=1 TTFT p50",
+        "c1/ttft_p50_s",
+        "ms",
+        best="min",
+        goal="c=1 TTFT p50 <= 0.8x every peer's",
+        goal_row="stallfree",
+    ),
+    Col(
+        "c=1 TBT p50",
+        "c1/tbt_p50_s",
+        "ms",
+        best="min",
+        goal="c=1 TBT p50 <= llama.cpp Q4_1's",
+        goal_row="stallfree",
+    ),
+    Col(
+        "c=16 tok/s",
+        "c16/output_tok_per_s",
+        best="max",
+        goal="c=16 output tok/s >= 1.5x vLLM CPU's",
+        goal_row="stallfree",
+    ),
+    Col(
+        "c=16 TTFT p50",
+        "c16/ttft_p50_s",
+        "s",
+        best="min",
+        goal="c=16 TTFT p50 <= 0.8x every peer's",
+        goal_row="stallfree",
+    ),
+    Col("c=16 TBT p50", "c16/tbt_p50_s", "ms", best="min"),
+    Col(
+        "c=16 TBT p99",
+        "c16/tbt_p99_s",
+        "ms",
+        best="min",
+        goal="c=16 TBT p99 <= 0.5x vLLM CPU's",
+        goal_row="stallfree",
+    ),
+    Col("Poisson TTFT p50", "poisson/median/ttft_p50_s", "ms", best="min"),
+    Col(
+        "Poisson TBT p99",
+        "poisson/spread/tbt_p99_s",
+        "ms",
+        best="min",
+        goal="Poisson TBT p99 (median of seeds) <= 0.5x vLLM CPU's",
+        goal_row="stallfree",
+    ),
+)
+_HEADLINE = ("c=1 tok/s", "c=1 TBT p50", "c=16 tok/s", "c=16 TTFT p50", "c=16 TBT p99", "Poisson TBT p99")
+
+SERVING_SPECS: dict[str, BenchSpec] = {
+    "cpu_serving": BenchSpec(
+        "benchmarks/cpu_serving.md",
+        "Serving over HTTP on this CPU, beside llama.cpp and vLLM's CPU backend",
+        (
+            Rows(
+                "servers",
+                "Each server alone on the machine, in turn (Poisson: median of seeds [spread]):",
+                "results",
+                (_SERVERS,),
+                (Col("source", "source", "str"), *_SERVING),
+            ),
+            Rows("headline", "", "results", (_SERVERS,), tuple(c for c in _SERVING if c.header in _HEADLINE)),
+            Rows(
+                "ratios",
+                "Ours over each peer, same run:",
+                "ratios_ours_over_peer",
+                ("peer",),
+                (
+                    Col("c=1 tok/s", "c1_output_tok_per_s", "x"),
+                    Col("c=1 TTFT p50", "c1_ttft_p50_s", "x"),
+                    Col("c=1 TBT p50", "c1_tbt_p50_s", "x"),
+                    Col("c=16 tok/s", "c16_output_tok_per_s", "x"),
+                    Col("c=16 TTFT p50", "c16_ttft_p50_s", "x"),
+                    Col("c=16 TBT p50", "c16_tbt_p50_s", "x"),
+                    Col("c=16 TBT p99", "c16_tbt_p99_s", "x"),
+                    Col("Poisson TBT p99", "poisson_tbt_p99_s", "x"),
+                ),
+            ),
+            Values(
+                "overhead",
+                "Serving overhead at c=1 (the same requests straight into an in-process engine):",
+                (
+                    Col("mean TBT, over HTTP", "serving_overhead/client_tbt_mean_s", "ms"),
+                    Col("mean TBT, engine alone", "serving_overhead/engine_alone_tbt_mean_s", "ms"),
+                    Col(
+                        "per streamed token",
+                        "serving_overhead/per_token_s",
+                        "ms",
+                        goal="serving overhead <= 1 ms per token",
+                    ),
+                    Col("mean TTFT, over HTTP", "serving_overhead/client_ttft_mean_s", "ms"),
+                    Col("mean TTFT, engine alone", "serving_overhead/engine_alone_ttft_mean_s", "ms"),
+                    Col(
+                        "per request",
+                        "serving_overhead/per_request_s",
+                        "ms",
+                        goal="serving overhead <= 20 ms per request",
+                    ),
+                ),
+            ),
+        ),
+    ),
+    "structured": BenchSpec(
+        "benchmarks/structured.md",
+        "What structured outputs cost: constrained shares against unconstrained and the code before",
+        (
+            Rows(
+                "runs",
+                "Each system, median of rounds [spread]:",
+                "runs",
+                ("system",),
+                (
+                    Col("tok/s", "output_tok_per_s", agg="spread"),
+                    Col("TTFT p50", "ttft_p50_s", "s", agg="median"),
+                    Col("TBT p99", "tbt_p99_s", "ms", agg="spread"),
+                ),
+            ),
+            Rows(
+                "vs_before",
+                "0% constrained over the code before (ratios within a round):",
+                "unconstrained_vs_today",
+                ("figure",),
+                (Col("median [min–max]", "", "x"),),
+            ),
+            Rows(
+                "constrained",
+                "Constrained share: tok/s over the unconstrained run:",
+                "constrained_vs_unconstrained_tok_per_s",
+                ("constrained",),
+                (Col("median [min–max]", "", "x"),),
+            ),
+            Values(
+                "compile",
+                "Grammar compile time per schema (xgrammar, one thread):",
+                (
+                    Col("distinct schemas", "compile/schemas", "int"),
+                    Col("cold, median", "compile/cold_ms/median", "ms_value"),
+                    Col("cold, max", "compile/cold_ms/max", "ms_value"),
+                    Col("cached, median", "compile/cached_ms/median", "ms_value"),
+                ),
+            ),
+        ),
+    ),
+}
