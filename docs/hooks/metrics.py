@@ -117,5 +117,6 @@ def render() -> str:
         if metric.buckets:
             meaning += f" (buckets: {_buckets(metric.buckets)})"
         source = f"`{metric.source}`"
+        meaning = meaning.replace("|", "\\|")
         lines.append(f"| `{metric.exported}` | {metric.kind} | {labels} | {meaning} | {source} |")
     return "\n".join(lines)

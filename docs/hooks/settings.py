@@ -40,12 +40,14 @@ def _type(annotation: Any) -> str:
     if isinstance(annotation, str):
         return annotation
     if typing.get_origin(annotation) is typing.Literal:
-        return " \\| ".join(f'"{arg}"' for arg in typing.get_args(annotation))
+        return " | ".join(f'"{arg}"' for arg in typing.get_args(annotation))
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) in (typing.Union, type(int | None)):
-        return " \\| ".join(_type(arg) for arg in args)
+        return " | ".join(_type(arg) for arg in args)
     if args:
         return f"{typing.get_origin(annotation).__name__}[{', '.join(_type(arg) for arg in args)}]"
+    if annotation is type(None):
+        return "None"
     return "Any" if annotation is typing.Any else getattr(annotation, "__name__", str(annotation))
 
 
@@ -60,7 +62,9 @@ def _bounds(info: FieldInfo) -> str:
 
 def _table(rows: list[list[str]]) -> str:
     lines = ["| setting | type | default | meaning |", "|---|---|---|---|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    return "\n".join(
+        lines + ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    )
 
 
 def app_args_rows() -> list[list[str]]:
