@@ -25,7 +25,7 @@ class MetricsSource(Protocol):
 
 # RayServeSink's instruments are exported as ray_<name>.
 ENGINE_PREFIX = "ray_" + PREFIX
-DRAIN_TIMEOUT_S = 30
+DRAIN_TIMEOUT_S = 60  # a deadline on state: drained within a few report periods when idle
 
 
 class MetricsPage:

@@ -1,13 +1,27 @@
-"""An app's EngineReplica actors on the local cluster: find them, kill one as a crash would, and
-wait for Serve to replace it."""
+"""An app's EngineReplica actors on the local cluster: read one's stats, find them, kill one as a
+crash would, and wait for Serve to replace it."""
 
 from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING
 
 from harness.metrics_scrape import ENGINE_PREFIX, scrape_by_replica
 from harness.serve_cluster import ServeCluster
+
+if TYPE_CHECKING:
+    from replica_engine import EngineStats
+
+STATS_TIMEOUT_S = 60  # a hang detector: the call answers in milliseconds on an idle machine
+
+
+def engine_stats(app: str) -> EngineStats:
+    """The stats of the app's EngineReplica (of one of them, where it has several), through Serve."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("EngineReplica", app_name=app)
+    return handle.stats.remote().result(timeout_s=STATS_TIMEOUT_S)
 
 
 def replica_actor_names(app: str) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
 import time
 from collections import Counter
 from contextlib import ExitStack
@@ -40,19 +41,22 @@ APP_ARGS = {  # over serve_config.yaml's; multinode_cluster.start_app adds the p
     "cpu_threads": 1,
     "engine": {"num_kv_blocks": 256, "dtype": "float32"},
 }
-# The bounds README's "When things go wrong" states for a lost node. Measured: a request sent to
-# the lost replica just after the loss waited ~13 s (until Ray declared the node dead), then
-# Serve sent it to the live replica; from ~15 s on every request was answered at once.
-LOSE_AFTER_S = 4.0  # streams are flowing when the node goes
-ALL_ENDED_S = 45.0  # after the loss, every client has its answer (or its error)
-ROUTED_AWAY_S = 20.0  # requests sent this long after the loss are answered, none by the lost replica
-PROBE_ANSWER_S = 5.0
+LOSE_AFTER_S = 4.0  # pacing: streams are flowing when the node goes (nothing is timed against it)
+# Deadlines on state (hang detectors), sized for a 2-core machine under full load. On an idle one
+# (README's "When things go wrong"): Ray declared the lost node dead after ~13 s, every client had
+# its answer soon after, and the replacement ran within a minute.
+ALL_ENDED_S = 300.0  # after the loss, every client has its answer (or its error)
+DECLARED_DEAD_S = 300.0  # Ray's state API shows the lost replica dead
+REPLACED_S = 300.0
+# Serve's controller drops a dead replica and broadcasts the change to every router; that last hop
+# cannot be read from outside, so the probes wait this long after the replica is seen dead.
+BROADCAST_S = 5.0
+NUM_PROBES = 6
 # A chat user's next turn comes seconds after the answer. A router learns of blocks another node's
 # router placed only from the replica's next report (every 0.5 s, then Serve's broadcast): turns
 # sent back to back through different nodes' proxies missed the cache (measured: 0.5 s apart, 1
 # of 3 missed; 1 s apart, none).
 TURN_GAP_S = 1.0
-REPLACED_S = 60.0
 GCS_DOWN_S = 5.0  # the GCS is killed, left down this long, then started again
 
 
@@ -89,13 +93,18 @@ def nodes_running(cluster: MultiNodeCluster, class_name: str) -> list[str]:
     return sorted(a.node_id for a in actors if a.class_name.split(":")[-1] == class_name)
 
 
-def routed_reasons(node: ClusterNode) -> Counter[str]:
-    """Requests the routers on this node have routed, by reason (from the node's own metrics port)."""
-    reasons: Counter[str] = Counter()
+def routed_by(node: ClusterNode, label: str) -> Counter[str]:
+    """Requests the routers on this node have routed, by `reason` or by `target_replica` (from the
+    node's own metrics port)."""
+    routed: Counter[str] = Counter()
     for sample in MetricsPage(node).samples:
         if sample.name == f"ray_{ROUTED_METRIC}_total" and sample.labels.get("application") == APP:
-            reasons[sample.labels["reason"]] += int(sample.value)
-    return reasons
+            routed[sample.labels[label]] += int(sample.value)
+    return routed
+
+
+def routed_reasons(node: ClusterNode) -> Counter[str]:
+    return routed_by(node, "reason")
 
 
 def test_replicas_spread_over_nodes_and_every_nodes_router_finds_a_conversations_prefix(
@@ -132,11 +141,15 @@ def test_replicas_spread_over_nodes_and_every_nodes_router_finds_a_conversations
             last_prompt_tokens = usage.prompt_tokens
             prompt = prompt + completion.choices[0].token_ids  # the answer, resent with the next turn
             time.sleep(TURN_GAP_S)
+
     # Each node's own routers routed its requests (the proxy kept them on its node), all on fresh
     # stats from both replicas: none by queue length for want of a report.
-    time.sleep(3)  # Ray's metrics agents export every second
+    def routed_since(node: ClusterNode) -> Counter[str]:
+        return routed_reasons(node) - before[node.name]
+
+    wait_for(lambda: all(routed_since(node).total() >= 3 for node in nodes), "every node's routing counted")
     for node in nodes:
-        routed = routed_reasons(node) - before[node.name]
+        routed = routed_since(node)
         assert routed.total() == 3 and set(routed) <= {BY_PREFIX, BY_KV}, (node.name, routed)
 
 
@@ -200,25 +213,26 @@ def test_a_node_lost_mid_stream_fails_only_its_requests_and_serve_replaces_its_r
     requests = soak_load.with_expected_outputs(workload, "dummy:tiny-llama")  # greedy, offline
     shares = [requests[i :: len(entries)] for i in range(len(entries))]
 
-    async def serve_and_lose() -> tuple[list[list[StreamResult]], list[tuple[float, float, int]]]:
+    lost_replicas = replicas_reporting([lost])
+    assert lost_replicas, f"{lost.name} reports no replica"
+
+    async def serve_and_lose() -> list[list[StreamResult]]:
         loads = [
             asyncio.create_task(soak_load.run_load(f"{node.http_url}/v1/completions", share, concurrency=6))
             for node, share in zip(entries, shares, strict=True)
         ]
         await asyncio.sleep(LOSE_AFTER_S)
         await asyncio.to_thread(cluster.remove_worker, lost)
-        lost_at = time.monotonic()
-        probes = await probe(cluster.head.http_url, lost_at)
-        _, pending = await asyncio.wait(loads, timeout=max(0.0, lost_at + ALL_ENDED_S - time.monotonic()))
+        _, pending = await asyncio.wait(loads, timeout=ALL_ENDED_S)
         assert not pending, f"clients still waiting {ALL_ENDED_S} s after the node was lost"
-        return [task.result()[1] for task in loads], probes
+        return [task.result()[1] for task in loads]
 
-    results, probes = asyncio.run(serve_and_lose())
+    results = asyncio.run(serve_and_lose())
     outcomes = {
         node.name: Counter(soak_load.outcome(r, res) for r, res in zip(share, node_results, strict=True))
         for node, share, node_results in zip(entries, shares, results, strict=True)
     }
-    print(outcomes, probes)
+    print(outcomes)
     # Through the surviving nodes' proxies: exactly the greedy tokens, or 503 replica_failed for
     # the requests the lost replica held (the status, or the error event mid-stream).
     for name in ("head", "worker-2"):
@@ -226,16 +240,29 @@ def test_a_node_lost_mid_stream_fails_only_its_requests_and_serve_replaces_its_r
         assert outcomes[name]["completed"] >= len(shares[0]) // 2, outcomes
     # Through the lost node's own proxy: its connections close with it (nothing there can answer).
     assert all(o == "completed" or o.startswith("failed:client:") for o in outcomes["worker-1"]), outcomes
-    # The routers stop choosing the lost replica.
-    late = [(sent, took, status) for sent, took, status in probes if sent >= ROUTED_AWAY_S]
-    assert late and all(status == 200 and took <= PROBE_ANSWER_S for _, took, status in late), probes
+    # Once Ray has declared the node dead, the routers stop choosing its replica: every probe is
+    # answered, and none is routed there.
+    deadline = time.monotonic() + DECLARED_DEAD_S
+    while lost.node_id in nodes_running(cluster, "EngineReplica"):
+        assert time.monotonic() < deadline, f"the lost replica still alive {DECLARED_DEAD_S} s on"
+        time.sleep(1)
+    time.sleep(BROADCAST_S)
+    routed_before = routed_by(cluster.head, "target_replica")
+    statuses = asyncio.run(probe(cluster.head.http_url))
+    assert statuses == [200] * NUM_PROBES, statuses
+    wait_for(
+        lambda: routed_by(cluster.head, "target_replica").total() >= routed_before.total() + NUM_PROBES,
+        "the probes' routing counted",
+    )
+    routed = routed_by(cluster.head, "target_replica") - routed_before
+    assert not set(routed) & lost_replicas, (routed, lost_replicas)
     # Serve replaces it on the node that offers a slot; afterwards nothing is held.
     deadline = time.monotonic() + REPLACED_S
     while len(replicas_reporting([survivor])) < 2:
         assert time.monotonic() < deadline, f"no replacement on {survivor.name} in {REPLACED_S} s"
         time.sleep(1)
     drain_s, held = wait_drained(survivor, APP)  # both replicas are there now
-    assert drain_s != float("inf") and len(held) == 2, held
+    assert math.isfinite(drain_s) and len(held) == 2, held  # inf: not drained within its deadline
 
 
 def test_the_gcs_restarts_under_the_app_and_nothing_is_lost_or_restarted(cluster: MultiNodeCluster):
@@ -277,13 +304,7 @@ def test_the_gcs_restarts_under_the_app_and_nothing_is_lost_or_restarted(cluster
     assert replicas_reporting(cluster.workers) == replicas
 
 
-async def probe(url: str, since: float) -> list[tuple[float, float, int]]:
-    """A short request every 0.5 s until ROUTED_AWAY_S + 5 s after `since`: (sent, took, status)."""
-    probes = []
-    async with httpx.AsyncClient(timeout=60) as http:
-        while (sent := time.monotonic() - since) < ROUTED_AWAY_S + 5:
-            started = time.monotonic()
-            status = await short_completion(http, url)
-            probes.append((round(sent, 2), round(time.monotonic() - started, 2), status))
-            await asyncio.sleep(0.5)
-    return probes
+async def probe(url: str) -> list[int]:
+    """NUM_PROBES short requests, one after another: their HTTP statuses (0: no HTTP answer)."""
+    async with httpx.AsyncClient(timeout=ALL_ENDED_S) as http:
+        return [await short_completion(http, url) for _ in range(NUM_PROBES)]

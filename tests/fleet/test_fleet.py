@@ -4,6 +4,7 @@ model whose KV pools are small enough for placement to matter."""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 
@@ -12,7 +13,7 @@ import pytest
 from ray import serve
 
 from deployments.app import AppArgs, build_app
-from harness.metrics_scrape import ENGINE_PREFIX, scrape
+from harness.metrics_scrape import ENGINE_PREFIX, scrape, scrape_by_replica
 from harness.replicas import kill_replica, wait_replaced
 from harness.serve_cluster import ServeCluster, wait_for
 from harness.sse_client import StreamResult, stream_completion
@@ -20,6 +21,11 @@ from replica_engine import SamplingParams
 
 LONG_PROMPT = "Summarise the history of the Roman Empire in detail. " * 12  # ~130 tokens
 SHORT_PROMPT = "Say hello."
+RUNNING = f"{ENGINE_PREFIX}num_requests_running"
+# Deadlines on state, sized for a 2-core machine under full load: on an idle one a replica starts
+# and the autoscaler acts within ~20 s, and the streams below end within ~10 s.
+SCALING_DEADLINE_S = 300
+HANG_S = 300
 
 
 def deploy(name: str, args: AppArgs) -> None:
@@ -34,6 +40,10 @@ def routed_by_replica(cluster: ServeCluster, app: str) -> dict[str, float]:
             replica = line.split('target_replica="')[1].split('"')[0]
             counts[replica] = counts.get(replica, 0) + float(line.rsplit(" ", 1)[1])
     return counts
+
+
+def running_by_replica(cluster: ServeCluster) -> dict[str, float]:
+    return scrape_by_replica(cluster, RUNNING, {"application": "fleet"})
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +101,9 @@ def test_router_steers_away_from_a_loaded_replica(serve_cluster: ServeCluster, f
         kwargs={"json": {"prompt": LONG_PROMPT, "max_tokens": 180, "ignore_eos": True}, "timeout": 300},
     )
     hog.start()
-    time.sleep(2)  # its replica has reported the blocks it holds
+    # Its replica runs it, in the stats it reports, and its routing is counted (deadlines on state)
+    wait_for(lambda: any(running_by_replica(serve_cluster).values()), "the long request runs")
+    wait_for(lambda: sum(routed_by_replica(serve_cluster, "fleet").values()) > sum(before.values()), "routed")
     busy = {r: n - before.get(r, 0) for r, n in routed_by_replica(serve_cluster, "fleet").items()}
     short = {"prompt": SHORT_PROMPT, "max_tokens": 4}
     for _ in range(6):
@@ -144,7 +156,7 @@ def test_kv_pressure_scales_up_under_load_and_back_down_when_idle(serve_cluster:
 
         hog_thread = threading.Thread(target=hog)
         hog_thread.start()
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + SCALING_DEADLINE_S
         try:
             while replica_count("autoscale") < 2:
                 assert time.monotonic() < deadline, "did not scale up to 2 replicas under KV pressure"
@@ -152,7 +164,7 @@ def test_kv_pressure_scales_up_under_load_and_back_down_when_idle(serve_cluster:
         finally:
             scaled_up.set()
             hog_thread.join()
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + SCALING_DEADLINE_S
         while replica_count("autoscale") > 1:
             assert time.monotonic() < deadline, "did not scale back to 1 replica when idle"
             time.sleep(1)
@@ -168,18 +180,17 @@ def test_killing_a_replica_mid_load_fails_only_its_requests_and_serve_replaces_i
     expected = [o.text for o in llm.generate(prompts, params)]
     url = f"{fleet}/v1/completions"
     bodies = [{"prompt": p, "max_tokens": 100, "temperature": 0, "ignore_eos": True} for p in prompts]
-    running = f"{ENGINE_PREFIX}num_requests_running"
 
     def kill_once_all_run() -> str:
-        wait_for(lambda: scrape(serve_cluster, running, {"application": "fleet"}) == 6, "all 6 running")
+        wait_for(lambda: sum(running_by_replica(serve_cluster).values()) == 6, "all 6 running")
         return kill_replica(serve_cluster, "fleet")
 
     async def load_then_kill() -> tuple[str, list[StreamResult]]:
         async with httpx.AsyncClient(timeout=120) as http:
             streams = [asyncio.create_task(stream_completion(http, url, body)) for body in bodies]
             victim = await asyncio.to_thread(kill_once_all_run)
-            # Bounded: a request on the dead replica must end, not hang.
-            return victim, await asyncio.wait_for(asyncio.gather(*streams), timeout=90)
+            # Bounded: a request on the dead replica must end, not hang (a hang detector).
+            return victim, await asyncio.wait_for(asyncio.gather(*streams), timeout=HANG_S)
 
     victim, results = asyncio.run(load_then_kill())
     failed = [r for r in results if r.error_code is not None]
@@ -189,7 +200,7 @@ def test_killing_a_replica_mid_load_fails_only_its_requests_and_serve_replaces_i
     assert {(r.status, r.error_code) for r in failed} == {(200, "replica_failed")}
     for result, text in survivors:  # on the other replica: untouched, token for token
         assert result.text == text and result.completion_tokens == 100
-    # New requests succeed at once (on the survivor), and Serve starts a replacement.
+    # New requests succeed (on the survivor), and Serve starts a replacement.
     after = httpx.post(url, json=bodies[0], timeout=120)
     assert after.status_code == 200 and after.json()["choices"][0]["text"] == expected[0]
-    assert wait_replaced("fleet", victim, num_replicas=2, timeout_s=120) < 120
+    assert math.isfinite(wait_replaced("fleet", victim, num_replicas=2)), "not replaced"

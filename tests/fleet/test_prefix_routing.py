@@ -5,6 +5,7 @@ in test_prefix_router.py."""
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import time
 from pathlib import Path
 
@@ -118,7 +119,7 @@ def test_a_restarted_replica_loses_its_cache_and_the_tenant_settles_again(
     holder = max(after, key=lambda replica: after[replica] - before.get(replica, 0))
     victim = next(name for name in replica_actor_names(APP) if name.endswith(f"#{holder}"))
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
-    assert wait_replaced(APP, victim, num_replicas=2, timeout_s=180) < 180
+    assert math.isfinite(wait_replaced(APP, victim, num_replicas=2)), "not replaced"
     # The holder's cache is gone with it: the router must not keep steering by it (the other
     # replica may hold the tenant too, after the load guard spread it), and once a request has
     # computed the prompt again the next ones find it.

@@ -7,13 +7,14 @@ not what this test is about. Shares its workload, client and report (harness.soa
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 from ray import serve
 
 from deployments.app import AppArgs, build_app
 from harness import soak_load
-from harness.metrics_scrape import DRAIN_TIMEOUT_S, EngineCounters, wait_drained
+from harness.metrics_scrape import EngineCounters, wait_drained
 from harness.serve_cluster import ServeCluster, wait_for
 
 APP = "load"
@@ -62,4 +63,5 @@ def test_a_thousand_requests_with_disconnects_lose_nothing_and_leak_nothing(
     assert 0 < delta.finished_by_reason["abort"] <= outcomes["disconnected"], delta
     assert delta.finished_by_reason["error"] == 0 and delta.preemptions > 0, delta
     drain_s, held = wait_drained(serve_cluster, APP)
-    assert drain_s < DRAIN_TIMEOUT_S, held  # no request still running, no block held
+    # no request still running, no block held (inf: not drained within DRAIN_TIMEOUT_S, a deadline on state)
+    assert math.isfinite(drain_s), held

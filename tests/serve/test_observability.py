@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 import httpx
 
 from harness.metrics_scrape import scrape, scrape_by_replica
+from harness.replicas import engine_stats
 from harness.serve_cluster import REPORT_WAIT_S, ServeCluster, post_concurrently, wait_for
+from tests.engine.engine_idle import wait_idle
 from tests.serve import prometheus_server
 
 MAIN_APP = {"application": "stallfree", "deployment": "EngineReplica"}
+SETTLED_S = 5.0  # five metrics report periods without a change: nothing sent earlier is on its way
 
 
 COUNTED = {
@@ -23,17 +27,26 @@ COUNTED = {
 }
 
 
+def settled(counts: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """The counters once they have stood still for SETTLED_S (waited on for up to REPORT_WAIT_S)."""
+    latest = counts()
+    deadline = time.monotonic() + REPORT_WAIT_S
+    while True:
+        time.sleep(SETTLED_S)
+        latest, previous = counts(), latest
+        if latest == previous:
+            return latest
+        assert time.monotonic() < deadline, f"counters still moving after {REPORT_WAIT_S} s: {latest}"
+
+
 def test_replica_metrics_add_up_on_the_ray_endpoint(serve_cluster: ServeCluster):
     def counts() -> dict[str, float]:
         return {key: scrape(serve_cluster, name, MAIN_APP) for key, name in COUNTED.items()}
 
-    # Let whatever earlier tests sent be reported before taking the baseline.
-    before = counts()
-    for _ in range(REPORT_WAIT_S):
-        time.sleep(1.5)
-        before, settled = counts(), before
-        if before == settled:
-            break
+    # Whatever earlier tests sent has ended (the replica is idle) and been reported (the counters
+    # stood still for several report periods) before the baseline is taken.
+    wait_idle(lambda: engine_stats(serve_cluster.app_name))
+    before = settled(counts)
     num_requests, max_tokens = 3, 5
     body = {"prompt": "Name three colours.", "max_tokens": max_tokens, "ignore_eos": True}
     assert all(
@@ -47,7 +60,7 @@ def test_replica_metrics_add_up_on_the_ray_endpoint(serve_cluster: ServeCluster)
         "generated": num_requests * max_tokens,
     }
     wait_for(lambda: counts()["e2e"] - before["e2e"] >= num_requests, "the requests are reported")
-    after = counts()
+    after = settled(counts)
     assert {key: after[key] - before[key] for key in COUNTED} == expected
     assert scrape(serve_cluster, "ray_stallfree_kv_cache_usage_perc", MAIN_APP) == 0
     assert scrape(serve_cluster, "ray_stallfree_num_requests_running", MAIN_APP) == 0

@@ -17,6 +17,7 @@ from harness.pydantic_schemas import SCHEMAS
 from harness.serve_cluster import ServeCluster
 
 MODEL = "smollm2-135m-instruct"
+STATE_DEADLINE_S = 300  # waits on the replica's state: far beyond what a loaded 2-core machine needs
 SYSTEM = {"role": "system", "content": "Answer in JSON."}
 
 
@@ -158,42 +159,47 @@ def test_penalties_change_the_output(client: openai.OpenAI):
 
 
 def test_under_a_full_pool_the_urgent_request_is_admitted_first(small_app: str):
-    """small_app's pool (8 blocks) holds one of these requests at a time; two less urgent ones wait
-    when an urgent one arrives: it runs before them (with FCFS it would run last). It may also
-    preempt the running one (priority 0) when the pool runs dry, as vLLM's priority policy does."""
+    """small_app's pool (8 blocks) holds one of the queued requests at a time (100 prompt tokens:
+    7 blocks, 8 with their output), and none while the holder runs (2 blocks at first, then more):
+    two less urgent ones and then an urgent one queue behind it, each state awaited on the
+    replica's stats, so the order they are admitted in is the scheduler's alone. The urgent one
+    runs before them (with FCFS it would run last). Distinct token ids: no prompt shares blocks."""
     stats = serve.get_deployment_handle("EngineReplica", app_name="small").stats
-    prompt = "Tell me about the history of Rome. " * 9  # ~72 tokens (5 blocks), 102 with its output (7)
     finished: list[str] = []
 
-    async def run(name: str, priority: int) -> None:
+    async def run(name: str, token_id: int, priority: int, num_prompt: int = 100, max_tokens: int = 20):
         body = {
-            "prompt": prompt,
-            "max_tokens": 30,
+            "prompt": [token_id] * num_prompt,
+            "max_tokens": max_tokens,
             "ignore_eos": True,
             "temperature": 0,
             "priority": priority,
         }
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with httpx.AsyncClient(timeout=STATE_DEADLINE_S) as http:
             response = await http.post(f"{small_app}/v1/completions", json=body)
         assert response.status_code == 200, response.text
         finished.append(name)
 
-    async def until(predicate) -> None:
-        for _ in range(400):
-            if predicate(await stats.remote()):
-                return
+    async def until(what: str, predicate, holder: asyncio.Task) -> None:
+        """A deadline on state, sized for a loaded 2-core machine (a hang detector)."""
+        deadline = asyncio.get_running_loop().time() + STATE_DEADLINE_S
+        while not predicate(await stats.remote()):
+            # its 111 decode steps outlast routing three requests many times over
+            assert not holder.done(), f"the holder finished before {what}"
+            assert asyncio.get_running_loop().time() < deadline, f"not within {STATE_DEADLINE_S} s: {what}"
             await asyncio.sleep(0.02)
-        raise AssertionError("the replica never got there")
 
     async def scenario() -> None:
-        first = asyncio.create_task(run("running", 0))
-        await until(lambda s: s.num_running == 1)
-        late = [asyncio.create_task(run(f"background-{i}", 5)) for i in range(2)]
-        await until(lambda s: s.num_waiting == 2)
-        urgent = asyncio.create_task(run("urgent", -5))
-        await asyncio.gather(first, *late, urgent)
+        # 17 + 111 tokens: the whole pool by its end; it runs alone, the others wait for it
+        holder = asyncio.create_task(run("holder", 1000, 0, num_prompt=17, max_tokens=111))
+        await until("the holder runs", lambda s: s.num_running == 1, holder)
+        late = [asyncio.create_task(run(f"background-{i}", 2000 + i, 5)) for i in range(2)]
+        await until("both background requests wait", lambda s: s.num_waiting == 2, holder)
+        urgent = asyncio.create_task(run("urgent", 3000, -5))
+        await until("the urgent request waits", lambda s: s.num_waiting == 3, holder)
+        await asyncio.gather(holder, *late, urgent)
 
     asyncio.run(scenario())
     beyond = httpx.post(f"{small_app}/v1/completions", json={"prompt": "hi", "priority": -11}, timeout=60)
     assert beyond.status_code == 400 and beyond.json()["error"]["param"] == "priority"  # max_priority 10
-    assert finished.index("urgent") < min(finished.index("background-0"), finished.index("background-1"))
+    assert finished[:2] == ["holder", "urgent"] and set(finished[2:]) == {"background-0", "background-1"}
