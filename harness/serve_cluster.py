@@ -22,17 +22,23 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-START_TIMEOUT_S = 300
+# A deadline on state: `serve run` answers /health in ~30 s on an idle 2-core machine; beside two
+# busy processes, importing and building the app alone took 2 minutes, and starting it 5.
+START_TIMEOUT_S = 900
 # A deadline on state: Ray's workers report metrics every second in the test cluster (a figure
 # lands within ~2 s on an idle machine); this is for a 2-core machine under full load.
 REPORT_WAIT_S = 60
 # A throwaway cluster on loopback: no token auth (ray start and its clients would otherwise disagree
 # on where the token lives), no usage stats, workers reporting metrics every second (default 10 s)
-# so tests see them sooner.
+# so tests see them sooner, and Serve's proxy checks given a loaded 2-core machine's time: within
+# the default 5 s, a proxy still starting beside two busy processes was killed and `serve run`
+# failed.
 TEST_CLUSTER_ENV = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_metrics_report_interval_ms": "1000",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
 }
 
 

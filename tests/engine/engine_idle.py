@@ -15,7 +15,8 @@ def is_idle(stats: EngineStats) -> bool:
 
 
 def wait_idle(stats: Callable[[], EngineStats], timeout_s: float = 10.0) -> float:
-    """Seconds until `stats()` shows no request and no block held; fails after `timeout_s`."""
+    """Seconds until `stats()` shows no request and no block held; fails after `timeout_s` (a
+    deadline on state: a step or two, milliseconds, on an idle machine)."""
     started = time.monotonic()
     while not is_idle(latest := stats()):
         assert time.monotonic() - started < timeout_s, f"still held after {timeout_s} s: {latest}"

@@ -14,7 +14,7 @@ import yaml
 
 from harness.serve_cluster import REPO, free_port
 
-READY_TIMEOUT_S = 60
+READY_TIMEOUT_S = 120  # a deadline on state: Prometheus is ready in seconds on an idle machine
 DASHBOARD = REPO / "dashboards" / "stallfree.json"
 
 
@@ -55,9 +55,9 @@ def query(url: str, promql: str) -> list[dict]:
     return body["data"]["result"]
 
 
-def unanswered(url: str, queries: dict[str, str], timeout_s: float = 60) -> dict[str, str]:
+def unanswered(url: str, queries: dict[str, str], timeout_s: float = 180) -> dict[str, str]:
     """The queries still returning nothing once `timeout_s` has passed (series appear as
-    Prometheus scrapes them)."""
+    Prometheus scrapes them, every second: a deadline on state, sized for a loaded machine)."""
     deadline, empty = time.monotonic() + timeout_s, dict(queries)
     while empty and time.monotonic() < deadline:
         empty = {key: expr for key, expr in empty.items() if not query(url, expr)}

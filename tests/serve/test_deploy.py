@@ -20,16 +20,24 @@ import pytest
 import yaml
 
 from common.model_source import cache_root
-from harness.serve_cluster import BIN, REPO
+from harness.serve_cluster import BIN, REPO, START_TIMEOUT_S
 
 pytestmark = pytest.mark.own_ray_cluster
-DEPLOY_TIMEOUT_S = 300
+# Deadlines on state (hang detectors), sized for a 2-core machine under full load, where starting
+# the app took minutes (harness.serve_cluster.START_TIMEOUT_S says more).
+DEPLOY_TIMEOUT_S = START_TIMEOUT_S
+COMMAND_TIMEOUT_S = 600
 
 
 def _run(command: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess[str]:
     program, *args = command.split()
     result = subprocess.run(
-        [str(BIN / program), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        [str(BIN / program), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
     )
     if check:
         assert result.returncode == 0, (
