@@ -17,13 +17,17 @@ from harness.pydantic_schemas import SCHEMAS
 from harness.serve_cluster import ServeCluster
 
 MODEL = "smollm2-135m-instruct"
-STATE_DEADLINE_S = 300  # waits on the replica's state: far beyond what a loaded 2-core machine needs
+# A hang detector for waits on the replica's state and for requests: twenty constrained requests at
+# once took up to 10 minutes beside two busy processes (~15 s on an idle machine).
+STATE_DEADLINE_S = 1800
 SYSTEM = {"role": "system", "content": "Answer in JSON."}
 
 
 @pytest.fixture(scope="module")
 def client(serve_cluster: ServeCluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{serve_cluster.base_url}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(
+        base_url=f"{serve_cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=STATE_DEADLINE_S
+    )
 
 
 def test_parse_returns_a_valid_object_for_twenty_pydantic_schemas(client: openai.OpenAI):
