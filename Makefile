@@ -33,8 +33,9 @@ test-busy: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not ray"
 
+# Ray's workers (the replicas) start at nice 15 unless told: on a laptop doing other work they starve.
 serve: setup
-	$(VENV)/bin/serve run serve_config.yaml
+	RAY_worker_niceness=0 $(VENV)/bin/serve run serve_config.yaml
 
 lint: setup
 	$(PY) -m ruff check .
