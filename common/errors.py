@@ -9,4 +9,9 @@ class InvalidRequestError(ValueError):
     def __init__(self, param: str, message: str, code: str | None = None) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
+        self.message = message
         self.code = code
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str | None]]:
+        """Pickles with its fields (the engine core's process sends a bad setting's error back)."""
+        return type(self), (self.param, self.message, self.code)

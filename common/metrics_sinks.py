@@ -9,6 +9,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 Labels = dict[str, str]
+# One update, as BufferedSink records it for another process to replay: (metric name, method
+# of its instrument: inc / set / observe, value, labels).
+MetricOp = tuple[str, str, float, Labels]
 
 
 class Counter(Protocol):
@@ -126,3 +129,46 @@ class RayServeSink:
             name, description, boundaries=list(buckets), tag_keys=tuple(label_names)
         )
         return _RayInstrument(metric)
+
+
+class _BufferedInstrument:
+    def __init__(self, name: str, ops: list[MetricOp]) -> None:
+        self._name = name
+        self._ops = ops
+
+    def inc(self, amount: float, labels: Labels) -> None:
+        self._ops.append((self._name, "inc", amount, labels))
+
+    def initialize(self, labels: Labels) -> None:
+        """Nothing to carry: the replaying side's own instruments initialized their series."""
+
+    def set(self, value: float, labels: Labels) -> None:
+        self._ops.append((self._name, "set", value, labels))
+
+    def observe(self, value: float, labels: Labels) -> None:
+        self._ops.append((self._name, "observe", value, labels))
+
+
+class BufferedSink:
+    """Instruments that only record their updates, for a process that cannot reach the exporter
+    (the engine core's own process): `drain` hands them over, and the frontend replays them into
+    its real instruments (EngineMetrics.replay)."""
+
+    def __init__(self) -> None:
+        self._ops: list[MetricOp] = []
+
+    def drain(self) -> list[MetricOp]:
+        ops = self._ops[:]
+        self._ops.clear()
+        return ops
+
+    def counter(self, name: str, description: str, label_names: Sequence[str]) -> Counter:
+        return _BufferedInstrument(name, self._ops)
+
+    def gauge(self, name: str, description: str, label_names: Sequence[str]) -> Gauge:
+        return _BufferedInstrument(name, self._ops)
+
+    def histogram(
+        self, name: str, description: str, buckets: Sequence[float], label_names: Sequence[str]
+    ) -> Histogram:
+        return _BufferedInstrument(name, self._ops)

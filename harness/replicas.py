@@ -1,10 +1,13 @@
-"""An app's EngineReplica actors on the local cluster: read one's stats, find them, kill one as a
-crash would, and wait for Serve to replace it."""
+"""An app's EngineReplica actors on the local cluster: read one's stats, find them, kill one (or its
+engine core's process) as a crash would, and wait for Serve to replace it."""
 
 from __future__ import annotations
 
 import math
+import os
+import signal
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness.metrics_scrape import ENGINE_PREFIX, scrape_by_replica
@@ -42,6 +45,32 @@ def kill_replica(cluster: ServeCluster, app: str) -> str:
     victim = max(names, key=lambda name: running.get(name.rsplit("#", 1)[1], 0))
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
     return victim
+
+
+def kill_engine_core(app: str) -> str:
+    """Kill the engine core process of the app's (first) EngineReplica with SIGKILL, as the
+    kernel's OOM killer would; return the replica's actor name."""
+    import ray
+    from ray.util.state import list_actors
+
+    victim = replica_actor_names(app)[0]
+    actor_id = ray.get_actor(victim, namespace="serve")._actor_id.hex()
+    [actor] = list_actors(filters=[("actor_id", "=", actor_id)])
+    os.kill(_engine_core_pid(actor.pid), signal.SIGKILL)
+    return victim
+
+
+def _engine_core_pid(replica_pid: int) -> int:
+    """The child of `replica_pid` running replica_engine.core_process (from /proc: this machine)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):  # it ended while we looked
+            continue
+        if parent == replica_pid and b"replica_engine.core_process" in command:
+            return int(stat.parent.name)
+    raise LookupError(f"replica process {replica_pid} has no engine core process")
 
 
 def wait_replaced(app: str, victim: str, num_replicas: int, timeout_s: float = 300) -> float:

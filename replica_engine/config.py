@@ -135,6 +135,14 @@ class EngineConfig:
         ),
     )
     seed: int = field(default=0, metadata=_doc("Seeds dummy weights and unseeded sampling"))
+    core_process: bool = field(
+        default=True,
+        metadata=_doc(
+            "Serving: run the engine core (scheduler, KV cache, model) in a process of its own, as"
+            " vLLM v1 does, so the replica's event loop and Ray never hold its interpreter; false"
+            " runs it on a thread of the replica's process. The offline `LLM` always runs it in place"
+        ),
+    )
     offline: bool = field(
         default=False,
         metadata=_doc(
@@ -166,10 +174,9 @@ class EngineConfig:
         bound = self.max_priority
         if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool) or bound < 0):
             raise InvalidRequestError("max_priority", f"must be an integer >= 0 or None, got {bound!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise InvalidRequestError(
-                "enable_prefix_caching", f"must be true or false, got {self.enable_prefix_caching!r}"
-            )
+        for flag in ("enable_prefix_caching", "core_process"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidRequestError(flag, f"must be true or false, got {getattr(self, flag)!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise InvalidRequestError(
                 "dtype", f"must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}"

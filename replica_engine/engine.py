@@ -1,16 +1,18 @@
 """The engine of one replica, driven by one thread: input processing -> EngineCore (schedule ->
 execute -> update) -> output processing. `LLM` runs it offline; `AsyncEngine` builds the same
-parts and moves the core onto a step thread of its own."""
+parts and runs the core apart (a process of its own, or a thread: core_client.py)."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
+from transformers import PretrainedConfig
 
 from common.errors import InvalidRequestError
 from common.finish_reason import FinishReason
-from common.model_source import resolve_model
+from common.model_source import ModelSource, resolve_model
 from common.prompts import Prompt, PromptProcessor
 from common.sampling_params import SamplingParams
 from common.tokenizer import Message
@@ -20,7 +22,7 @@ from replica_engine.engine_core import EngineCore
 from replica_engine.errors import StepFailedError
 from replica_engine.input_processor import InputProcessor
 from replica_engine.model_runner import ModelRunner
-from replica_engine.models.loader import load_config, load_model
+from replica_engine.models.loader import load_config, load_model, load_tokenizer
 from replica_engine.output_processor import RequestState
 from replica_engine.outputs import CoreOutput, EngineStats, RequestOutput
 from replica_engine.step_listeners import StepListener
@@ -29,16 +31,20 @@ from replica_engine.structured import GrammarCompiler
 if TYPE_CHECKING:
     from replica_engine.metrics import EngineMetrics
 
-__all__ = ["EngineStats", "LLMEngine", "Prompt", "build_engine"]
+__all__ = ["EngineStats", "LLMEngine", "Prompt", "build_core", "build_engine", "build_inputs"]
 
 
-def build_engine(config: EngineConfig, metrics: EngineMetrics | None) -> tuple[EngineCore, InputProcessor]:
-    """Load the model and size the KV pool: the core (one owner) and its input processor (any thread)."""
+def _resolve(config: EngineConfig) -> tuple[ModelSource, PretrainedConfig, EngineConfig]:
     source = resolve_model(config.model)
     model_config = load_config(source)
-    config = config.resolve(model_config)
+    return source, model_config, config.resolve(model_config)
+
+
+def build_core(config: EngineConfig, metrics: EngineMetrics | None) -> EngineCore:
+    """Load the model and size the KV pool (the engine core's process, or the caller's)."""
+    source, model_config, config = _resolve(config)
     torch.manual_seed(config.seed)
-    loaded = load_model(
+    model = load_model(
         source,
         model_config,
         get_backend(config.attention_backend),
@@ -47,22 +53,34 @@ def build_engine(config: EngineConfig, metrics: EngineMetrics | None) -> tuple[E
         config.max_model_len,
         config.seed,
     )
-    runner = ModelRunner(loaded.model, config)
+    runner = ModelRunner(model, config)
     num_kv_blocks = runner.num_kv_blocks()
     if num_kv_blocks < 1:
         param = "num_kv_blocks" if config.num_kv_blocks is not None else "kv_cache_bytes"
         raise InvalidRequestError(param, "leaves no room for a single KV block")
+    return EngineCore(config, runner, num_kv_blocks, metrics)
+
+
+def build_inputs(config: EngineConfig, num_kv_blocks: int) -> InputProcessor:
+    """The tokenizer, prompt checks and grammar compiler for a core of `num_kv_blocks` (any thread)."""
+    source, model_config, config = _resolve(config)
     prompts = PromptProcessor.load(source, config.max_model_len)
+    loaded = load_tokenizer(source)
     tokenizer = loaded.tokenizer
     grammars = (
         GrammarCompiler.for_tokenizer(tokenizer, model_config.vocab_size, loaded.stop_token_ids)
         if tokenizer
         else None
     )
-    inputs = InputProcessor(
+    return InputProcessor(
         config, source.name, model_config, prompts, tokenizer, loaded.stop_token_ids, num_kv_blocks, grammars
     )
-    return EngineCore(config, runner, num_kv_blocks, metrics), inputs
+
+
+def build_engine(config: EngineConfig, metrics: EngineMetrics | None) -> tuple[EngineCore, InputProcessor]:
+    """The core (one owner) and its input processor (any thread)."""
+    core = build_core(config, metrics)
+    return core, build_inputs(config, core.kv_cache_manager.num_blocks)
 
 
 class LLMEngine:
@@ -101,7 +119,7 @@ class LLMEngine:
         request = self.inputs.make_request(prompt, params, request_id, in_flight=self._states)
         self.core.add_request(request)
         self._states[request.request_id] = RequestState(
-            request, self.inputs.tokenizer, self._end_by_stop_string
+            request, self.inputs.tokenizer, functools.partial(self._end_by_stop_string, request.request_id)
         )
         self.core.publish_stats()
         return request.request_id

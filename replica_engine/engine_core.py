@@ -1,8 +1,9 @@
 """The engine's state and its step: scheduler, KV cache, model runner, metrics.
 
 One owner: only the thread that steps it calls its methods (the caller of LLMEngine, or the
-step thread of AsyncEngine, which applies other threads' adds and aborts between steps). Other
-threads read `stats`, a snapshot the owner publishes, and nothing else."""
+core loop behind AsyncEngine, in a process of its own or on a thread, which applies the
+frontend's adds and aborts between steps). Other threads read `stats`, a snapshot the owner
+publishes, and nothing else. "The step thread" elsewhere means that owner."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 Each request has a RequestState on the side that reads its outputs (the offline loop, or the
 event loop of an AsyncEngine stream): its detokenizer, stop strings and what it has delivered.
 A stop string found here finishes the request for its reader at once and tells the engine through
-the state's `on_stop_string` (LLMEngine directly, AsyncEngine through its input queue), which frees
-the blocks."""
+the state's `on_stop_string` (LLMEngine directly, AsyncEngine by a message to its core), which
+frees the blocks."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ class RequestState:
         self,
         request: Request,
         tokenizer: PreTrainedTokenizerBase | None,
-        on_stop_string: Callable[[str], None],
+        on_stop_string: Callable[[], None],
     ) -> None:
         self.request_id = request.request_id
-        self.on_stop_string = on_stop_string  # called with the id: the engine still runs the request
+        self.on_stop_string = on_stop_string  # the engine still runs the request: stop it
         self.num_prompt_tokens = request.num_prompt_tokens
         self.detokenizer = (
             IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.sampling_params.stop)
@@ -55,7 +55,7 @@ class RequestState:
             if self.detokenizer is not None and self.detokenizer.add_token(token_id):
                 finish_reason = FinishReason.STOP
                 if not output.finished:
-                    self.on_stop_string(self.request_id)
+                    self.on_stop_string()
                 break
         logprobs = output.new_logprobs[: len(new_token_ids)]  # none past a stop string
         return self._output(new_token_ids, finish_reason, logprobs, output.prompt_logprobs)

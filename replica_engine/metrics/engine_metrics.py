@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from common.finish_reason import FinishReason
-from common.metrics_sinks import MetricsSink
+from common.metrics_sinks import Counter, Gauge, Histogram, MetricOp, MetricsSink
 from replica_engine.request import Request
 from replica_engine.scheduler.plan import StepSummary
 from replica_engine.scheduler.token_budget import BudgetDecision
@@ -31,15 +31,22 @@ class EngineMetrics:
     def __init__(self, sink: MetricsSink, model_name: str) -> None:
         self.labels = {MODEL_LABEL: model_name}
         labels = (MODEL_LABEL,)
+        self.by_name: dict[str, Counter | Gauge | Histogram] = {}  # replay's index
 
-        def gauge(name: str, description: str):
-            return sink.gauge(PREFIX + name, description, labels)
+        def gauge(name: str, description: str) -> Gauge:
+            instrument = sink.gauge(PREFIX + name, description, labels)
+            self.by_name[PREFIX + name] = instrument
+            return instrument
 
-        def histogram(name: str, description: str, buckets: tuple[float, ...]):
-            return sink.histogram(PREFIX + name, description, buckets, labels)
+        def histogram(name: str, description: str, buckets: tuple[float, ...]) -> Histogram:
+            instrument = sink.histogram(PREFIX + name, description, buckets, labels)
+            self.by_name[PREFIX + name] = instrument
+            return instrument
 
-        def counter(name: str, description: str, extra_labels: tuple[str, ...] = ()):
-            return sink.counter(PREFIX + name, description, labels + extra_labels)
+        def counter(name: str, description: str, extra_labels: tuple[str, ...] = ()) -> Counter:
+            instrument = sink.counter(PREFIX + name, description, labels + extra_labels)
+            self.by_name[PREFIX + name] = instrument
+            return instrument
 
         self.num_requests_waiting = gauge(
             "num_requests_waiting", "Requests waiting to be scheduled (queue depth)"
@@ -115,6 +122,11 @@ class EngineMetrics:
             zero_at_start.initialize(self.labels)
         for reason in FinishReason:
             self.requests_finished.initialize({**self.labels, REASON_LABEL: reason.value})
+
+    def replay(self, ops: list[MetricOp]) -> None:
+        """Apply updates another process's EngineMetrics recorded (over a BufferedSink)."""
+        for name, method, value, labels in ops:
+            getattr(self.by_name[name], method)(value, labels)
 
     def record_stats(self, stats: EngineStats) -> None:
         self.num_requests_waiting.set(stats.num_waiting, self.labels)

@@ -36,11 +36,17 @@ _MERGED = {
 }
 
 
-@dataclass
-class LoadedModel:
-    model: LlamaForCausalLM
+@dataclass(frozen=True)
+class LoadedTokenizer:
     tokenizer: PreTrainedTokenizerBase | None  # None for dummy weights: token ids in and out
     stop_token_ids: frozenset[int]  # eos and chat-end tokens
+
+
+def load_tokenizer(source: ModelSource) -> LoadedTokenizer:
+    if source.dummy_shape is not None:
+        return LoadedTokenizer(None, frozenset())
+    tokenizer = AutoTokenizer.from_pretrained(source.hf_dir)
+    return LoadedTokenizer(tokenizer, _stop_token_ids(source.hf_dir, tokenizer))
 
 
 def load_config(source: ModelSource) -> PretrainedConfig:
@@ -67,17 +73,15 @@ def load_model(
     device: torch.device,
     max_position: int,
     seed: int = 0,
-) -> LoadedModel:
+) -> LlamaForCausalLM:
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(config, backend, max_position)
     if source.dummy_shape is not None:
         _fill_dummy(model, seed)
-        _pack(model)
-        return LoadedModel(model.eval(), None, frozenset())
-    _load_safetensors(model, source.hf_dir)
+    else:
+        _load_safetensors(model, source.hf_dir)
     _pack(model)
-    tokenizer = AutoTokenizer.from_pretrained(source.hf_dir)
-    return LoadedModel(model.eval(), tokenizer, _stop_token_ids(source.hf_dir, tokenizer))
+    return model.eval()
 
 
 def _pack(model: LlamaForCausalLM) -> None:

@@ -20,11 +20,16 @@ from common.errors import InvalidRequestError
 from common.structured_outputs import StructuredOutputs
 from replica_engine.structured.schema_check import check_schema
 
+# The tokenizer of this process's compiler: a RequestGrammar sent to another process (the engine
+# core's) is rebuilt there against it (xgrammar's compiled grammars serialize without it).
+_tokenizer_info: xgr.TokenizerInfo | None = None
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[05:41:18] /project/cpp/x.cc:83: " before xgrammar's text
 
 
 class GrammarCompiler:
     def __init__(self, info: xgr.TokenizerInfo) -> None:
+        global _tokenizer_info
+        _tokenizer_info = info
         self.vocab_size = info.vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._lock = threading.Lock()  # one compile at a time: a replica's CPU is the step's too
@@ -72,8 +77,16 @@ class RequestGrammar:
     """One request's place in its grammar."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+        self._compiled = compiled
         self._matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
+        self._num_accepted = 0
+
+    def __reduce__(self) -> tuple[object, tuple[str, int]]:
+        """Pickles as its compiled grammar, before any token (a request on its way to the core)."""
+        if self._num_accepted:
+            raise ValueError("a grammar that has accepted tokens cannot be sent")
+        return _rebuild, (self._compiled.serialize_json(), self.vocab_size)
 
     def allowed_tokens(self) -> torch.Tensor:
         """The tokens the grammar allows next, as a bitmask of int32 words ([1, ceil(vocab/32)])."""
@@ -82,12 +95,19 @@ class RequestGrammar:
         return bitmask
 
     def accept(self, token_id: int) -> bool:
+        self._num_accepted += 1
         return self._matcher.accept_token(token_id)
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token accepted."""
         return self._matcher.is_terminated()
+
+
+def _rebuild(compiled_json: str, vocab_size: int) -> RequestGrammar:
+    if _tokenizer_info is None:
+        raise RuntimeError("this process has no GrammarCompiler to rebuild a grammar against")
+    return RequestGrammar(xgr.CompiledGrammar.deserialize_json(compiled_json, _tokenizer_info), vocab_size)
 
 
 # byte value -> its 8 bits, least significant first (token w*32 + i is bit i of word w)

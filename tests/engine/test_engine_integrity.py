@@ -95,14 +95,21 @@ def test_an_abort_landing_mid_step_never_touches_another_requests_kv(llm, tokeni
     keeper_prompt = story_ids(tokenizer, 96)  # 6 full blocks
     keeper_params = SamplingParams(max_tokens=12, **GREEDY)
     expected = llm.generate([keeper_prompt], keeper_params)[0].token_ids
-    engine = AsyncEngine(EngineConfig(num_kv_blocks=num_blocks, max_num_batched_tokens=32, dtype="float32"))
-    real_execute = engine.core.runner.execute
+    # The core on a thread of this process: the test steps into its runner.
+    config = EngineConfig(
+        num_kv_blocks=num_blocks, max_num_batched_tokens=32, dtype="float32", core_process=False
+    )
+    engine = AsyncEngine(config)
+    core = engine.client.core
+    real_execute = core.runner.execute
     seen: dict[str, object] = {}
 
     def execute_aborting_the_victim(batch: ScheduledBatch) -> list[int]:
-        if "victim" in scheduled_tokens(batch) and "aborted" not in seen:
+        # The core knows a request by its id and a count (AsyncEngine's key for each add).
+        if any(rid.startswith("victim#") for rid in scheduled_tokens(batch)) and "aborted" not in seen:
             # On the step thread, which owns the state: may the keeper's table be read here.
-            seen["keeper_blocks"] = list(engine.core.scheduler.requests["keeper"].block_ids)
+            keeper = next(r for r in core.scheduler.requests.values() if r.request_id.startswith("keeper#"))
+            seen["keeper_blocks"] = list(keeper.block_ids)
             aborter = threading.Thread(target=engine.abort, args=("victim",))
             aborter.start()
             aborter.join()  # the abort call has returned before the step computes anything
@@ -113,7 +120,7 @@ def test_an_abort_landing_mid_step_never_touches_another_requests_kv(llm, tokeni
             seen["fault"] = error
             raise
 
-    engine.core.runner.execute = execute_aborting_the_victim
+    core.runner.execute = execute_aborting_the_victim
 
     async def main():
         # A spacer takes blocks 1-10 and gives them back, so the keeper gets 11-16: the last.

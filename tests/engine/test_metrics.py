@@ -90,3 +90,32 @@ def test_latency_buckets_mark_the_slo_lines(name: str):
     for bound in ("0.005", "0.01", "0.025", "0.05", "0.1", "0.2", "0.5"):
         labels = {**LABELS, "le": bound}
         assert registry.get_sample_value("stallfree_inter_token_latency_seconds_bucket", labels) is not None
+
+
+def test_an_engine_core_in_its_own_process_records_into_this_process_metrics():
+    """AsyncEngine's core runs in another process (core_process, the default): its metric updates
+    travel with its outputs and are replayed here, by the time the stream ends."""
+    import asyncio
+
+    from replica_engine import AsyncEngine
+
+    registry = prometheus_client.CollectorRegistry()
+    engine = AsyncEngine(EngineConfig(dtype="float32"), EngineMetrics(PrometheusSink(registry), "smollm2"))
+
+    async def run() -> None:
+        params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+        for prompt in PROMPTS[:2]:
+            async for _ in await engine.add_request(prompt, params):
+                pass
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert sample(registry, "stallfree_generation_tokens_total") == 10
+    finished = {**LABELS, "finished_reason": "length"}
+    assert sample(registry, "stallfree_requests_finished_total", finished) == 2
+    assert sample(registry, "stallfree_time_to_first_token_seconds_count") == 2
+    assert sample(registry, "stallfree_inter_token_latency_seconds_count") == 8
+    assert sample(registry, "stallfree_iteration_tokens_count") >= 5  # a step listener's, too
+    assert sample(registry, "stallfree_num_requests_running") == 0  # the gauges after the last step

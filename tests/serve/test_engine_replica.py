@@ -4,6 +4,8 @@ with the real SmolLM2 engine."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 
@@ -12,13 +14,27 @@ from common.messages import ChoiceDelta, GenerateError, GenerateRequest
 from common.routing_stats import RoutingStats
 from deployments.engine_replica import EngineReplica, wrap_int64
 from replica_engine import EngineConfig, SamplingParams
-from replica_engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
+from replica_engine.core_loop import MAX_CONSECUTIVE_STEP_FAILURES
 from tests.engine.engine_idle import is_idle, wait_idle
+
+
+def make_replica(core_process: bool) -> EngineReplica:
+    config = EngineConfig(kv_cache_bytes=32 << 20, dtype="float32", core_process=core_process)
+    return EngineReplica.func_or_class(config, "smollm2")
 
 
 @pytest.fixture
 def replica():
-    replica = EngineReplica.func_or_class(EngineConfig(kv_cache_bytes=32 << 20, dtype="float32"), "smollm2")
+    replica = make_replica(core_process=True)
+    yield replica
+    replica.engine.shutdown()
+
+
+@pytest.fixture
+def threaded_replica():
+    """The core on a thread of this process, where a test can reach its model runner and make it
+    fail (a device fault cannot be caused on purpose on a CPU)."""
+    replica = make_replica(core_process=False)
     yield replica
     replica.engine.shutdown()
 
@@ -58,9 +74,9 @@ def test_choices_stream_to_their_end(replica: EngineReplica):
     assert is_idle(replica.stats())
 
 
-def test_a_failing_choice_ends_its_request_with_a_500_and_the_replica_goes_on(replica: EngineReplica):
-    # A device fault cannot be caused on purpose on a CPU: the runner raises for one request.
-    runner = replica.engine.core.runner
+def test_a_failing_choice_ends_its_request_with_a_500_and_the_replica_goes_on(threaded_replica):
+    replica = threaded_replica
+    runner = replica.engine.client.core.runner  # raises for one request
     execute = runner.execute
 
     def faulty_execute(batch):
@@ -83,11 +99,13 @@ def test_a_failing_choice_ends_its_request_with_a_500_and_the_replica_goes_on(re
     wait_idle(replica.stats)  # the poisoned request's other choice is aborted when it fails
 
 
-def test_health_check_fails_once_every_step_keeps_failing(replica: EngineReplica):
+def test_health_check_fails_once_every_step_keeps_failing(threaded_replica: EngineReplica):
+    replica = threaded_replica
+
     def broken_execute(batch):
         raise RuntimeError("device lost")
 
-    replica.engine.core.runner.execute = broken_execute
+    replica.engine.client.core.runner.execute = broken_execute
     statuses = []
     for i in range(MAX_CONSECUTIVE_STEP_FAILURES + 1):
         request = generate_request(replica, f"r{i}", ["Hello"], max_tokens=4)
@@ -111,3 +129,27 @@ def test_the_routing_report_is_a_whole_routing_stats_message(replica):
     assert first.num_free_blocks == first.num_total_blocks == replica.engine.stats().num_total_blocks
     assert second.report_seq == first.report_seq + 1
     assert first.hash_root == root_hash(replica.engine.inputs.config.model, None)
+
+
+def test_the_core_process_dying_mid_stream_fails_its_streams_and_the_health_check(replica: EngineReplica):
+    """The engine core's own process is killed (as the kernel's OOM killer would) while a request
+    streams: the stream ends with an error at once, the health check fails (Serve then replaces
+    the replica: tests/serve/test_limits.py), and a new request is refused with a 503."""
+    request = generate_request(replica, "long", ["Count: 1, 2, 3,"], max_tokens=400, ignore_eos=True)
+
+    async def stream_until_killed() -> list[list[ChoiceDelta] | GenerateError]:
+        items = []
+        async for item in replica.generate(request):
+            items.append(item)
+            if len(items) == 2:  # streaming: kill the core
+                os.kill(replica.engine.client.pid, signal.SIGKILL)
+        return items
+
+    items = asyncio.run(asyncio.wait_for(stream_until_killed(), timeout=60))  # never hangs
+    last = items[-1]
+    assert isinstance(last, GenerateError) and (last.status, last.code) == (500, "engine_error")
+    assert sum(len(d.token_ids) for batch in items[:-1] for d in batch) < 400
+    with pytest.raises(RuntimeError, match="engine step loop died"):
+        replica.check_health()
+    refused = asyncio.run(collect(replica, generate_request(replica, "after", ["Hello"], max_tokens=4)))
+    assert len(refused) == 1 and (refused[0].status, refused[0].code) == (503, "engine_unavailable")
