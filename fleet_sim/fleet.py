@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from fleet_sim.autoscaling import Autoscaler, AutoscalingSpec, ReplicaSample
 from fleet_sim.clock import EventLoop
 from fleet_sim.records import RequestRecord
-from fleet_sim.replica import ReplicaConfig, ReplicaCore, SimReplica, engine_request
+from fleet_sim.replica import ReplicaConfig, SimReplica, engine_request
 from fleet_sim.routers import SimRouter
 from fleet_sim.trace import SimRequest
-from replica_engine.request import Request
+from replica_engine.outputs import CoreOutput
 from replica_engine.scheduler.step_time_model import StepTime
 
 
@@ -102,12 +102,12 @@ class Fleet:
             record.replica_id, record.routed_s = replica.replica_id, now
             replica.submit(engine_request(request))
 
-    def _on_token(self, replica: SimReplica, request: Request, now: float) -> None:
-        record = self.records[request.request_id]
+    def _on_token(self, replica: SimReplica, output: CoreOutput, now: float) -> None:
+        record = self.records[output.request_id]
         record.token_times.append(now)
-        if not request.is_finished:
+        if not output.finished:
             return
-        record.num_cached_tokens = request.num_cached_tokens
+        record.num_cached_tokens = output.num_cached_tokens
         follow_up = record.request.follow_up(now)
         if follow_up is not None:
             self._add(follow_up)
@@ -121,7 +121,7 @@ class Fleet:
     def _report(self, replica: SimReplica) -> None:
         if not self._num_unfinished or replica not in self.replicas:
             return
-        stats = replica.reporter.report(replica.core.stats())
+        stats = replica.reporter.report(replica.stats())
         deliver = functools.partial(self.router.on_report, replica.replica_id, stats)
         self.loop.call_later(self.config.report_delay_s, lambda: deliver(self.loop.now))
         self.loop.call_later(self.config.report_period_s, functools.partial(self._report, replica))
@@ -152,8 +152,7 @@ class Fleet:
         replica_id = f"replica-{self._num_created}"
         self._num_created += 1
         self._born[replica_id] = self.loop.now
-        core = ReplicaCore(self.config.replica, self.step_time)
-        return SimReplica(replica_id, core, self.loop, self._on_token)
+        return SimReplica(replica_id, self.config.replica, self.step_time, self.loop, self._on_token)
 
     def _serve(self, replica: SimReplica) -> None:
         """The replica takes requests; it reports out of step with the others."""
@@ -215,5 +214,5 @@ class Fleet:
 
 
 def _sample(replica: SimReplica) -> ReplicaSample:
-    stats = replica.core.stats()
+    stats = replica.stats()
     return ReplicaSample(replica.num_ongoing, stats.kv_cache_usage, stats.num_waiting)

@@ -1,5 +1,6 @@
-"""One replica without a model: the engine's own Scheduler and KVCacheManager, stepping on the
-event loop; a step takes the time the step-time model predicts for its shape."""
+"""One replica without a model: the engine's own EngineCore (scheduler, KV cache manager, step and
+update) over a SimExecutor, stepping on the event loop; a step takes the time the step-time model
+predicts for its shape."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from common.routing_stats import RoutingReporter
 from common.sampling_params import SamplingParams
 from fleet_sim.clock import EventLoop
 from fleet_sim.trace import SimRequest, output_token
-from replica_engine.kv_cache_manager import KVCacheManager, check_pool_fits
-from replica_engine.outputs import EngineStats
+from replica_engine.engine_core import EngineCore
+from replica_engine.executor import RunnerOutput, SampledTokens
+from replica_engine.kv_cache_manager import check_pool_fits
+from replica_engine.outputs import CoreOutput, EngineStats
 from replica_engine.request import Request
-from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+from replica_engine.scheduler import SCHEDULING_POLICIES
 from replica_engine.scheduler.plan import ScheduledBatch
 from replica_engine.scheduler.step_time_model import StepTime
-from replica_engine.scheduler.token_budget import SLOTokenBudget
 
 
 @dataclass(frozen=True)
@@ -41,47 +43,40 @@ class ReplicaConfig:
             )
 
 
-class ReplicaCore:
-    """A replica's engine state and its step, without the model: what the engine's EngineCore
-    does, with the forward pass replaced by each request's next simulated token."""
+class SimExecutor:
+    """The forward pass replaced: each sampling row's token is its request's next simulated token,
+    and a step takes the step-time model's mean (uncalibrated) prediction for its shape, on a
+    virtual clock (`elapsed_s`)."""
 
-    def __init__(self, config: ReplicaConfig, step_time: StepTime) -> None:
-        self.config = config
+    def __init__(self, step_time: StepTime) -> None:
         self.step_time = step_time
-        self.kv_cache_manager = KVCacheManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching, model=config.model
-        )
-        slo_budget = SLOTokenBudget(step_time, config.tbt_slo_s) if config.tbt_slo_s is not None else None
-        scheduler_config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)
-        policy = SCHEDULING_POLICIES[config.scheduling_policy]
-        self.scheduler = policy(scheduler_config, self.kv_cache_manager, slo_budget)
+        self.elapsed_s = 0.0
+        self.last_step_s: float | None = None  # of the latest execute
+        self.requests: dict[str, Request] = {}  # the scheduler's, bound by sim_core
 
-    def add(self, request: Request) -> None:
-        num_tokens = request.num_prompt_tokens + request.sampling_params.max_tokens
-        try:
-            check_pool_fits(num_tokens, self.config.block_size, self.config.num_kv_blocks)
-        except InvalidRequestError as error:
-            raise ValueError(f"request {request.request_id!r}: {error}") from None
-        self.scheduler.add_request(request)
+    def allocate_kv_cache(self, pool_size: int) -> None:
+        """No tensors: the KV cache manager's block accounting is all there is."""
 
-    def schedule(self) -> ScheduledBatch:
-        return self.scheduler.schedule()
-
-    def duration(self, batch: ScheduledBatch) -> float:
-        """The step's time: the step-time model's mean (uncalibrated) prediction."""
-        return self.step_time.predict_raw(batch.shape())
-
-    def update(self, batch: ScheduledBatch) -> list[Request]:
-        """Advance the requests the step computed; the ones that got a token (some finished)."""
-        requests = self.scheduler.requests
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        self.last_step_s = self.step_time.predict_raw(batch.shape())
+        self.elapsed_s += self.last_step_s
         tokens = [
-            output_token(row.request_id, len(requests[row.request_id].output_token_ids))
+            output_token(row.request_id, len(self.requests[row.request_id].output_token_ids))
             for row in batch.sampling_rows
         ]
-        return self.scheduler.update(batch, tokens)
+        return RunnerOutput(SampledTokens(tokens, [None] * len(tokens)))
 
-    def stats(self) -> EngineStats:
-        return self.scheduler.stats()
+    def clock(self) -> float:
+        return self.elapsed_s
+
+
+def sim_core(config: ReplicaConfig, step_time: StepTime) -> EngineCore:
+    """The engine's own EngineCore (scheduler, KV cache manager, its step and update) over a
+    SimExecutor; a TBT target plans with `step_time` itself."""
+    executor = SimExecutor(step_time)
+    core = EngineCore(config, executor, config.num_kv_blocks, None, step_time=step_time, clock=executor.clock)
+    executor.requests = core.scheduler.requests
+    return core
 
 
 def engine_request(request: SimRequest) -> Request:
@@ -89,25 +84,46 @@ def engine_request(request: SimRequest) -> Request:
     return Request(request.request_id, list(request.prompt_token_ids), params, arrival_time=request.arrival_s)
 
 
-TokenListener = Callable[["SimReplica", Request, float], None]  # (replica, request, now), per token
+TokenListener = Callable[["SimReplica", CoreOutput, float], None]  # (replica, output, now), per token
 
 
 class SimReplica:
-    """A ReplicaCore on the event loop. Requests join between steps, as AsyncEngine's step
-    thread adds them; a step's tokens are out when it ends; an idle replica steps at once."""
+    """A sim_core on the event loop. Requests join between steps, as the engine core applies its
+    adds; a step's tokens are out when it ends (its time: the SimExecutor's); an idle replica
+    steps at once. Its stats are what the real core publishes: after the adds, and after each
+    step, once that step has ended."""
 
-    def __init__(self, replica_id: str, core: ReplicaCore, loop: EventLoop, on_token: TokenListener) -> None:
+    def __init__(
+        self,
+        replica_id: str,
+        config: ReplicaConfig,
+        step_time: StepTime,
+        loop: EventLoop,
+        on_token: TokenListener,
+    ) -> None:
         self.replica_id = replica_id
-        self.core = core
+        self.config = config
+        self.core = sim_core(config, step_time)
+        self.executor: SimExecutor = self.core.runner  # type: ignore[assignment]
         self.loop = loop
         self.on_token = on_token
-        self.reporter = RoutingReporter(core.config.block_size, root_hash(core.config.model, None))
+        self.reporter = RoutingReporter(config.block_size, root_hash(config.model, None))
         self.num_ongoing = 0  # submitted and not finished: what Serve's max_ongoing_requests counts
+        self._published = self.core.stats
         self._joining: list[Request] = []
         self._stepping = False
         self._dead = False
 
+    def stats(self) -> EngineStats:
+        return self._published
+
     def submit(self, request: Request) -> None:
+        """Queue a request for the next step; ValueError if it could never fit the KV pool."""
+        num_tokens = request.num_prompt_tokens + request.sampling_params.max_tokens
+        try:
+            check_pool_fits(num_tokens, self.config.block_size, self.config.num_kv_blocks)
+        except InvalidRequestError as error:
+            raise ValueError(f"request {request.request_id!r}: {error}") from None
         self._joining.append(request)
         self.num_ongoing += 1
         if not self._stepping:
@@ -116,13 +132,17 @@ class SimReplica:
 
     def _step(self) -> None:
         for request in self._joining:
-            self.core.add(request)
+            self.core.add_request(request)
         self._joining.clear()
-        batch = self.core.schedule()
-        if batch.is_empty:
+        self.core.publish_stats()
+        self._published = self.core.stats
+        self.executor.last_step_s = None
+        outputs = self.core.step()
+        if self.executor.last_step_s is None:  # nothing was scheduled
             self._stepping = False
             return
-        self.loop.call_later(self.core.duration(batch), lambda: self._end_step(batch))
+        stats = self.core.stats
+        self.loop.call_later(self.executor.last_step_s, lambda: self._end_step(outputs, stats))
 
     def kill(self) -> list[str]:
         """The replica dies now; the ids of the requests it held (lost with it)."""
@@ -131,12 +151,13 @@ class SimReplica:
         self.num_ongoing = 0
         return lost
 
-    def _end_step(self, batch: ScheduledBatch) -> None:
+    def _end_step(self, outputs: list[CoreOutput], stats: EngineStats) -> None:
         if self._dead:  # the step in flight when it died
             return
+        self._published = stats
         now = self.loop.now
-        for request in self.core.update(batch):
-            if request.is_finished:
+        for output in outputs:
+            if output.finished:
                 self.num_ongoing -= 1
-            self.on_token(self, request, now)
+            self.on_token(self, output, now)
         self._step()

@@ -9,24 +9,22 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from common.finish_reason import FinishReason
 from common.logprobs import TokenLogprob
-from replica_engine.config import EngineConfig
 from replica_engine.errors import StepFailedError
+from replica_engine.executor import Executor, RunnerOutput, SampledTokens
 from replica_engine.kv_cache_manager import KVCacheManager
-from replica_engine.model_runner import ModelRunner, RunnerOutput
 from replica_engine.outputs import CoreOutput
 from replica_engine.request import Request
-from replica_engine.sampler import SampledTokens
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from replica_engine.scheduler.plan import ScheduledBatch, StepSummary
-from replica_engine.scheduler.step_time_model import StepTimeModel
+from replica_engine.scheduler.step_time_model import StepTime, StepTimeModel
 from replica_engine.scheduler.token_budget import SLOTokenBudget
 from replica_engine.step_listeners import StepListener, StepTimeLearner
-from replica_engine.step_profile import profile_step_times
 
 if TYPE_CHECKING:
     from replica_engine.metrics import EngineMetrics
@@ -47,18 +45,41 @@ class ExecutedBatch:
         return self.ran.summary(duration_s, num_failed_requests=len(self.failed_request_ids))
 
 
+class CoreSettings(Protocol):
+    """What the core reads of its settings: a resolved EngineConfig's, or the simulator's
+    ReplicaConfig's."""
+
+    model: str  # part of every block's hash
+    block_size: int
+    enable_prefix_caching: bool
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    scheduling_policy: str
+    tbt_slo_s: float | None
+
+
 class EngineCore:
     def __init__(
-        self, config: EngineConfig, runner: ModelRunner, num_kv_blocks: int, metrics: EngineMetrics | None
+        self,
+        config: CoreSettings,
+        runner: Executor,
+        num_kv_blocks: int,
+        metrics: EngineMetrics | None,
+        step_time: StepTime | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """`step_time`: a fixed step-time model for a TBT target (the simulator's); without it, one
+        is fitted on a startup profile of `runner` and keeps learning from every step. `clock`
+        times the steps (the simulator's is virtual)."""
         self.config = config
         self.runner = runner
+        self.clock = clock
         runner.allocate_kv_cache(num_kv_blocks + 1)  # + the null block
         self.kv_cache_manager = KVCacheManager(
             num_kv_blocks, config.block_size, config.enable_prefix_caching, model=config.model
         )
         scheduler_config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)
-        self.slo_budget = self._slo_budget(num_kv_blocks)
+        self.slo_budget = self._slo_budget(num_kv_blocks, step_time)
         self.scheduler = SCHEDULING_POLICIES[config.scheduling_policy](
             scheduler_config, self.kv_cache_manager, self.slo_budget
         )
@@ -66,18 +87,22 @@ class EngineCore:
         self.step_listeners: list[StepListener] = []
         if metrics is not None:
             self.step_listeners.append(metrics.record_step)
-        if self.slo_budget is not None:
+        if self.slo_budget is not None and step_time is None:
             self.step_listeners.append(StepTimeLearner(self.slo_budget, metrics))
         self.stats = self.scheduler.stats()
         self.publish_stats()
 
-    def _slo_budget(self, num_kv_blocks: int) -> SLOTokenBudget | None:
-        """With a TBT target: the step-time model, fitted on a startup profile of this replica."""
+    def _slo_budget(self, num_kv_blocks: int, step_time: StepTime | None) -> SLOTokenBudget | None:
+        """With a TBT target: the given step-time model, else one fitted on a startup profile."""
         if self.config.tbt_slo_s is None:
             return None
+        if step_time is not None:
+            return SLOTokenBudget(step_time, self.config.tbt_slo_s)
+        from replica_engine.step_profile import profile_step_times  # runs the model: torch
+
         started = time.perf_counter()
         model = StepTimeModel()
-        model.fit_profile(profile_step_times(self.runner, self.config, num_kv_blocks))
+        model.fit_profile(profile_step_times(self.runner, self.config, num_kv_blocks))  # type: ignore[arg-type]
         logger.info(
             "step-time model fitted in %.1f s: coefficients %s, calibration %.2f",
             time.perf_counter() - started,
@@ -118,7 +143,7 @@ class EngineCore:
         """Schedule, execute, update: an output for every request that got a token or finished.
         A request whose computation fails is finished with reason `error`; the others go on.
         Raises StepFailedError (after finishing them) if every request of the step failed."""
-        started = time.perf_counter()
+        started = self.clock()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -127,7 +152,7 @@ class EngineCore:
         self.publish_stats()
         if executed.ran.is_empty:  # every request failed
             raise StepFailedError(outputs)
-        summary = executed.summary(duration_s=time.perf_counter() - started)
+        summary = executed.summary(duration_s=self.clock() - started)
         for listener in self.step_listeners:
             listener(summary)
         return outputs

@@ -3,32 +3,25 @@ It reads only the ScheduledBatch it is given, never a live request."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from common.logprobs import TokenLogprob
 from common.sampling_params import SamplingParams
 from replica_engine.config import EngineConfig
+from replica_engine.executor import RunnerOutput
 from replica_engine.flat_batch import build_flat_batch
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens, blocks_in_bytes, kv_block_bytes
 from replica_engine.logprobs import logprobs_of
 from replica_engine.models.llama import LlamaForCausalLM
-from replica_engine.sampler import SampledTokens, sample
+from replica_engine.sampler import sample
 from replica_engine.scheduler.plan import SamplingRow, ScheduledBatch, ScheduledRow
 
 PROMPT_LOGPROBS_SLICE = 512  # positions per logits pass: 512 x a 128k vocabulary is 256 MB of fp32
 
 
-@dataclass(frozen=True)
-class RunnerOutput:
-    """What a step computed: a token per sampling row, and prompt logprobs where asked."""
-
-    sampled: SampledTokens = field(default_factory=lambda: SampledTokens([], []))
-    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # by request id
-
-
 class ModelRunner:
+    """The Executor of a real replica."""
+
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig) -> None:
         self.model = model
         self.config = config

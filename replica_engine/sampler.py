@@ -7,20 +7,12 @@ samples the same tokens whatever else shares its batch)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from common.logprobs import TokenLogprob
+from replica_engine.executor import SampledTokens
 from replica_engine.logits_processors import process_logits
 from replica_engine.logprobs import token_logprobs
 from replica_engine.scheduler.plan import SamplingRow
-
-
-@dataclass(frozen=True)
-class SampledTokens:
-    token_ids: list[int]  # one per sampling row
-    logprobs: list[TokenLogprob | None]  # per row: set where the request asked for logprobs
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

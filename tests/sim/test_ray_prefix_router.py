@@ -14,7 +14,7 @@ import pytest
 
 from fleet_sim.clock import EventLoop
 from fleet_sim.ray_prefix_router import RayPrefixCacheAffinity
-from fleet_sim.replica import ReplicaConfig, ReplicaCore, SimReplica
+from fleet_sim.replica import ReplicaConfig, SimReplica
 from fleet_sim.trace import SimRequest
 from replica_engine.scheduler.step_time_model import StepTimeModel
 
@@ -32,7 +32,7 @@ class NoDraws(random.Random):
 def replay(router: RayPrefixCacheAffinity, queue_lens: bool = True) -> list[str]:
     loop = EventLoop()
     replicas = {
-        name: SimReplica(name, ReplicaCore(ReplicaConfig(num_kv_blocks=16), STEP_TIME), loop, lambda *_: None)
+        name: SimReplica(name, ReplicaConfig(num_kv_blocks=16), STEP_TIME, loop, lambda *_: None)
         for name in RECORDING["candidate_order"]
     }
     # The tree takes the replicas in the order of the first call, Ray's tree in its own: an empty

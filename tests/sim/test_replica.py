@@ -6,8 +6,9 @@ import random
 import pytest
 
 from common.sampling_params import SamplingParams
+from fleet_sim.clock import EventLoop
 from fleet_sim.fleet import Fleet, FleetConfig
-from fleet_sim.replica import ReplicaConfig, ReplicaCore, engine_request
+from fleet_sim.replica import ReplicaConfig, SimReplica, engine_request, sim_core
 from fleet_sim.routers import make_router
 from fleet_sim.trace import SimRequest
 from replica_engine import EngineConfig, LLMEngine
@@ -34,9 +35,9 @@ def test_a_two_request_timeline_computed_by_hand():
 
 
 def test_a_request_that_can_never_fit_the_pool_is_refused_by_name():
-    core = ReplicaCore(ReplicaConfig(num_kv_blocks=2), STEP_TIME)
+    replica = SimReplica("r", ReplicaConfig(num_kv_blocks=2), STEP_TIME, EventLoop(), lambda *_: None)
     with pytest.raises(ValueError, match=r"'big'.*3 KV blocks.*has 2"):
-        core.add(engine_request(SimRequest("big", 0.0, tuple(range(40)), max_tokens=1)))
+        replica.submit(engine_request(SimRequest("big", 0.0, tuple(range(40)), max_tokens=1)))
 
 
 def recorded_trace(seed: int) -> list[tuple[int, str, list[int], int]]:
@@ -59,19 +60,18 @@ def test_the_simulated_replica_schedules_exactly_as_the_real_engine_step_for_ste
     real_batches = []
     schedule = engine.core.scheduler.schedule
     engine.core.scheduler.schedule = lambda: real_batches.append(schedule()) or real_batches[-1]
-    core = ReplicaCore(ReplicaConfig(model="dummy:tiny-llama", **settings), STEP_TIME)
+    core = sim_core(ReplicaConfig(model="dummy:tiny-llama", **settings), STEP_TIME)
     sim_batches, step, trace = [], 0, recorded_trace(seed=3)
+    sim_schedule = core.scheduler.schedule
+    core.scheduler.schedule = lambda: sim_batches.append(sim_schedule()) or sim_batches[-1]
     real_cached, sim_cached = {}, {}
-    while trace or engine.has_unfinished_requests() or core.scheduler.has_unfinished_requests():
+    while trace or engine.has_unfinished_requests() or core.has_unfinished_requests():
         while trace and trace[0][0] <= step:
             _, request_id, prompt, max_tokens = trace.pop(0)
             engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id)
-            core.add(engine_request(SimRequest(request_id, float(step), tuple(prompt), max_tokens)))
+            core.add_request(engine_request(SimRequest(request_id, float(step), tuple(prompt), max_tokens)))
         real_cached |= {out.request_id: out.num_cached_tokens for out in engine.step() if out.finished}
-        batch = core.schedule()
-        sim_batches.append(batch)
-        if not batch.is_empty:
-            sim_cached |= {r.request_id: r.num_cached_tokens for r in core.update(batch) if r.is_finished}
+        sim_cached |= {out.request_id: out.num_cached_tokens for out in core.step() if out.finished}
         step += 1
 
     def rows(batches):

@@ -1,0 +1,34 @@
+"""What runs a sealed step for EngineCore: the model runner (model_runner.py, on a CPU or a GPU),
+or the fleet simulator's stand-in (fleet_sim/replica.py: SimExecutor, a step-time model's time
+and each request's next simulated token). Torch-free, so that the simulator runs the real core."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from common.logprobs import TokenLogprob
+from replica_engine.scheduler.plan import ScheduledBatch
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    token_ids: list[int]  # one per sampling row
+    logprobs: list[TokenLogprob | None]  # per row: set where the request asked for logprobs
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What a step computed: a token per sampling row, and prompt logprobs where asked."""
+
+    sampled: SampledTokens = field(default_factory=lambda: SampledTokens([], []))
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # by request id
+
+
+class Executor(Protocol):
+    def allocate_kv_cache(self, pool_size: int) -> None:
+        """`pool_size` blocks of K/V per layer, the null block included."""
+
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Compute every scheduled token; sample one token per `batch.sampling_rows`."""
+        ...
