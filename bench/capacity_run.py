@@ -80,9 +80,12 @@ class System:
         from replica_engine.metrics import EngineMetrics
 
         self.sink = RecordingSink()
-        self.engine = engine_as_served(settings, EngineMetrics(self.sink, "bench"), num_threads)
+        # The core on a thread of this process, where a step listener can see its steps.
+        on_a_thread = {**settings, "core_process": False}
+        self.engine = engine_as_served(on_a_thread, EngineMetrics(self.sink, "bench"), num_threads)
         self.steps: list[StepSummary] = []  # every step of the latest run
-        self.engine.core.step_listeners.append(self.steps.append)  # idle: the step thread reads it later
+        # Idle now: the step thread reads it later.
+        self.engine.client.core.step_listeners.append(self.steps.append)
 
     def run(self, arrivals: list[Arrival], rate: float) -> dict:
         """Replay the workload at `rate` requests/s; the point's figures (read from the engine's

@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, default=Path("bench/results/fleet_validation.json"))
     args = parser.parse_args(argv)
     run = BenchmarkRun("fleet_validation", args.output, GOALS)
-    engine = engine_as_served()
+    engine = engine_as_served({"core_process": False})  # on a thread: its steps are listened to here
     try:
-        core, num_blocks = engine.core, engine.inputs.num_kv_blocks
+        core, num_blocks = engine.client.core, engine.inputs.num_kv_blocks
         samples = profile_step_times(core.runner, core.config, num_blocks)
         profiled = StepTimeModel()
         profiled.fit_profile(samples)

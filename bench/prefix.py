@@ -89,12 +89,12 @@ def conversations(seed: int, rate: float | None) -> list[Conversation]:
 
 class Runner:
     def __init__(self) -> None:
-        self.client = EngineClient(engine_as_served())
+        self.client = EngineClient(engine_as_served({"core_process": False}))  # its cache is switched here
         self.salt = 0
 
     def set_caching(self, enabled: bool) -> None:
         """Between runs, while the engine is idle: the step thread reads the flag only in a step."""
-        self.client.engine.core.kv_cache_manager.enable_prefix_caching = enabled
+        self.client.engine.client.core.kv_cache_manager.enable_prefix_caching = enabled
 
     async def converse(self, chat: Conversation, salt: str) -> list[Served]:
         history, served = list(chat.system), []
@@ -147,7 +147,7 @@ def measure(runner: Runner) -> dict:
     results["burst"]["no_shared"] = {system: [] for system in SYSTEMS}
     for pair in range(NO_SHARED_PAIRS):
         for system, enabled in list(SYSTEMS.items())[:: 1 if pair % 2 == 0 else -1]:
-            timer = BookkeepingTimer(runner.client.engine.core.kv_cache_manager) if enabled else None
+            timer = BookkeepingTimer(runner.client.engine.client.core.kv_cache_manager) if enabled else None
             run = runner.run(no_shared(0), enabled)
             if timer is not None:
                 run["prefix_cache_bookkeeping_s"] = timer.stop()
