@@ -2,11 +2,16 @@
 
 The cluster is started with `ray start --head` (so the tests' own driver can attach to it for
 replica stats), then the documented `serve run` deploys the repository's serve_config.yaml onto
-it, with only the HTTP port moved to a free one."""
+it, with only the HTTP port moved to a free one.
+
+`ray start` runs in a session of its own, which its daemons and workers inherit: stopping the
+cluster ends that session's processes, never `ray stop --force`, which kills every Ray on the
+host (a user's own cluster, a second test run)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -81,6 +86,7 @@ class ServeCluster:
     base_url: str  # http://127.0.0.1:<port>
     app_name: str
     serve_run: subprocess.Popen
+    session_id: int  # of `ray start` and every process of the cluster
 
     def wait_ready(self, route_prefix: str = "") -> None:
         """Until the app at `route_prefix` answers /health."""
@@ -114,7 +120,7 @@ def start(config_path: Path, log_dir: Path) -> ServeCluster:
     gcs_port, http_port, metrics_port = free_port(), free_port(), free_port()
     os.environ["RAY_AUTH_MODE"] = TEST_CLUSTER_ENV["RAY_AUTH_MODE"]  # for this process's own driver, too
     env = {**os.environ, **TEST_CLUSTER_ENV}
-    subprocess.run(
+    ray_start = subprocess.Popen(
         [
             BIN / "ray",
             "start",
@@ -123,10 +129,14 @@ def start(config_path: Path, log_dir: Path) -> ServeCluster:
             f"--metrics-export-port={metrics_port}",
             "--disable-usage-stats",
         ],
-        check=True,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
+    output, _ = ray_start.communicate()
+    if ray_start.returncode != 0:
+        raise RuntimeError(f"ray start failed ({ray_start.returncode}): {output.decode()[-2000:]}")
     config = yaml.safe_load(config_path.read_text())
     config["http_options"]["port"] = http_port
     config["http_options"]["host"] = "127.0.0.1"
@@ -146,6 +156,7 @@ def start(config_path: Path, log_dir: Path) -> ServeCluster:
         f"http://127.0.0.1:{http_port}",
         config["applications"][0]["name"],
         serve_run,
+        ray_start.pid,
     )
 
 
@@ -170,4 +181,28 @@ def stop(cluster: ServeCluster) -> None:
         cluster.serve_run.wait(timeout=60)
     except subprocess.TimeoutExpired:
         cluster.serve_run.kill()
-    subprocess.run([BIN / "ray", "stop", "--force"], capture_output=True)
+    end_session(cluster.session_id)
+
+
+def end_session(session_id: int, grace_s: float = 10) -> None:
+    """SIGTERM every process of the session, then SIGKILL what is left after `grace_s`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = _session_pids(session_id)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while _session_pids(session_id) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def _session_pids(session_id: int) -> list[int]:
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # it ended while we looked
+            continue
+        if int(fields[3]) == session_id and fields[0] != "Z":  # field 6 of stat: the session
+            pids.append(int(stat.parent.name))
+    return pids

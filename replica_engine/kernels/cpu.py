@@ -1,14 +1,21 @@
 """The CPU kernels of cpu_ops.cpp, cpu_pointwise.cpp, cpu_prefill_attention.cpp and
 cpu_packed_linear.cpp, built on first
-use for this machine (-march=native) by torch's C++ extension loader and cached by it
-(TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where they cannot be built (no
-compiler, no AVX-512), callers fall back to torch's own ops."""
+use for this machine (-march=native) by torch's C++ extension loader and cached in a directory
+named by the sources' hash under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so
+two checkouts with other sources never rebuild over each other. Where they cannot be built (no
+compiler, no AVX-512), callers fall back to torch's own ops.
+
+One build at a time, under an flock the kernel drops if the building process dies: torch's own
+lock is a file that a build killed midway (a replica stopped while it started) leaves behind,
+and every later start would wait on it forever."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -26,6 +33,18 @@ HEADERS = ("simd.h", "cpu_pointwise.h", "cpu_attention.h", "cpu_linear.h", "para
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _headers_hash() -> str:
+    return hashlib.sha256(b"".join((KERNEL_DIR / name).read_bytes() for name in HEADERS)).hexdigest()
+
+
+def build_directory() -> Path:
+    """Where this source tree's build lives: named by the hash of every source and header."""
+    sources = b"".join(Path(source).read_bytes() for source in SOURCES)
+    digest = hashlib.sha256(_headers_hash().encode() + sources).hexdigest()[:16]
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    return root / f"stallfree_cpu_ops-{digest}"
+
+
 @functools.cache
 def cpu_ops() -> ModuleType | None:
     """The compiled module, or None (logged once) where it cannot be had."""
@@ -39,19 +58,25 @@ def cpu_ops() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         # torch rebuilds when the sources or flags change; the headers' hash, as a flag, counts too.
-        headers = hashlib.sha256(b"".join((KERNEL_DIR / name).read_bytes() for name in HEADERS))
-        return load(
-            name="stallfree_cpu_ops",
-            sources=SOURCES,
-            # OpenMP only as ATen's parallel_for needs it: the process's libgomp is torch's.
-            extra_cflags=[
-                "-O3",
-                "-march=native",
-                "-fopenmp",
-                f"-DSTALLFREE_HEADERS={headers.hexdigest()[:16]}",
-            ],
-            extra_ldflags=["-fopenmp"],
-        )
+        headers = _headers_hash()
+        build_dir = build_directory()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with (build_dir / "stallfree.lock").open("w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)  # torch's, left by a killed build: stale
+            return load(
+                name="stallfree_cpu_ops",
+                sources=SOURCES,
+                # OpenMP only as ATen's parallel_for needs it: the process's libgomp is torch's.
+                extra_cflags=[
+                    "-O3",
+                    "-march=native",
+                    "-fopenmp",
+                    f"-DSTALLFREE_HEADERS={headers[:16]}",
+                ],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+            )
     except Exception as error:  # no compiler, no ninja, a failed build: torch's ops still work
         logger.warning("CPU kernels could not be built (%s): using torch's ops", error)
         return None

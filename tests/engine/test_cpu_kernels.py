@@ -5,6 +5,8 @@ kernels cannot be had."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -170,3 +172,14 @@ def test_without_the_kernels_everything_falls_back_to_torch(monkeypatch):
 
     config = EngineConfig().resolve(LlamaConfig(max_position_embeddings=64))
     assert config.attention_backend == "torch"
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hold_up_the_next_load():
+    """torch's build lock is a file: a replica killed while it built the kernels leaves it behind.
+    The next load must build (or load) anyway, not wait on it forever."""
+    (cpu_kernels.build_directory() / "lock").touch()  # as a killed build leaves it
+    loaded: list[object] = []
+    loader = threading.Thread(target=lambda: loaded.append(cpu_kernels.cpu_ops.__wrapped__()), daemon=True)
+    loader.start()
+    loader.join(timeout=600)  # a hang detector: loading a built module takes well under a second
+    assert loaded and loaded[0] is not None
