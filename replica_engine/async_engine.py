@@ -82,6 +82,8 @@ class AsyncEngine:
         self.client: CoreClient = core_type(config, metrics, self._deliver)
         self.inputs = self.client.inputs
         self._started.wait()
+        if self._stats is None:  # it died before its first step
+            raise EngineDeadError(f"engine stopped at start: {self.error}")
 
     @property
     def is_healthy(self) -> bool:
@@ -155,7 +157,7 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         """The snapshot the core published after its latest step (or message)."""
-        assert self._stats is not None  # set before __init__ returns
+        assert self._stats is not None  # __init__ raised otherwise
         return self._stats
 
     def shutdown(self) -> None:
@@ -164,7 +166,18 @@ class AsyncEngine:
     # -- the core's outputs, on the client's thread ----------------------------------------
     def _deliver(self, engine_outputs: EngineOutputs) -> None:
         """Take one message of the core: its stats and metrics here, its outputs to their queues'
-        event loops (one call per loop per step); a dead core fails every open stream."""
+        event loops (one call per loop per step); a dead core fails every open stream. A message
+        that cannot be delivered stops the engine rather than leave its streams waiting."""
+        try:
+            self._take(engine_outputs)
+        except Exception as error:
+            logger.exception("the core's outputs could not be delivered")
+            self.error = f"outputs could not be delivered: {error!r}"
+            self._fail_open_streams()
+        finally:
+            self._started.set()
+
+    def _take(self, engine_outputs: EngineOutputs) -> None:
         if engine_outputs.dead is not None:
             self.error = engine_outputs.dead  # before any of these requests hears of it
         if engine_outputs.cached_block_hashes is not None:
@@ -185,7 +198,6 @@ class AsyncEngine:
                     self._send_abort(output_queue.key, FinishReason.ABORT)
         if engine_outputs.dead is not None:
             self._fail_open_streams()
-        self._started.set()
 
     def _fail_open_streams(self) -> None:
         dead = EngineDeadError(f"engine stopped: {self.error}")

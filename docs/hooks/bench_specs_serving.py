@@ -63,7 +63,7 @@ _HEADLINE = ("c=1 tok/s", "c=1 TBT p50", "c=16 tok/s", "c=16 TTFT p50", "c=16 TB
 SERVING_SPECS: dict[str, BenchSpec] = {
     "cpu_serving": BenchSpec(
         "benchmarks/cpu_serving.md",
-        "Serving over HTTP on this CPU, beside llama.cpp and vLLM's CPU backend",
+        "Serving over HTTP on this CPU, beside llama.cpp, vLLM's CPU backend and Ray Serve LLM",
         (
             Rows(
                 "servers",
@@ -87,6 +87,21 @@ SERVING_SPECS: dict[str, BenchSpec] = {
                     Col("c=16 TBT p50", "c16_tbt_p50_s", "x"),
                     Col("c=16 TBT p99", "c16_tbt_p99_s", "x"),
                     Col("Poisson TBT p99", "poisson_tbt_p99_s", "x"),
+                ),
+            ),
+            Values(
+                "engine_alone",
+                "The engine alone at c=16 (the same requests straight into an in-process engine, its core"
+                " on a thread):",
+                (
+                    Col("engine alone tok/s", "engine_alone/c16/output_tok_per_s"),
+                    Col("engine alone TBT p50", "engine_alone/c16/tbt_p50_s", "ms"),
+                    Col(
+                        "served / engine alone",
+                        "served_c16_over_engine_alone",
+                        "x",
+                        goal="served c=16 tok/s >= 0.9x the engine alone's",
+                    ),
                 ),
             ),
             Values(
