@@ -2,8 +2,8 @@
 servers a CPU user would run instead (bench/peers.py: llama.cpp F32 and Q4_1, vLLM's CPU backend,
 Ray Serve LLM over the same vLLM engine), each run in this run where `../shared/peers/` has
 installed it, else its last measured figures quoted and labelled so (issue 23). The same app with
-its engine core on a thread of the replica's process (`core_process: false`, the shape before
-issue 36) runs too, as this run's baseline for the core's own process.
+its engine core in a process of its own (`core_process: true`, issue 36) runs too, against the
+shipped shape (the core on a thread of the replica's process) in the same run.
 
 Workload: 32 requests, prompts of 16-1024 tokens of real English text (log-uniform; see
 bench/text_prompts.py), outputs of 16-256 tokens (log-uniform, ignore_eos, exact max_tokens),
@@ -50,7 +50,7 @@ NUM_REQUESTS = 32
 POISSON_RATE = 0.5
 POISSON_SEEDS = (0, 1, 2)
 OURS = "stallfree"
-OURS_THREAD = "stallfree, core on a thread"  # this run's baseline: the app with core_process false
+OURS_PROCESS = "stallfree, core in its own process"  # the app with core_process true
 VLLM, Q4, RAY_LLM = "vLLM CPU", "llama.cpp Q4_1", "Ray Serve LLM"
 GOALS = {
     "c16_output_tok_per_s_vs_engine_alone_min": 0.9,
@@ -189,7 +189,7 @@ def goals_met(results: dict, overhead: dict[str, float], alone_c16_tok_s: float)
     by_peer = ratios(results)
     vllm, q4 = by_peer.get(VLLM, {}), by_peer.get(Q4, {})
     g = GOALS
-    every = [by_figure for name, by_figure in by_peer.items() if name != OURS_THREAD]
+    every = [by_figure for name, by_figure in by_peer.items() if name != OURS_PROCESS]
     served_c16 = results[OURS]["c16"]["output_tok_per_s"]
     return {
         "served c=16 tok/s >= 0.9x the engine alone's": served_c16
@@ -305,13 +305,13 @@ def main(argv: list[str] | None = None) -> None:
     print("engine alone:", json.dumps(alone), flush=True)
     work_dir = Path(tempfile.mkdtemp(prefix="bench-cpu-serving-"))
     results = measure_peers(arrivals, set(args.peers.split(",")), work_dir)
-    thread_config = serve_cluster.config_with_apps(
-        work_dir / "core_on_a_thread.yaml", {"stallfree": {"engine": {"core_process": False}}}
+    process_config = serve_cluster.config_with_apps(
+        work_dir / "core_process.yaml", {"stallfree": {"engine": {"core_process": True}}}
     )
     ours = {}
     for name, config, route in (
         (OURS, serve_cluster.REPO / "serve_config.yaml", ""),
-        (OURS_THREAD, thread_config, "/stallfree"),
+        (OURS_PROCESS, process_config, "/stallfree"),
     ):
         cluster = serve_cluster.start(config, work_dir)
         try:

@@ -136,7 +136,7 @@ class EngineConfig:
     )
     seed: int = field(default=0, metadata=_doc("Seeds dummy weights and unseeded sampling"))
     core_process: bool = field(
-        default=True,
+        default=False,
         metadata=_doc(
             "Serving: run the engine core (scheduler, KV cache, model) in a process of its own, as"
             " vLLM v1 does, so the replica's event loop and Ray never hold its interpreter; false"

@@ -13,7 +13,7 @@ from tests.engine.engine_idle import is_idle, wait_idle
 
 @pytest.fixture(scope="module")
 def async_engine():
-    engine = AsyncEngine(EngineConfig(dtype="float32"))
+    engine = AsyncEngine(EngineConfig(dtype="float32", core_process=True))  # the core's own process
     yield engine
     engine.shutdown()
 

@@ -93,14 +93,15 @@ def test_latency_buckets_mark_the_slo_lines(name: str):
 
 
 def test_an_engine_core_in_its_own_process_records_into_this_process_metrics():
-    """AsyncEngine's core runs in another process (core_process, the default): its metric updates
-    travel with its outputs and are replayed here, by the time the stream ends."""
+    """AsyncEngine's core runs in another process (core_process): its metric updates travel with
+    its outputs and are replayed here, by the time the stream ends."""
     import asyncio
 
     from replica_engine import AsyncEngine
 
     registry = prometheus_client.CollectorRegistry()
-    engine = AsyncEngine(EngineConfig(dtype="float32"), EngineMetrics(PrometheusSink(registry), "smollm2"))
+    config = EngineConfig(dtype="float32", core_process=True)
+    engine = AsyncEngine(config, EngineMetrics(PrometheusSink(registry), "smollm2"))
 
     async def run() -> None:
         params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)

@@ -26,7 +26,12 @@ REPLACED_TIMEOUT_S = 600
 
 @pytest.fixture(scope="module")
 def fragile_app(serve_cluster: ServeCluster) -> str:
-    args = AppArgs(model="dummy:smollm2-135m", num_cpus=0, cpu_threads=1, engine={"num_kv_blocks": 160})
+    args = AppArgs(
+        model="dummy:smollm2-135m",
+        num_cpus=0,
+        cpu_threads=1,
+        engine={"num_kv_blocks": 160, "core_process": True},
+    )
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     url = f"{serve_cluster.base_url}/{APP}/v1/completions"
     yield url
