@@ -76,6 +76,7 @@ class CoreLoop:
         self.drain_metrics = drain_metrics
         self._hashes_sent: tuple[bytes, ...] | None = None
         self._hashes_sent_at = 0.0
+        self._num_applied = 0  # messages the latest drain applied
 
     def run(self) -> None:
         """Until SHUTDOWN; an error outside any one request's work ends the loop after one last
@@ -93,9 +94,13 @@ class CoreLoop:
             finals = self._apply_messages(wait=idle)
             if finals is None:
                 return
-            if not self.core.has_unfinished_requests():
-                if finals or idle:
-                    self._send(finals, idle=True)
+            busy = self.core.has_unfinished_requests()
+            if self._num_applied or not busy:
+                # What the messages changed (queue depth, aborts' finals) is visible at once, not
+                # only after the next step: routers and autoscaling read these stats.
+                self._send(finals, idle=not busy)
+                finals = []
+            if not busy:
                 continue
             try:
                 outputs = self.core.step()
@@ -115,8 +120,10 @@ class CoreLoop:
         """Apply every queued message (when `wait`, first wait for one up to GAUGE_REFRESH_S); the
         final outputs of what they aborted, or None once asked to shut down."""
         finals: list[CoreOutput] = []
+        self._num_applied = 0
         message = self.receive(GAUGE_REFRESH_S if wait else None)
         while message is not None:
+            self._num_applied += 1
             if message == SHUTDOWN:
                 return None
             if isinstance(message, AddRequest):
