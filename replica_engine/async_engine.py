@@ -1,5 +1,6 @@
 """The engine for an asyncio server (the Serve replica): the frontend of an engine core that runs
-apart from it (core_client: a process of its own by default, or a thread of this one). The core
+apart from it (on a thread of this process by default, or in a process of its own with
+`core_process`: core_client.py, core_process.py). The core
 alone schedules, runs the model and changes request and KV state; the frontend validates requests,
 sends them, and turns the core's one message per step into each request's async stream of
 RequestOutputs, detokenized on the event loop that reads it.
