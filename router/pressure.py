@@ -109,6 +109,10 @@ class PressureTracker:
         """Requests sent to `replica` that its latest report cannot know."""
         return sum(1 for s in self._sent.values() if s.replica == replica and not s.reported)
 
+    def unfinished_requests(self, replica: Hashable) -> int:
+        """Requests this router sent to `replica` that have not finished, reported or not."""
+        return sum(1 for s in self._sent.values() if s.replica == replica)
+
     def pressure(self, replica: Hashable, load: RoutingStats, now: float | None = None) -> float:
         self.observe(replica, load, now)
         in_flight_blocks = math.ceil(self.in_flight_tokens(replica) / load.block_size)
@@ -131,7 +135,9 @@ class PressureTracker:
         now: float | None = None,
     ) -> list[tuple[Hashable, str]]:
         """Replicas best first, each with the reason for its place: fresh stats by predicted KV
-        pressure (ties: shorter queue), then the rest by queue length (unknown: last)."""
+        pressure (ties: shorter queue), then the rest by queue length (unknown: last; ties: fewer
+        of this router's requests unfinished there, so a burst ranked on stale reports and one
+        cached queue length still spreads)."""
         now = _now(now)
         fresh, fallback = [], []
         for replica in replicas:
@@ -142,7 +148,7 @@ class PressureTracker:
                 assert load is not None
                 fresh.append(((self.pressure(replica, load, now), queue_len), replica, reason))
             else:
-                fallback.append(((queue_len,), replica, reason))
+                fallback.append(((queue_len, self.unfinished_requests(replica)), replica, reason))
         fresh.sort(key=lambda entry: entry[0])
         fallback.sort(key=lambda entry: entry[0])
         return [(replica, reason) for _, replica, reason in fresh + fallback]

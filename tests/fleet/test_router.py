@@ -69,6 +69,25 @@ def test_stale_and_missing_stats_rank_after_fresh_ones_by_queue_length():
     assert ranking == [("fresh", BY_KV), ("none", NO_STATS), ("old", BY_QUEUE), ("stale", BY_QUEUE)]
 
 
+def test_a_burst_on_stale_stats_and_equal_queues_spreads_by_this_routers_own_requests():
+    # A loaded host delays reports past STALE_AFTER_S, and Serve's cached queue lengths do not
+    # move within a burst: the requests this router sent and has not seen finish break the tie.
+    stats = {"a": report(free=99), "b": report(free=99)}
+    tracker = PressureTracker()
+    for replica in stats:
+        tracker.observe(replica, stats[replica], now=NOW - 10)
+    for queue_lens in ({}, {"a": 0, "b": 0}):
+        chosen = []
+        for i in range(6):
+            best, reason = tracker.rank(["a", "b"], stats, queue_lens, now=NOW)[0]
+            assert reason == BY_QUEUE
+            tracker.on_sent(f"{queue_lens}-{i}", best, 16, now=NOW)
+            chosen.append(best)
+        assert sorted(chosen) == ["a"] * 3 + ["b"] * 3
+        for i in range(6):
+            tracker.on_finished(f"{queue_lens}-{i}", now=NOW)
+
+
 def test_a_report_is_dated_by_its_arrival_on_the_routers_clock():
     # No replica clock is read: a report is fresh from when this router first saw its number,
     # however far the replica's own clock is from this router's.
