@@ -64,7 +64,7 @@ class SimExecutor:
             output_token(row.request_id, len(self.requests[row.request_id].output_token_ids))
             for row in batch.sampling_rows
         ]
-        return RunnerOutput(SampledTokens(tokens, [None] * len(tokens)))
+        return RunnerOutput(SampledTokens(tokens, [None] * len(tokens)), model_s=self.last_step_s)
 
     def clock(self) -> float:
         return self.elapsed_s

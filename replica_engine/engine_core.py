@@ -42,7 +42,7 @@ class ExecutedBatch:
     failed_request_ids: list[str]
 
     def summary(self, duration_s: float) -> StepSummary:
-        return self.ran.summary(duration_s, num_failed_requests=len(self.failed_request_ids))
+        return self.ran.summary(duration_s, len(self.failed_request_ids), self.output.model_s)
 
 
 class CoreSettings(Protocol):
@@ -179,6 +179,7 @@ class EngineCore:
         output = RunnerOutput(
             SampledTokens([s.token_ids[0] for s in sampled], [s.logprobs[0] for s in sampled]),
             {rid: logprobs for out in alone.values() for rid, logprobs in out.prompt_logprobs.items()},
+            sum(out.model_s for out in alone.values()),
         )
         return ExecutedBatch(survivors, output, failed)
 

@@ -23,6 +23,7 @@ class RunnerOutput:
 
     sampled: SampledTokens = field(default_factory=lambda: SampledTokens([], []))
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # by request id
+    model_s: float = 0.0  # in the model's forward and sampling; the rest of a step is overhead
 
 
 class Executor(Protocol):

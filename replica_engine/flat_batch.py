@@ -1,6 +1,6 @@
-"""Turns a sealed step (ScheduledBatch) into one flat varlen batch: every scheduled token of every
-request in one row of [T], prefill chunks and decodes alike. Reads only the batch's own copies,
-never a live request."""
+"""Turns a sealed step (ScheduledBatch) and its rows' block tables (the persistent batch's) into
+one flat varlen batch: every scheduled token of every request in one row of [T], prefill chunks
+and decodes alike. Reads only the batch's own copies, never a live request."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 
 from replica_engine.attention.base import AttentionMetadata, DecodeRows, NullBlockWriteError
-from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
 from replica_engine.scheduler.plan import ScheduledBatch
 
 
@@ -41,7 +40,11 @@ class FlatBatch:
         )
 
 
-def build_flat_batch(batch: ScheduledBatch, block_size: int, pin_memory: bool = False) -> FlatBatch:
+def build_flat_batch(
+    batch: ScheduledBatch, block_tables: torch.Tensor, block_size: int, pin_memory: bool = False
+) -> FlatBatch:
+    """`block_tables`: [rows, blocks] int32 in batch order, the null block past each row's own (a
+    table short of blocks, a bug, then points a token at the null block, which is refused)."""
     input_ids: list[int] = []
     positions: list[int] = []
     request_rows: list[int] = []  # which request each token belongs to
@@ -56,13 +59,6 @@ def build_flat_batch(batch: ScheduledBatch, block_size: int, pin_memory: bool = 
         seq_lens_kv.append(row.end_position)
         if row.sampling is not None:
             logits_indices.append(len(input_ids) - 1)
-
-    # Wide enough for every row's tokens: a table short of blocks (a bug) then points a token at
-    # the null block, which write_kv refuses, rather than at an index past the row.
-    max_blocks = max(blocks_for_tokens(row.end_position, block_size) for row in batch.rows)
-    block_tables = torch.full((len(batch.rows), max_blocks), NULL_BLOCK_ID, dtype=torch.int32)
-    for index, row in enumerate(batch.rows):
-        block_tables[index, : len(row.block_ids)] = torch.tensor(row.block_ids, dtype=torch.int32)
 
     positions_t = torch.tensor(positions, dtype=torch.int64)
     rows_t = torch.tensor(request_rows, dtype=torch.int64)

@@ -5,8 +5,6 @@ grammar's mask. Batched over the rows that use each, in place; rows that use non
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from replica_engine.scheduler.plan import SamplingRow
@@ -31,35 +29,29 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         apply_token_bitmasks(logits, constrained, bitmasks)  # type: ignore[arg-type]
 
 
-def _token_counts(token_ids: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(token_ids), vocab]: how often each row holds each token."""
-    counts = torch.zeros(len(token_ids), vocab, device=device)
-    row_index = [row for row, ids in enumerate(token_ids) for _ in ids]
-    flat = [token for ids in token_ids for token in ids]
-    if flat:
-        counts.index_put_(
-            (torch.tensor(row_index, device=device), torch.tensor(flat, device=device)),
-            torch.ones(len(flat), device=device),
-            accumulate=True,
-        )
-    return counts
-
-
 def _apply_penalties(logits: torch.Tensor, index: list[int], rows: list[SamplingRow]) -> None:
     """vLLM's definitions: repetition divides a seen token's positive logit and multiplies a
     negative one (seen: in the prompt or the output); frequency subtracts per occurrence in the
-    output, presence once."""
+    output, presence once. Each row's counts are the runner's, kept across steps
+    (persistent_batch.py): nothing is recounted per step."""
     device, vocab = logits.device, logits.shape[-1]
     selected = torch.tensor(index, device=device)
     sub = logits[selected]
-    output_counts = _token_counts([row.output_token_ids for row in rows], vocab, device)
+    output_counts = torch.stack([_vocab_row(row.output_counts, vocab, torch.float32) for row in rows])
+    output_counts = output_counts.to(device)
     in_output = output_counts > 0
     repetition = torch.tensor([row.params.repetition_penalty for row in rows], device=device)[:, None]
     if bool((repetition != 1).any()):
-        seen = in_output | (_token_counts([row.prompt_token_ids for row in rows], vocab, device) > 0)
+        prompt_seen = torch.stack([_vocab_row(row.prompt_seen, vocab, torch.bool) for row in rows])
+        seen = in_output | prompt_seen.to(device)
         penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
         sub = torch.where(seen, penalized, sub)
     frequency = torch.tensor([row.params.frequency_penalty for row in rows], device=device)[:, None]
     presence = torch.tensor([row.params.presence_penalty for row in rows], device=device)[:, None]
     sub = sub - frequency * output_counts - presence * in_output
     logits[selected] = sub
+
+
+def _vocab_row(values: torch.Tensor | None, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """A row's [vocab] counts or flags (zeros where it has none), cut to the logits' width."""
+    return values[:vocab] if values is not None else torch.zeros(vocab, dtype=dtype)

@@ -1,7 +1,12 @@
-"""Runs a sealed step on the model: owns the KV cache tensors, builds the flat batch, samples.
-It reads only the ScheduledBatch it is given, never a live request."""
+"""Runs a sealed step on the model: owns the KV cache tensors and the persistent batch, builds the
+flat batch, samples. It reads only the ScheduledBatch it is given and what it kept of earlier
+ones, never a live request (but a constrained request's grammar, read-only during the step)."""
 
 from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -13,8 +18,10 @@ from replica_engine.flat_batch import build_flat_batch
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens, blocks_in_bytes, kv_block_bytes
 from replica_engine.logprobs import logprobs_of
 from replica_engine.models.llama import LlamaForCausalLM
+from replica_engine.persistent_batch import PersistentBatch
 from replica_engine.sampler import sample
 from replica_engine.scheduler.plan import SamplingRow, ScheduledBatch, ScheduledRow
+from replica_engine.structured import new_bitmask
 
 PROMPT_LOGPROBS_SLICE = 512  # positions per logits pass: 512 x a 128k vocabulary is 256 MB of fp32
 
@@ -29,6 +36,13 @@ class ModelRunner:
         attention = model.model.layers[0].self_attn
         self.kv_shape = (config.block_size, attention.num_kv_heads, attention.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        assert config.max_num_seqs is not None and config.max_model_len is not None  # resolved
+        assert config.max_num_batched_tokens is not None
+        longest = max(config.max_model_len, config.max_num_batched_tokens)  # the memory profile's row
+        vocab_size = model.config.vocab_size
+        self.rows = PersistentBatch(config.max_num_seqs, longest, config.block_size, vocab_size)
+        # Fills grammar bitmasks while the model runs (the forward releases the GIL in its kernels).
+        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmasks")
 
     @property
     def bytes_per_block(self) -> int:
@@ -69,6 +83,7 @@ class ModelRunner:
         self.execute(ScheduledBatch((row,)))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.rows.release([row.request_id])
         self.kv_caches = []
         torch.cuda.empty_cache()
         return peak
@@ -87,14 +102,69 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Compute every scheduled token; sample one token per `batch.sampling_rows`."""
         on_gpu = self.device.type == "cuda"
-        flat = build_flat_batch(batch, self.config.block_size, pin_memory=on_gpu).to(self.device)
-        hidden = self.model(flat.input_ids, flat.positions, self.kv_caches, flat.attention)
-        prompt_logprobs = self._prompt_logprobs(batch.rows, hidden)
-        sampling = [row.sampling for row in batch.rows if row.sampling is not None]
-        if not sampling:
-            return RunnerOutput(prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[flat.logits_indices])
-        return RunnerOutput(sample(logits, sampling), prompt_logprobs)
+        self.rows.apply(batch)
+        tables = self.rows.block_tables(batch)
+        flat = build_flat_batch(batch, tables, self.config.block_size, pin_memory=on_gpu).to(self.device)
+        sampling_rows = batch.sampling_rows
+        bitmasks = self._fill_bitmasks(sampling_rows)
+        started = time.perf_counter()
+        try:
+            hidden = self.model(flat.input_ids, flat.positions, self.kv_caches, flat.attention)
+            prompt_logprobs = self._prompt_logprobs(batch.rows, hidden)
+            if sampling_rows:
+                logits = self.model.compute_logits(hidden[flat.logits_indices])
+        finally:  # the matchers are free again before anything (a rerun) touches them
+            if bitmasks is not None:
+                wait([bitmasks])
+        model_s = time.perf_counter() - started
+        if not sampling_rows:
+            return RunnerOutput(prompt_logprobs=prompt_logprobs, model_s=model_s)
+        sampling = self._sampling(sampling_rows, bitmasks.result() if bitmasks is not None else None)
+        started = time.perf_counter()
+        sampled = sample(logits, sampling)
+        model_s += time.perf_counter() - started
+        # Last: a batch that raised before here counted nothing, so its rows can be rerun alone.
+        self.rows.count_sampled([row.request_id for row in sampling_rows], sampled.token_ids)
+        return RunnerOutput(sampled, prompt_logprobs, model_s)
+
+    def _fill_bitmasks(self, rows: list[ScheduledRow]) -> Future[torch.Tensor] | None:
+        """The constrained rows' bitmasks, one batch mask filled on the grammar thread."""
+        grammars = [row.sampling.grammar for row in rows if row.sampling and row.sampling.grammar]
+        if not grammars:
+            return None
+
+        def fill() -> torch.Tensor:
+            bitmask = new_bitmask(len(grammars), grammars[0].vocab_size)
+            for index, grammar in enumerate(grammars):
+                grammar.fill_allowed_tokens(bitmask, index)
+            return bitmask
+
+        return self._grammar_thread.submit(fill)
+
+    def _sampling(self, rows: list[ScheduledRow], bitmask: torch.Tensor | None) -> list[SamplingRow]:
+        """Each sampling row with what this runner adds: its bitmask and its penalty counts."""
+        sampling: list[SamplingRow] = []
+        num_constrained = 0
+        for row in rows:
+            assert row.sampling is not None
+            needs_history = row.sampling.params.needs_token_history
+            if row.sampling.grammar is None and not needs_history:
+                sampling.append(row.sampling)
+                continue
+            allowed = None
+            if row.sampling.grammar is not None:
+                assert bitmask is not None
+                allowed = bitmask[num_constrained : num_constrained + 1]
+                num_constrained += 1
+            sampling.append(
+                dataclasses.replace(
+                    row.sampling,
+                    allowed_tokens=allowed,
+                    output_counts=self.rows.output_counts(row.request_id),
+                    prompt_seen=self.rows.prompt_seen(row.request_id),
+                )
+            )
+        return sampling
 
     def _prompt_logprobs(
         self, rows: tuple[ScheduledRow, ...], hidden: torch.Tensor

@@ -36,6 +36,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    num_blocks_in_runner: int = 0  # of block_ids, how many the model runner holds (sent in a batch)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     first_scheduled_time: float | None = None

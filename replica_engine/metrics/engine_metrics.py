@@ -21,6 +21,7 @@ LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2, 5, 10, 20, 4
 TOKEN_INTERVAL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10)
 # measured / predicted step time: 1 is a perfect model; > 1, steps longer than predicted.
 PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
+OVERHEAD_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 TOKEN_COUNT_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 MODEL_LABEL = "model_name"
@@ -76,6 +77,11 @@ class EngineMetrics:
         )
         self.step_duration = histogram(
             "step_duration_seconds", "Wall time of one step", TOKEN_INTERVAL_BUCKETS_S
+        )
+        self.step_overhead = histogram(
+            "step_overhead_fraction",
+            "Share of a step's wall time outside the model's forward and sampling",
+            OVERHEAD_FRACTION_BUCKETS,
         )
         self.prompt_length = histogram(
             "request_prompt_tokens", "Prompt length of a request", TOKEN_COUNT_BUCKETS
@@ -138,6 +144,8 @@ class EngineMetrics:
     def record_step(self, summary: StepSummary) -> None:
         self.iteration_tokens.observe(summary.num_tokens, self.labels)
         self.step_duration.observe(summary.duration_s, self.labels)
+        if summary.duration_s > 0:
+            self.step_overhead.observe(summary.overhead_s / summary.duration_s, self.labels)
         if summary.num_preempted:
             self.preemptions.inc(summary.num_preempted, self.labels)
 

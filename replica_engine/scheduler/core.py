@@ -40,6 +40,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
         self._arrivals = itertools.count()
+        self._released: list[str] = []  # held by the runner, since finished or preempted
 
     # -- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -85,7 +86,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.kv_cache_manager.free(request)
+        self._free(request)
         del self.requests[request.request_id]
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -94,7 +95,17 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         plan = StepPlan(self.config.max_num_batched_tokens)
         self._fill(plan)
-        return plan.seal()
+        if plan.is_empty:  # not run: the runner hears of the released ones in the next batch
+            return plan.seal()
+        released, self._released = tuple(self._released), []
+        return plan.seal(released)
+
+    def _free(self, request: Request) -> None:
+        """Its blocks back to the pool; the runner told to forget it, if it holds it."""
+        self.kv_cache_manager.free(request)
+        if request.num_blocks_in_runner:
+            request.num_blocks_in_runner = 0
+            self._released.append(request.request_id)
 
     def _fill(self, plan: StepPlan) -> None:
         """Spend the step's budget: the one thing a policy decides."""
@@ -191,7 +202,7 @@ class Scheduler:
         plan.num_scheduled_tokens.pop(request, None)
         plan.preempted.append(request)
         self.running.remove(request)
-        self.kv_cache_manager.free(request)
+        self._free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.num_preemptions += 1

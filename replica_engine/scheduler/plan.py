@@ -1,7 +1,11 @@
 """A step's plan, in two forms. `StepPlan` is the scheduler's working copy while a policy fills
-it (live requests as keys). `seal()` turns it into a `ScheduledBatch`: frozen copies of all the
-model runner needs (token ids, positions, block ids, sampling rows), so nothing the runner reads
-can change under it, whatever happens to the requests afterwards."""
+it (live requests as keys). `seal()` turns it into a `ScheduledBatch`: frozen copies of what the
+model runner needs and does not hold yet (token ids, positions, the blocks new since the runner
+last saw each request, sampling rows), so nothing the runner reads can change under it, whatever
+happens to the requests afterwards. The runner keeps the rest across steps
+(replica_engine/persistent_batch.py). One thing is shared, not copied: a constrained request's
+grammar, which the runner reads while the model runs and only the scheduler's update advances,
+after the step."""
 
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from replica_engine.scheduler.token_budget import BudgetDecision
 if TYPE_CHECKING:
     import torch  # a seeded request's generator; the scheduler itself needs no torch
 
+    from replica_engine.structured import RequestGrammar
+
 
 @dataclass(frozen=True)
 class StepSummary:
@@ -28,6 +34,12 @@ class StepSummary:
     budget_decision: BudgetDecision | None = None  # set when a TBT target sized the step
     # Requests finished with reason error: the batch raised and its rows were rerun one by one.
     num_failed_requests: int = 0
+    model_s: float = 0.0  # of duration_s, in the model's forward and sampling
+
+    @property
+    def overhead_s(self) -> float:
+        """Everything else: scheduling, the batch's inputs, applying its outputs."""
+        return max(0.0, self.duration_s - self.model_s)
 
     @property
     def num_requests(self) -> int:
@@ -53,15 +65,18 @@ class StepSummary:
 @dataclass(frozen=True)
 class SamplingRow:
     """How to sample one request's next token. The generator is the request's own (seeded
-    requests only); only the step thread draws from it. The rest is what sampling reads of the
-    request beyond its params, copied as the step is sealed, and only for requests that use it."""
+    requests only); only the step thread draws from it. The scheduler sets the params, the banned
+    tokens and the grammar; the model runner adds what it keeps or computes during the step: the
+    grammar's bitmask, and for penalties the counts of the request's output tokens and the set of
+    its prompt's."""
 
     params: SamplingParams
     generator: torch.Generator | None = None
-    prompt_token_ids: Sequence[int] = ()  # repetition penalty (a prompt never changes)
-    output_token_ids: tuple[int, ...] = ()  # penalties
     banned_token_ids: frozenset[int] = frozenset()  # stop tokens, until min_tokens are out
-    allowed_tokens: torch.Tensor | None = None  # the grammar's bitmask for this token
+    grammar: RequestGrammar | None = None  # structured outputs: its matcher, read-only in the step
+    allowed_tokens: torch.Tensor | None = None  # the grammar's bitmask for this token ([1, words])
+    output_counts: torch.Tensor | None = None  # [vocab]: penalties
+    prompt_seen: torch.Tensor | None = None  # [vocab] bool: the repetition penalty
 
     @property
     def is_plain(self) -> bool:
@@ -72,8 +87,17 @@ class SamplingRow:
             or p.needs_token_history
             or p.logprobs is not None
             or self.banned_token_ids
+            or self.grammar is not None
             or self.allowed_tokens is not None
         )
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """A penalty request's tokens so far, sent once: when the runner does not hold it yet."""
+
+    prompt_token_ids: Sequence[int] = ()  # set for the repetition penalty (a prompt never changes)
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,15 +112,19 @@ class PromptLogprobsSlice:
 
 @dataclass(frozen=True)
 class ScheduledRow:
-    """One request's share of a step: tokens at positions start_position.. of its sequence."""
+    """One request's share of a step: tokens at positions start_position.. of its sequence. Its
+    block table is what the runner holds of it up to `block_offset`, then `new_block_ids`:
+    together they cover start_position + len(token_ids) tokens."""
 
     request_id: str
     token_ids: tuple[int, ...]
     start_position: int  # tokens already in the cache before this step
-    block_ids: tuple[int, ...]  # covers start_position + len(token_ids) tokens
+    new_block_ids: tuple[int, ...]  # the request's blocks from block_offset on
     is_decode: bool  # one token, past the prompt
     sampling: SamplingRow | None  # set when this step computes the request's last owed token
     prompt_logprobs: PromptLogprobsSlice | None = None  # set for prompt chunks that want them
+    block_offset: int = 0  # 0: the runner does not hold the request (new, or resumed)
+    history: TokenHistory | None = None  # at offset 0, for a request with penalties
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +142,7 @@ class ScheduledBatch:
     rows: tuple[ScheduledRow, ...]
     num_preempted: int = 0
     budget_decision: BudgetDecision | None = None  # set when a TBT target sized the step
+    released_request_ids: tuple[str, ...] = ()  # the runner may forget them: finished or preempted
 
     def shape(self) -> StepShape:
         return StepShape.of((row.start_position, row.num_tokens, row.is_decode) for row in self.rows)
@@ -130,11 +159,13 @@ class ScheduledBatch:
         """The rows of these requests alone (the step's preemptions stay counted)."""
         keep = set(request_ids)
         rows = tuple(row for row in self.rows if row.request_id in keep)
-        return ScheduledBatch(rows, self.num_preempted, self.budget_decision)
+        return ScheduledBatch(rows, self.num_preempted, self.budget_decision, self.released_request_ids)
 
-    def summary(self, duration_s: float = 0.0, num_failed_requests: int = 0) -> StepSummary:
+    def summary(
+        self, duration_s: float = 0.0, num_failed_requests: int = 0, model_s: float = 0.0
+    ) -> StepSummary:
         return StepSummary(
-            self.shape(), self.num_preempted, duration_s, self.budget_decision, num_failed_requests
+            self.shape(), self.num_preempted, duration_s, self.budget_decision, num_failed_requests, model_s
         )
 
 
@@ -163,44 +194,51 @@ class StepPlan:
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
 
-    def seal(self) -> ScheduledBatch:
+    def seal(self, released_request_ids: tuple[str, ...] = ()) -> ScheduledBatch:
         """Copy out, from the requests' state before the step runs: a request samples when this
-        step computes its last owed token; a decode is one token for a request past its prompt."""
+        step computes its last owed token; a decode is one token for a request past its prompt.
+        Sealing is sending: each request's blocks so far count as held by the runner."""
         return ScheduledBatch(
             tuple(_row(request, num_tokens) for request, num_tokens in self.num_scheduled_tokens.items()),
             len(self.preempted),
             self.budget_decision,
+            released_request_ids,
         )
 
 
 def _row(request: Request, num_tokens: int) -> ScheduledRow:
     start = request.num_computed_tokens
     samples = num_tokens == request.num_owed_tokens
+    offset = request.num_blocks_in_runner
+    request.num_blocks_in_runner = len(request.block_ids)
     return ScheduledRow(
         request_id=request.request_id,
         token_ids=tuple(request.token_ids(start, start + num_tokens)),
         start_position=start,
-        block_ids=tuple(request.block_ids),
+        new_block_ids=tuple(request.block_ids[offset:]),
         is_decode=_is_decode(request, num_tokens),
         sampling=_sampling_row(request) if samples else None,
         prompt_logprobs=_prompt_logprobs_slice(request, start, start + num_tokens),
+        block_offset=offset,
+        history=_token_history(request) if offset == 0 else None,
     )
 
 
 def _sampling_row(request: Request) -> SamplingRow:
     params = request.sampling_params
-    history = params.needs_token_history
     grammar = request.grammar
     # A grammar decides when output may end; min_tokens holds back stop tokens otherwise.
     holding = grammar is None and len(request.output_token_ids) < params.min_tokens
-    return SamplingRow(
-        params,
-        request.generator,
-        prompt_token_ids=request.prompt_token_ids if history and params.repetition_penalty != 1 else (),
-        output_token_ids=tuple(request.output_token_ids) if history else (),
-        banned_token_ids=request.stop_token_ids if holding else frozenset(),
-        allowed_tokens=grammar.allowed_tokens() if grammar is not None else None,
-    )
+    banned = request.stop_token_ids if holding else frozenset()
+    return SamplingRow(params, request.generator, banned_token_ids=banned, grammar=grammar)
+
+
+def _token_history(request: Request) -> TokenHistory | None:
+    params = request.sampling_params
+    if not params.needs_token_history:
+        return None
+    prompt = request.prompt_token_ids if params.repetition_penalty != 1 else ()
+    return TokenHistory(prompt, tuple(request.output_token_ids))
 
 
 def _prompt_logprobs_slice(request: Request, start: int, end: int) -> PromptLogprobsSlice | None:

@@ -88,11 +88,10 @@ class RequestGrammar:
             raise ValueError("a grammar that has accepted tokens cannot be sent")
         return _rebuild, (self._compiled.serialize_json(), self.vocab_size)
 
-    def allowed_tokens(self) -> torch.Tensor:
-        """The tokens the grammar allows next, as a bitmask of int32 words ([1, ceil(vocab/32)])."""
-        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        self._matcher.fill_next_token_bitmask(bitmask)
-        return bitmask
+    def fill_allowed_tokens(self, bitmask: torch.Tensor, index: int) -> None:
+        """Row `index` of `bitmask` (new_bitmask's): the tokens the grammar allows next. Reads the
+        matcher only, so it may run on another thread while nothing advances it."""
+        self._matcher.fill_next_token_bitmask(bitmask, index)
 
     def accept(self, token_id: int) -> bool:
         self._num_accepted += 1
@@ -102,6 +101,11 @@ class RequestGrammar:
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token accepted."""
         return self._matcher.is_terminated()
+
+
+def new_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """Bitmasks of int32 words ([num_rows, ceil(vocab/32)]) for fill_allowed_tokens."""
+    return xgr.allocate_token_bitmask(num_rows, vocab_size)
 
 
 def _rebuild(compiled_json: str, vocab_size: int) -> RequestGrammar:

@@ -20,8 +20,9 @@ import pytest
 from common.finish_reason import FinishReason
 from replica_engine import AsyncEngine, EngineConfig, SamplingParams
 from replica_engine.attention import NullBlockWriteError
-from replica_engine.flat_batch import build_flat_batch
+from replica_engine.flat_batch import FlatBatch, build_flat_batch
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID
+from replica_engine.persistent_batch import PersistentBatch
 from replica_engine.request import Request
 from replica_engine.scheduler.plan import ScheduledBatch, ScheduledRow
 from tests.engine.engine_idle import wait_idle
@@ -51,21 +52,28 @@ def test_a_sealed_batch_keeps_its_copies_when_the_request_is_aborted():
     batch = scheduler.schedule()
     blocks = tuple(request.block_ids)
     scheduler.finish_request(request, FinishReason.ABORT)  # what an abort did mid-step before
-    assert request.block_ids == [] and batch.rows[0].block_ids == blocks
+    assert request.block_ids == [] and batch.rows[0].new_block_ids == blocks
     assert NULL_BLOCK_ID not in blocks
-    flat = build_flat_batch(batch, block_size=4)
+    flat = _flat(batch)
     assert set((flat.attention.slot_mapping // 4).tolist()) == set(blocks)  # its own blocks only
     with pytest.raises(dataclasses.FrozenInstanceError):
-        batch.rows[0].block_ids = ()  # type: ignore[misc]
+        batch.rows[0].new_block_ids = ()  # type: ignore[misc]
 
 
 def _row(request_id: str, num_tokens: int, block_ids: tuple[int, ...]) -> ScheduledRow:
     return ScheduledRow(request_id, (1,) * num_tokens, 0, block_ids, False, None)
 
 
+def _flat(batch: ScheduledBatch) -> FlatBatch:
+    """As the model runner builds it, through a persistent batch (block size 4)."""
+    rows = PersistentBatch(max_num_seqs=4, max_num_tokens=64, block_size=4, vocab_size=8)
+    rows.apply(batch)
+    return build_flat_batch(batch, rows.block_tables(batch), block_size=4)
+
+
 def test_block_tables_are_padded_with_the_null_block():
     batch = ScheduledBatch((_row("long", 9, (3, 1, 4)), _row("short", 2, (2,))))
-    flat = build_flat_batch(batch, block_size=4)
+    flat = _flat(batch)
     assert flat.attention.block_tables.tolist() == [[3, 1, 4], [2, NULL_BLOCK_ID, NULL_BLOCK_ID]]
 
 
@@ -73,7 +81,7 @@ def test_a_real_token_is_never_written_into_the_null_block():
     # A row whose table is one block short (a bug upstream) fails the step before any layer runs.
     batch = ScheduledBatch((_row("short-table", 6, (2,)),))
     with pytest.raises(NullBlockWriteError):
-        build_flat_batch(batch, block_size=4)
+        _flat(batch)
 
 
 # -- the real model, aborts from other threads --------------------------------------------------

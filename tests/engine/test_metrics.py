@@ -55,9 +55,11 @@ def test_counts_add_up_after_a_run():
     assert sample(registry, "stallfree_requests_finished_total", {**LABELS, "finished_reason": "length"}) == 4
     # Every scheduled token shows up in exactly one step.
     assert sample(registry, "stallfree_iteration_tokens_sum") == prompt_tokens + num_tokens - num_requests
-    assert sample(registry, "stallfree_step_duration_seconds_count") == sample(
-        registry, "stallfree_iteration_tokens_count"
-    )
+    num_steps = sample(registry, "stallfree_iteration_tokens_count")
+    assert sample(registry, "stallfree_step_duration_seconds_count") == num_steps
+    # The share of each step outside the model: a fraction, every step.
+    assert sample(registry, "stallfree_step_overhead_fraction_count") == num_steps
+    assert 0 < sample(registry, "stallfree_step_overhead_fraction_sum") < num_steps
     # All finished: the gauges say so.
     assert sample(registry, "stallfree_kv_cache_usage_perc") == 0
     assert sample(registry, "stallfree_num_requests_running") == 0

@@ -69,10 +69,10 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch():
 
 def test_penalties_follow_vllms_definitions():
     logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
-    row = SamplingRow(
+    row = SamplingRow(  # prompt [2], output [0, 0, 3], as the runner keeps them
         SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
-        prompt_token_ids=[2],
-        output_token_ids=(0, 0, 3),
+        output_counts=torch.tensor([2.0, 0.0, 0.0, 1.0]),
+        prompt_seen=torch.tensor([False, False, True, False]),
     )
     processed = logits.clone()
     process_logits(processed, [row])

@@ -131,6 +131,24 @@ def test_penalties_min_tokens_and_logit_bias(llm: LLM, tokenizer):
     assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and eos not in out.token_ids[:5]
 
 
+def test_penalized_requests_get_the_same_tokens_through_chunks_and_preemption(llm: LLM):
+    # The runner keeps each penalized request's token counts across steps and rebuilds them from
+    # the request's history when it comes back from preemption: the tokens are those of a run
+    # with room for everything.
+    penalized = [
+        SamplingParams(max_tokens=40, temperature=0.0, frequency_penalty=0.8, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.0, presence_penalty=1.0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.4, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),  # plain, beside them
+    ]
+    roomy = llm.generate(PROMPTS, penalized)
+    tight = LLM(dtype="float32", max_num_batched_tokens=16, num_kv_blocks=8)
+    crowded = tight.generate(PROMPTS, penalized)
+    assert tight.engine.core.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in crowded] == [o.token_ids for o in roomy]
+    assert tight.engine.core.runner.rows.num_held <= len(PROMPTS)
+
+
 def test_seeded_sampling_is_reproducible_whatever_shares_its_batch(llm: LLM):
     seeded = SamplingParams(max_tokens=10, temperature=1.0, min_p=0.05, presence_penalty=0.5, seed=11)
     alone = llm.generate([PROMPTS[0]], seeded)[0].token_ids

@@ -1,0 +1,100 @@
+"""The model runner's rows, kept across steps (vLLM v1's persistent batch): each running request's
+block table row and, for requests with penalties, its token counts. A sealed batch carries only
+what changed since the runner last saw a request (its new blocks; its history once, when the
+runner does not hold it yet) and the requests it may forget; the runner adds the tokens it samples
+to the counts itself. So a step costs what changed, not every request's whole state.
+
+Applying a batch is idempotent: a row's blocks are written from their offset, and a row at offset
+0 (a new or resumed request) is set afresh, so the rows of a failed batch can be rerun one by one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
+from replica_engine.scheduler.plan import ScheduledBatch, ScheduledRow, TokenHistory
+
+
+class PersistentBatch:
+    def __init__(self, max_num_seqs: int, max_num_tokens: int, block_size: int, vocab_size: int) -> None:
+        """Room for `max_num_seqs` requests of up to `max_num_tokens` tokens each."""
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        width = blocks_for_tokens(max_num_tokens, block_size)
+        self.block_table = torch.full((max_num_seqs, width), NULL_BLOCK_ID, dtype=torch.int32)
+        self._slots: dict[str, int] = {}  # request id -> its row of block_table
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._output_counts: dict[str, torch.Tensor] = {}  # [vocab] float32: each output token's count
+        self._prompt_seen: dict[str, torch.Tensor] = {}  # [vocab] bool: the prompt's tokens (repetition)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._slots)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._slots
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Forget requests that finished or were preempted (a resumed one comes back at offset 0)."""
+        for request_id in request_ids:
+            slot = self._slots.pop(request_id, None)
+            if slot is not None:
+                self.block_table[slot].fill_(NULL_BLOCK_ID)
+                self._free_slots.append(slot)
+            self._output_counts.pop(request_id, None)
+            self._prompt_seen.pop(request_id, None)
+
+    def apply(self, batch: ScheduledBatch) -> None:
+        """Forget the batch's released requests, then take each row's changes."""
+        self.release(batch.released_request_ids)
+        for row in batch.rows:
+            self._apply_row(row)
+
+    def _apply_row(self, row: ScheduledRow) -> None:
+        slot = self._slots.get(row.request_id)
+        if slot is None:
+            if row.block_offset:
+                raise KeyError(f"request {row.request_id} has blocks from {row.block_offset} but no row")
+            if not self._free_slots:
+                raise RuntimeError(f"no free row for request {row.request_id}: more than max_num_seqs")
+            slot = self._slots[row.request_id] = self._free_slots.pop()
+        table = self.block_table[slot]
+        if row.block_offset == 0:
+            table.fill_(NULL_BLOCK_ID)
+            if row.history is not None:
+                self._set_history(row.request_id, row.history)
+        end = row.block_offset + len(row.new_block_ids)
+        if row.new_block_ids:
+            table[row.block_offset : end] = torch.tensor(row.new_block_ids, dtype=torch.int32)
+
+    def _set_history(self, request_id: str, history: TokenHistory) -> None:
+        counts = torch.zeros(self.vocab_size)
+        if history.output_token_ids:
+            ids = torch.tensor(history.output_token_ids)
+            counts.index_add_(0, ids, torch.ones(len(ids)))
+        self._output_counts[request_id] = counts
+        if history.prompt_token_ids:
+            seen = torch.zeros(self.vocab_size, dtype=torch.bool)
+            seen[torch.tensor(history.prompt_token_ids)] = True
+            self._prompt_seen[request_id] = seen
+
+    def block_tables(self, batch: ScheduledBatch) -> torch.Tensor:
+        """[rows, blocks] for the batch's rows in batch order, as wide as its longest row needs."""
+        width = max(blocks_for_tokens(row.end_position, self.block_size) for row in batch.rows)
+        slots = torch.tensor([self._slots[row.request_id] for row in batch.rows])
+        return self.block_table[slots, :width]
+
+    def output_counts(self, request_id: str) -> torch.Tensor | None:
+        return self._output_counts.get(request_id)
+
+    def prompt_seen(self, request_id: str) -> torch.Tensor | None:
+        return self._prompt_seen.get(request_id)
+
+    def count_sampled(self, request_ids: list[str], token_ids: list[int]) -> None:
+        """Add the tokens a step sampled to their requests' counts (penalty requests only)."""
+        for request_id, token_id in zip(request_ids, token_ids, strict=True):
+            counts = self._output_counts.get(request_id)
+            if counts is not None:
+                counts[token_id] += 1
