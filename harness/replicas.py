@@ -38,13 +38,19 @@ def replica_actor_names(app: str) -> list[str]:
 def kill_replica(cluster: ServeCluster, app: str) -> str:
     """Kill the app's EngineReplica actor with the most running requests (by its last metrics
     report), as a crash would; return its actor name."""
-    import ray
 
     running = scrape_by_replica(cluster, f"{ENGINE_PREFIX}num_requests_running", {"application": app})
     names = replica_actor_names(app)
     victim = max(names, key=lambda name: running.get(name.rsplit("#", 1)[1], 0))
-    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    kill_actor(victim)
     return victim
+
+
+def kill_actor(name: str) -> None:
+    """Kill a replica's actor by name, as a crash would (Serve does not restart it: it replaces it)."""
+    import ray
+
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
 
 
 def kill_engine_core(app: str) -> str:

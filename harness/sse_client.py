@@ -49,11 +49,16 @@ class StreamResult:
 
 
 async def stream_completion(
-    http: httpx.AsyncClient, url: str, body: dict, disconnect_after_chunks: int | None = None
+    http: httpx.AsyncClient,
+    url: str,
+    body: dict,
+    disconnect_after_chunks: int | None = None,
+    result: StreamResult | None = None,
 ) -> StreamResult:
-    """POST `body` with stream + include_usage; read to [DONE], or hang up after that many chunks."""
+    """POST `body` with stream + include_usage; read to [DONE], or hang up after that many chunks.
+    `result`: filled as the stream arrives (a caller may watch its progress), and returned."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    result = StreamResult(status=0)
+    result = result if result is not None else StreamResult(status=0)
     async with http.stream("POST", url, json=body) as response:
         result.status = response.status_code
         if response.status_code != 200:
