@@ -116,10 +116,12 @@ def wait_for_http(
     raise TimeoutError(f"{what} did not answer {url} in {timeout_s} s{log_tail()}")
 
 
-def start(config_path: Path, log_dir: Path) -> ServeCluster:
+def start(config_path: Path, log_dir: Path, env: dict[str, str] | None = None) -> ServeCluster:
+    """A one-node cluster serving `config_path`; `env` on top of this process's for every process
+    of the cluster (Serve's and Ray's settings read from the environment)."""
     gcs_port, http_port, metrics_port = free_port(), free_port(), free_port()
     os.environ["RAY_AUTH_MODE"] = TEST_CLUSTER_ENV["RAY_AUTH_MODE"]  # for this process's own driver, too
-    env = {**os.environ, **TEST_CLUSTER_ENV}
+    env = {**os.environ, **TEST_CLUSTER_ENV, **(env or {})}
     ray_start = subprocess.Popen(
         [
             BIN / "ray",

@@ -1,0 +1,163 @@
+"""`python -m bench.serve_options`: the Ray-side options of issue 23, re-measured on the engine
+core's current shape (issue 36, part 4), each against the shipped serve_config.yaml in the same
+run, in paired rounds (shipped, option, shipped, option, ...; the shared host drifts between
+minutes, so only ratios taken within a round are compared).
+
+Options: Ray Serve's throughput-optimized preset (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`: gRPC
+between deployments, direct ingress, user code on the replica's main loop, GC frozen at start),
+gRPC between deployments alone (`RAY_SERVE_USE_GRPC_BY_DEFAULT=1`), OpenMP's passive wait
+(`OMP_WAIT_POLICY=PASSIVE`), the engine core in its own process (`engine.core_process: true`),
+and Ray 2.60's HAProxy ingress (`RAY_SERVE_ENABLE_HA_PROXY=1`) where the `haproxy` binary is
+installed. Each run: bench.cpu_serving's workload (its first `--requests` requests) at c=1 and
+c=16, streamed `/v1/completions`, greedy; the engine alone in this process (core on a thread) on
+the same requests at c=16 first, for issue 36's goal.
+
+Goal (issue 36): served c=16 tok/s >= 0.9x the engine alone, for the shipped app and for the
+best option. An option earns the default only if it is ahead in every round at c=16 and no
+worse than 5% at c=1 TBT (the verdict is printed; this benchmark does not change the config)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench import http_load
+from bench.cpu_serving import NUM_REQUESTS, engine_alone, shipped_tokenizer, workload
+from bench.driver import BenchmarkRun, print_verdicts
+from common.latency import summarize
+from harness import serve_cluster
+
+SHIPPED = "shipped"
+GOALS = {"c16_output_tok_per_s_vs_engine_alone_min": 0.9}
+ADOPT_C1_TBT_MAX = 1.05  # an option may cost at most 5% of c=1's time between tokens
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    env: dict[str, str] = field(default_factory=dict)
+    engine: dict = field(default_factory=dict)  # the app's `engine` settings changed
+    needs: str | None = None  # a binary it needs on PATH
+
+    @property
+    def available(self) -> bool:
+        return self.needs is None or shutil.which(self.needs) is not None
+
+
+OPTIONS = (
+    Option("throughput-optimized preset", env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}),
+    Option("gRPC between deployments", env={"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}),
+    Option("OMP_WAIT_POLICY=PASSIVE", env={"OMP_WAIT_POLICY": "PASSIVE"}),
+    Option("core in its own process", engine={"core_process": True}),
+    Option("HAProxy ingress", env={"RAY_SERVE_ENABLE_HA_PROXY": "1"}, needs="haproxy"),
+)
+
+
+def measure(option: Option, arrivals: list, work_dir: Path) -> dict[str, dict[str, float]]:
+    """c=1 and c=16 against the app as `option` deploys it (the shipped one: no change)."""
+    config = serve_cluster.config_with_apps(
+        work_dir / "serve_options.yaml", {"stallfree": {"engine": option.engine}}
+    )
+    route = "/stallfree"
+    cluster = serve_cluster.start(config, work_dir, env=option.env)
+    try:
+        cluster.wait_ready(route)
+        url = f"{cluster.base_url}{route}/v1/completions"
+        asyncio.run(http_load.closed_loop(url, arrivals[:4], 4))  # warm: kernels, first steps
+        figures = {}
+        for concurrency in (1, 16):
+            wall_s, timings = asyncio.run(http_load.closed_loop(url, arrivals, concurrency))
+            figures[f"c{concurrency}"] = summarize(wall_s, timings)
+        print(option.name, json.dumps(figures), flush=True)
+        return figures
+    finally:
+        serve_cluster.stop(cluster)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2, help="paired rounds (shipped, option) per option")
+    parser.add_argument(
+        "--requests", type=int, default=16, help=f"of the {NUM_REQUESTS} of bench.cpu_serving"
+    )
+    parser.add_argument("--output", type=Path, default=Path("bench/results/serve_options.json"))
+    args = parser.parse_args(argv)
+    run = BenchmarkRun("serve_options", args.output, GOALS)
+    arrivals = workload(0, shipped_tokenizer())[: args.requests]
+    alone = engine_alone(arrivals)["c16"]["output_tok_per_s"]  # first: before Ray, see ThreadCore
+    work_dir = Path(tempfile.mkdtemp(prefix="bench-serve-options-"))
+    rounds: dict[str, list[dict]] = {}
+    for option in OPTIONS:
+        if not option.available:
+            print(f"{option.name}: not measured ({option.needs} is not installed)", flush=True)
+            continue
+        for _ in range(args.rounds):
+            rounds.setdefault(option.name, []).append(
+                {
+                    SHIPPED: measure(Option(SHIPPED), arrivals, work_dir),
+                    option.name: measure(option, arrivals, work_dir),
+                }
+            )
+    summary = {name: _paired(name, paired) for name, paired in rounds.items()}
+    shipped_c16 = statistics.median(
+        r[SHIPPED]["c16"]["output_tok_per_s"] for paired in rounds.values() for r in paired
+    )
+    best = max(summary, key=lambda name: summary[name]["c16_tok_per_s_ratio_median"], default=None)
+    best_c16 = shipped_c16 * summary[best]["c16_tok_per_s_ratio_median"] if best else shipped_c16
+    print(f"\nengine alone c=16: {alone:.1f} tok/s; shipped (median of its runs): {shipped_c16:.1f}")
+    print(f"{'option':32}{'c16 tok/s':>11}{'c1 TBT p50':>12}{'c16 TTFT p50':>14}{'c16 TBT p99':>13}  adopt")
+    for name, s in summary.items():
+        print(
+            f"{name:32}{s['c16_tok_per_s_ratio_median']:>10.2f}x{s['c1_tbt_p50_ratio_median']:>11.2f}x"
+            f"{s['c16_ttft_p50_ratio_median']:>13.2f}x{s['c16_tbt_p99_ratio_median']:>12.2f}x  "
+            f"{'yes' if s['adopt'] else 'no'}"
+        )
+    met = {
+        f"shipped: served c16 >= {GOALS['c16_output_tok_per_s_vs_engine_alone_min']}x the engine alone": (
+            shipped_c16 / alone >= GOALS["c16_output_tok_per_s_vs_engine_alone_min"]
+        ),
+        f"best option ({best}): served c16 >= 0.9x the engine alone": best_c16 / alone >= 0.9,
+    }
+    print_verdicts(met)
+    body = {
+        "workload": {"requests": args.requests, "rounds": args.rounds, "concurrency": [1, 16]},
+        "options": {
+            o.name: {"env": o.env, "engine": o.engine, "measured": o.name in rounds} for o in OPTIONS
+        },
+        "engine_alone_c16_output_tok_per_s": alone,
+        "shipped_c16_output_tok_per_s_median": shipped_c16,
+        "shipped_c16_over_engine_alone": shipped_c16 / alone,
+        "best_option": best,
+        "best_c16_over_engine_alone": best_c16 / alone,
+        "option_over_shipped": summary,
+        "rounds": rounds,
+    }
+    run.write(body, met)
+
+
+def _paired(name: str, paired: list[dict]) -> dict:
+    """The option over the shipped app, per round, then the median; and whether it earns the default."""
+
+    def ratios(run: str, key: str) -> list[float]:
+        return [r[name][run][key] / r[SHIPPED][run][key] for r in paired]
+
+    c16 = ratios("c16", "output_tok_per_s")
+    c1_tbt = ratios("c1", "tbt_p50_s")
+    return {
+        "c16_tok_per_s_ratios": c16,
+        "c16_tok_per_s_ratio_median": statistics.median(c16),
+        "c1_tbt_p50_ratio_median": statistics.median(c1_tbt),
+        "c16_ttft_p50_ratio_median": statistics.median(ratios("c16", "ttft_p50_s")),
+        "c16_tbt_p99_ratio_median": statistics.median(ratios("c16", "tbt_p99_s")),
+        "adopt": min(c16) > 1.0 and statistics.median(c1_tbt) <= ADOPT_C1_TBT_MAX,
+    }
+
+
+if __name__ == "__main__":
+    main()
