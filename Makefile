@@ -35,7 +35,7 @@ test-fast: setup
 
 # Ray's workers (the replicas) start at nice 15 unless told: on a laptop doing other work they starve.
 serve: setup
-	RAY_worker_niceness=0 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 $(VENV)/bin/serve run serve_config.yaml
+	RAY_worker_niceness=0 $(VENV)/bin/serve run serve_config.yaml
 
 lint: setup
 	$(PY) -m ruff check .

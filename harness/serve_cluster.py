@@ -39,11 +39,9 @@ REPORT_WAIT_S = 60
 # the default 5 s, a proxy still starting beside two busy processes was killed and `serve run`
 # failed. Ray starts its workers (Serve's replicas, proxy and controller among them) at nice 15:
 # beside any busy process at nice 0 they got a few percent of a core and every wait ran out, so
-# the test cluster's workers run at the same priority as everything else. Serve's
-# throughput-optimized preset, as deployed (docs/deployment.md; bench/serve_options.py measured it).
+# the test cluster's workers run at the same priority as everything else.
 TEST_CLUSTER_ENV = {
     "RAY_worker_niceness": "0",
-    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_metrics_report_interval_ms": "1000",

@@ -62,7 +62,6 @@ def test_the_documented_serve_deploy_steps_work_from_a_clean_state(tmp_path):
     assert _run("ray status", env, check=False).returncode != 0, "a Ray cluster is already running here"
     env["RAY_AUTH_MODE"] = "token"  # the docs: `export RAY_AUTH_MODE=token`
     env["RAY_worker_niceness"] = "0"  # the docs: `export RAY_worker_niceness=0`
-    env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"  # the docs: `export RAY_SERVE_THROUGHPUT_OPTIMIZED=1`
     try:
         _run("ray get-auth-token --generate", env)
         assert (tmp_path / ".ray" / "auth_token").is_file()
