@@ -119,11 +119,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{s['c16_ttft_p50_ratio_median']:>13.2f}x{s['c16_tbt_p99_ratio_median']:>12.2f}x  "
             f"{'yes' if s['adopt'] else 'no'}"
         )
+    least = GOALS["c16_output_tok_per_s_vs_engine_alone_min"]
     met = {
-        f"shipped: served c16 >= {GOALS['c16_output_tok_per_s_vs_engine_alone_min']}x the engine alone": (
-            shipped_c16 / alone >= GOALS["c16_output_tok_per_s_vs_engine_alone_min"]
-        ),
-        f"best option ({best}): served c16 >= 0.9x the engine alone": best_c16 / alone >= 0.9,
+        f"shipped: served c16 >= {least}x the engine alone": shipped_c16 / alone >= least,
+        f"best option ({best}): served c16 >= {least}x the engine alone": best_c16 / alone >= least,
     }
     print_verdicts(met)
     body = {

@@ -38,7 +38,6 @@ def replica_actor_names(app: str) -> list[str]:
 def kill_replica(cluster: ServeCluster, app: str) -> str:
     """Kill the app's EngineReplica actor with the most running requests (by its last metrics
     report), as a crash would; return its actor name."""
-
     running = scrape_by_replica(cluster, f"{ENGINE_PREFIX}num_requests_running", {"application": app})
     names = replica_actor_names(app)
     victim = max(names, key=lambda name: running.get(name.rsplit("#", 1)[1], 0))
