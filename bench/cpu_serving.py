@@ -14,7 +14,8 @@ median and spread). Every run (and warm-up) sends its own cache_salt, so stallfr
 
 The engine alone: the same c=1 and c=16 runs straight into an AsyncEngine in this process, its core
 on a thread (no Ray, no HTTP, no second process). Serving overhead: the client's mean time between
-tokens and mean TTFT at c=1 over HTTP, minus the engine alone's.
+tokens and mean TTFT at c=1 over HTTP, minus the engine alone's. Where the cores went: each
+server's c=16 run records CPU seconds per process (bench/cpu_split.py).
 Writes bench/results/cpu_serving.json, .png and .raw.json.gz (each request's timing). Not part
 of make test or CI (~35 minutes with every peer installed)."""
 
@@ -30,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench import http_load, peers
+from bench.cpu_split import cpu_split
 from bench.driver import (
     Arrival,
     BenchmarkRun,
@@ -134,9 +136,11 @@ def measure(url: str, name: str, arrivals: list[Arrival], model: str | None = No
     wall_s, c1_timings = asyncio.run(http_load.closed_loop(url, arrivals, 1, model))
     c1 = summarize(wall_s, c1_timings)
     print(name, "c=1", json.dumps(c1), flush=True)
-    wall_s, c16_timings = asyncio.run(http_load.closed_loop(url, arrivals, 16, model))
+    with cpu_split() as c16_cpu:
+        wall_s, c16_timings = asyncio.run(http_load.closed_loop(url, arrivals, 16, model))
     c16 = summarize(wall_s, c16_timings)
     print(name, "c=16", json.dumps(c16), flush=True)
+    print(name, "c=16 CPU seconds by process", json.dumps(c16_cpu), flush=True)
     runs: list[dict[str, float]] = []
     poisson_timings: list[RequestTiming] = []
     for seed in POISSON_SEEDS:
@@ -149,6 +153,7 @@ def measure(url: str, name: str, arrivals: list[Arrival], model: str | None = No
         "source": "measured in this run",
         "c1": c1,
         "c16": c16,
+        "c16_cpu_seconds": c16_cpu,
         "poisson": {
             "median": {key: s.median for key, s in spread.items()},
             "spread": {key: asdict(s) for key, s in spread.items()},

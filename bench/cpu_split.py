@@ -1,0 +1,54 @@
+"""Where the cores went during a run: CPU seconds per process, grouped by what the process is
+(a Serve replica by its deployment, Ray's proxy and controller, this load generator, a peer's
+server by its name). Processes that start and end inside the run are not seen."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psutil
+
+TOP = 6  # groups named in the result; the rest are summed
+
+
+def _label(process: psutil.Process) -> str:
+    if process.pid == os.getpid():
+        return "load generator (this process)"
+    cmdline = process.cmdline()
+    if cmdline and cmdline[0].startswith("ray::"):  # Ray workers name themselves by actor
+        return cmdline[0].removeprefix("ray::").split(".")[0]
+    return process.name()
+
+
+def _cpu_seconds() -> dict[int, tuple[str, float]]:
+    seen = {}
+    for process in psutil.process_iter():
+        try:
+            times = process.cpu_times()
+            seen[process.pid] = (_label(process), times.user + times.system)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return seen
+
+
+@contextmanager
+def cpu_split() -> Iterator[dict[str, float]]:
+    """`with cpu_split() as split:` ... ; afterwards `split` maps each group to its CPU seconds
+    during the block (the TOP largest, then "the rest"), plus "wall_s" and "cores" (the machine's)."""
+    split: dict[str, float] = {}
+    before = _cpu_seconds()
+    started = time.monotonic()
+    yield split
+    wall_s = time.monotonic() - started
+    by_group: Counter[str] = Counter()
+    for pid, (label, seconds) in _cpu_seconds().items():
+        by_group[label] += seconds - before.get(pid, (label, 0.0))[1]
+    named = {group: seconds for group, seconds in by_group.most_common(TOP) if seconds >= 0.01}
+    split.update({group: round(seconds, 2) for group, seconds in named.items()})
+    split["the rest"] = round(sum(by_group.values()) - sum(named.values()), 2)
+    split["wall_s"] = round(wall_s, 2)
+    split["cores"] = float(psutil.cpu_count() or 1)
