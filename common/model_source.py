@@ -30,6 +30,12 @@ class ModelSource:
     hf_dir: Path | None  # Hugging Face directory with config, safetensors, tokenizer
     dummy_shape: str | None = None  # random weights of this shape instead
 
+    @property
+    def has_tokenizer(self) -> bool:
+        """Dummy weights and a checkpoint without tokenizer.json (weights and config alone, as
+        bench.gpu saves one) take and give token ids only."""
+        return self.hf_dir is not None and (self.hf_dir / "tokenizer.json").is_file()
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("STALLFREE_CACHE_DIR", Path.home() / ".cache" / "stallfree"))

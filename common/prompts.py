@@ -27,7 +27,7 @@ class PromptProcessor:
             raise InvalidRequestError(
                 "max_model_len", f"{max_model_len} exceeds the model's context of {model_max_len} tokens"
             )
-        tokenizer = PromptTokenizer.load(source.hf_dir) if source.hf_dir is not None else None
+        tokenizer = PromptTokenizer.load(source.hf_dir) if source.has_tokenizer else None
         return cls(tokenizer, config["vocab_size"], max_model_len or model_max_len)
 
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
@@ -37,7 +37,8 @@ class PromptProcessor:
                 raise InvalidRequestError("prompt", "must not be empty")
             if self.tokenizer is None:
                 raise InvalidRequestError(
-                    "prompt", "this model has no tokenizer (dummy weights): pass token ids"
+                    "prompt",
+                    "this model has no tokenizer (dummy weights, or no tokenizer.json): pass token ids",
                 )
             return self.tokenizer.encode(prompt, add_special_tokens)
         if not isinstance(prompt, list) or not prompt:

@@ -104,6 +104,8 @@ def detokenize(prompts: PromptProcessor, request: DetokenizeRequest) -> Detokeni
 def _tokenizer(prompts: PromptProcessor) -> PromptTokenizer:
     if prompts.tokenizer is None:
         raise ApiError(
-            400, "this model has no tokenizer (dummy weights): nothing to tokenize with", param="model"
+            400,
+            "this model has no tokenizer (dummy weights, or no tokenizer.json): nothing to tokenize with",
+            param="model",
         )
     return prompts.tokenizer

@@ -50,9 +50,12 @@ TEST_CLUSTER_ENV = {
 }
 
 
-def shipped_app_config() -> dict:
-    """serve_config.yaml, parsed: its one application is the app as shipped."""
-    return yaml.safe_load((REPO / "serve_config.yaml").read_text())
+SHIPPED_CONFIG = REPO / "serve_config.yaml"
+
+
+def shipped_app_config(path: Path = SHIPPED_CONFIG) -> dict:
+    """serve_config.yaml (or another shipped config), parsed: its one application is the app."""
+    return yaml.safe_load(path.read_text())
 
 
 def with_app_args(shipped: dict, app_args: dict) -> dict:
@@ -60,10 +63,10 @@ def with_app_args(shipped: dict, app_args: dict) -> dict:
     return {**shipped, **app_args, "engine": {**shipped["engine"], **app_args.get("engine", {})}}
 
 
-def config_with_apps(path: Path, app_args: dict[str, dict]) -> Path:
-    """serve_config.yaml with its app once per name, at /<name>, each with its own args over the
-    shipped ones (`engine` merged setting by setting). Written to `path`, which is returned."""
-    config = shipped_app_config()
+def config_with_apps(path: Path, app_args: dict[str, dict], base: Path = SHIPPED_CONFIG) -> Path:
+    """`base` (serve_config.yaml) with its app once per name, at /<name>, each with its own args
+    over the shipped ones (`engine` merged setting by setting). Written to `path`, returned."""
+    config = shipped_app_config(base)
     base = config["applications"][0]
     config["applications"] = [
         {**base, "name": name, "route_prefix": f"/{name}", "args": with_app_args(base["args"], args)}

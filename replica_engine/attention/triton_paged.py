@@ -10,6 +10,8 @@ is how the tests check it against the torch reference without a GPU."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -17,6 +19,10 @@ import triton.language as tl
 from replica_engine.attention.base import AttentionBackend, AttentionMetadata
 
 BLOCK_M = 16  # query rows per program; a decode uses one of them
+# Float32 inputs are multiplied at full precision, not in a GPU's default TF32. Triton's
+# interpreter multiplies bf16 tiles as raw integers (numpy has no bf16), so there they are
+# multiplied as float32: exact products of bf16 values, summed in float32, as a GPU's bf16 dot does.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -42,6 +48,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block, one block per loop step
     BLOCK_M: tl.constexpr,
+    FLOAT32_DOT: tl.constexpr,  # multiply float32 tiles at full precision (see the launch)
 ):
     request = tl.program_id(0)
     head = tl.program_id(1)
@@ -82,7 +89,11 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + cache_offsets, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + cache_offsets, mask=kv_mask, other=0.0)
 
-        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_SIZE]
+        if FLOAT32_DOT:
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores.to(tl.float32) * scale  # [BLOCK_M, BLOCK_SIZE]
         visible = (key_pos[None, :] <= query_pos[:, None]) & key_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         block_max = tl.max(scores, 1)
@@ -92,7 +103,11 @@ def _paged_attention_kernel(
         probs = tl.exp(scores - safe_max[:, None])
         correction = tl.exp(running_max - safe_max)
         running_sum = running_sum * correction + tl.sum(probs, 1)
-        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v).to(tl.float32)
+        if FLOAT32_DOT:
+            weighted = tl.dot(probs.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            weighted = tl.dot(probs.to(v.dtype), v)
+        acc = acc * correction[:, None] + weighted.to(tl.float32)
         running_max = new_max
 
     out = acc / tl.where(running_sum == 0, 1.0, running_sum)[:, None]
@@ -143,5 +158,6 @@ class TritonAttention(AttentionBackend):
             BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_SIZE=block_size,
             BLOCK_M=BLOCK_M,
+            FLOAT32_DOT=query.dtype == torch.float32 or _INTERPRETED,
         )
         return output

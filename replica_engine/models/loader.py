@@ -38,13 +38,16 @@ _MERGED = {
 
 @dataclass(frozen=True)
 class LoadedTokenizer:
-    tokenizer: PreTrainedTokenizerBase | None  # None for dummy weights: token ids in and out
+    tokenizer: PreTrainedTokenizerBase | None  # None: token ids in and out
     stop_token_ids: frozenset[int]  # eos and chat-end tokens
 
 
 def load_tokenizer(source: ModelSource) -> LoadedTokenizer:
     if source.dummy_shape is not None:
         return LoadedTokenizer(None, frozenset())
+    assert source.hf_dir is not None
+    if not source.has_tokenizer:
+        return LoadedTokenizer(None, _stop_token_ids(source.hf_dir, None))
     tokenizer = AutoTokenizer.from_pretrained(source.hf_dir)
     return LoadedTokenizer(tokenizer, _stop_token_ids(source.hf_dir, tokenizer))
 
@@ -94,9 +97,10 @@ def _pack(model: LlamaForCausalLM) -> None:
     logger.info("linear weights packed for the CPU kernel in %.2f s", time.perf_counter() - started)
 
 
-def _stop_token_ids(hf_dir: Path, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+def _stop_token_ids(hf_dir: Path, tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
     """The tokenizer's eos plus generation_config's eos list (where chat models put e.g. <|eot_id|>)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    eos_id = tokenizer.eos_token_id if tokenizer is not None else None
+    ids = {eos_id} if eos_id is not None else set()
     if (hf_dir / "generation_config.json").is_file():
         eos = GenerationConfig.from_pretrained(hf_dir).eos_token_id
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])

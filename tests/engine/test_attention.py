@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
+from harness.paged_batches import paged_batch
 from replica_engine.attention import get_backend
-from tests.engine.attention_batches import paged_batch
 
 
 def _dense_attention(q, k, v, scale):

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from harness.paged_batches import paged_batch
 from replica_engine import EngineConfig
 from replica_engine.attention import get_backend
 from replica_engine.kernels import cpu as cpu_kernels
-from tests.engine.attention_batches import paged_batch
 
 ops = cpu_kernels.cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the CPU kernels need AVX-512 and a C++ compiler")

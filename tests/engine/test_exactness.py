@@ -1,12 +1,12 @@
 """Greedy outputs of our engine against Hugging Face `generate` on the same fp32 weights, up to
-near-ties (tests/engine/hf_reference.py)."""
+near-ties (harness/hf_reference.py)."""
 
 from __future__ import annotations
 
 import pytest
 
+from harness.hf_reference import assert_matches_up_to_ties, hf_greedy
 from replica_engine import LLM, SamplingParams
-from tests.engine.hf_reference import assert_matches_up_to_ties, hf_greedy
 
 PROMPTS = [
     "The capital of France is",

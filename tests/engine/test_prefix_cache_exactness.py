@@ -1,5 +1,5 @@
 """Prefix caching changes where K/V comes from, never the answer: greedy outputs with caching on
-equal those with it off and Hugging Face's (up to near-ties, tests/engine/hf_reference.py), for a prompt
+equal those with it off and Hugging Face's (up to near-ties, harness/hf_reference.py), for a prompt
 sent twice, a shared 600-token prefix, a conversation resent turn by turn, a pool so small that
 cached blocks are evicted and requests preempted, and a 16-token budget (blocks filling
 mid-prefill). The real SmolLM2, fp32."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.hf_reference import assert_matches_up_to_ties, hf_greedy
 from replica_engine import LLM, SamplingParams
-from tests.engine.hf_reference import assert_matches_up_to_ties, hf_greedy
 from tests.engine.test_engine_integrity import story_ids
 
 MAX_TOKENS = 12

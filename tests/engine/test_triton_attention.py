@@ -13,9 +13,9 @@ import torch
 # conftest sets TRITON_INTERPRET=1 on a machine without a GPU, before anything imports triton.
 triton = pytest.importorskip("triton", reason="triton is not installed (it is in the dev extra)")
 
+from harness.paged_batches import paged_batch  # noqa: E402
 from replica_engine.attention import get_backend  # noqa: E402
 from replica_engine.attention.triton_paged import TritonAttention  # noqa: E402
-from tests.engine.attention_batches import paged_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = {

@@ -1,0 +1,306 @@
+"""`python -m bench.gpu`: the GPU path in one command, for the first session lent a device (issue 37).
+
+(a) Exactness (bench/gpu_checks.py): our engine against transformers, greedy, float32 and bfloat16,
+    with the Triton attention; the Triton kernel against the torch reference on mixed batches.
+(b) Steps (bench/gpu_steps.py) of a Llama-3-8B-shaped `dummy:` model, weights generated on the
+    device: decode at batch 1-256 against the HBM floor, mixed steps at budgets 256-2048 against
+    the FLOP floor.
+(c) Offline throughput on a ShareGPT-like workload (the anchor, vLLM's PR #18566: 6,582.87 output
+    tok/s on an H100 for Llama-3-8B): 1000 requests whose prompt and output lengths are drawn
+    log-normally to ShareGPT's means as vLLM's benchmark samples it (prompts ~230 tokens, outputs
+    ~200, each capped at 1024). The ShareGPT file itself cannot be fetched here: same shape of
+    load, not the same texts (dummy weights have no tokenizer; prompts are token ids).
+(d) A served run through Ray Serve (serve_config.gpu.yaml, one replica, the same model):
+    closed loop at c=1 and c=64, streamed /v1/completions: TTFT and TBT p50/p99.
+Writes bench/results/gpu_<device>.json with goals and goals_met and prints a table.
+
+`--dry-run` runs the same code on this CPU: Triton in its interpreter, a tiny dummy model, a few
+steps and requests (part of make test, so the command cannot rot); its figures mean nothing and
+its file says so. Goals (on an H100): decode steps at batch >= 32 <= 1.5x the HBM floor; offline
+>= 6,600 output tok/s; every exactness check passes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import random
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench import gpu_checks, gpu_steps, http_load
+from bench.driver import Arrival, BenchmarkRun, print_verdicts
+from common.latency import RequestTiming, summarize
+from common.model_shapes import dummy_config_dict
+from harness import serve_cluster
+from replica_engine import LLM, SamplingParams
+
+GOALS = {"decode_b32_plus_vs_hbm_floor_max": gpu_steps.GOAL_RATIO, "offline_output_tok_per_s_min": 6600}
+SHAREGPT_MEAN_TOKENS = (230, 200)  # prompt, output
+LOGNORMAL_SIGMA = (1.0, 0.9)
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: str
+    exactness_lengths: tuple[int, ...]  # prompt tokens, one request each
+    exactness_tokens: int
+    attention_heads: dict[str, tuple[int, int, int]]  # name -> (heads, kv heads, head dim)
+    steps: gpu_steps.StepPlan
+    model: str  # offline and served
+    offline_requests: int
+    max_len: int  # cap on each drawn prompt and output length
+    served_requests: int
+    served_concurrency: tuple[int, ...]
+    served_base: Path  # the shipped config the served app is built from
+
+
+FULL = Plan(
+    device="cuda",
+    exactness_lengths=(5, 40, 200, 700),
+    exactness_tokens=32,
+    attention_heads=gpu_checks.HEAD_SHAPES,
+    steps=gpu_steps.StepPlan(
+        model="dummy:llama3-8b",
+        decode_batches=(1, 8, 32, 64, 128, 256),
+        context=512,
+        mixed=((32, 224), (64, 448), (128, 896), (256, 1792)),
+        num_steps=20,
+        kv_cache_bytes=None,
+    ),
+    model="dummy:llama3-8b",
+    offline_requests=1000,
+    max_len=1024,
+    served_requests=128,
+    served_concurrency=(1, 64),
+    served_base=serve_cluster.REPO / "serve_config.gpu.yaml",
+)
+DRY_RUN = Plan(
+    device="cpu",
+    exactness_lengths=(5, 20),
+    exactness_tokens=3,
+    # the interpreter runs each (request, head, tile) program in Python: SmolLM2's 9 heads only
+    attention_heads={k: v for k, v in gpu_checks.HEAD_SHAPES.items() if k.startswith("smollm2")},
+    steps=gpu_steps.StepPlan(
+        model="dummy:tiny-llama",
+        decode_batches=(1, 4),
+        context=32,
+        mixed=((4, 28),),
+        num_steps=3,
+        kv_cache_bytes=16 << 20,
+    ),
+    model="dummy:tiny-llama",
+    offline_requests=16,
+    max_len=64,
+    served_requests=6,
+    served_concurrency=(1, 4),
+    served_base=serve_cluster.SHIPPED_CONFIG,
+)
+
+
+def sharegpt_like(count: int, max_len: int, vocab_size: int, seed: int = 0) -> list[Arrival]:
+    """Prompt and output lengths log-normal around ShareGPT's means, capped; prompts are token ids."""
+    rng = random.Random(seed)
+
+    def length(mean: int, sigma: float) -> int:
+        mu = math.log(mean) - sigma**2 / 2  # the log-normal whose mean is `mean`
+        return max(4, min(max_len, round(rng.lognormvariate(mu, sigma))))
+
+    arrivals = []
+    for _ in range(count):
+        prompt_len = length(SHAREGPT_MEAN_TOKENS[0], LOGNORMAL_SIGMA[0])
+        output_len = length(SHAREGPT_MEAN_TOKENS[1], LOGNORMAL_SIGMA[1])
+        arrivals.append(Arrival(0.0, [rng.randrange(vocab_size) for _ in range(prompt_len)], output_len))
+    return arrivals
+
+
+def vocab_size(model: str) -> int:
+    return dummy_config_dict(model.removeprefix("dummy:"))["vocab_size"]
+
+
+def offline(plan: Plan) -> dict:
+    llm = LLM(model=plan.model, device=plan.device, dtype="bfloat16")
+    arrivals = sharegpt_like(plan.offline_requests, plan.max_len, vocab_size(plan.model))
+    params = [SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True) for a in arrivals]
+    started = time.perf_counter()
+    outputs = llm.generate([a.prompt for a in arrivals], params)
+    wall_s = time.perf_counter() - started
+    output_tokens = sum(len(o.token_ids) for o in outputs)
+    assert output_tokens == sum(a.max_tokens for a in arrivals), "a request stopped short"
+    return {
+        "requests": len(arrivals),
+        "prompt_tokens": sum(len(a.prompt) for a in arrivals),
+        "output_tokens": output_tokens,
+        "wall_s": wall_s,
+        "output_tok_per_s": output_tokens / wall_s,
+        "budget": llm.engine.config.max_num_batched_tokens,
+    }
+
+
+def served(plan: Plan, work_dir: Path) -> dict:
+    """Through Ray Serve, where Ray is installed (the lent machine has no Ray: its wheel is larger
+    than one call carries)."""
+    if importlib.util.find_spec("ray") is None:
+        return {"skipped": "ray is not installed here"}
+    num_gpus = 1 if plan.device == "cuda" else 0
+    args = {"model": plan.model, "num_replicas": 1, "num_gpus": num_gpus, "engine": {"dtype": "bfloat16"}}
+    config = serve_cluster.config_with_apps(work_dir / "gpu.yaml", {"gpu": args}, base=plan.served_base)
+    cluster = serve_cluster.start(config, work_dir)
+    arrivals = sharegpt_like(plan.served_requests, plan.max_len, vocab_size(plan.model), seed=1)
+    try:
+        cluster.wait_ready("/gpu")
+        url = f"{cluster.base_url}/gpu/v1/completions"
+        asyncio.run(http_load.closed_loop(url, arrivals[:4], 4))  # warm
+        figures = {}
+        for concurrency in plan.served_concurrency:
+            wall_s, timings = asyncio.run(http_load.closed_loop(url, arrivals, concurrency))
+            figures[f"c{concurrency}"] = _latency(wall_s, timings)
+        return figures
+    finally:
+        serve_cluster.stop(cluster)
+
+
+def _latency(wall_s: float, timings: list[RequestTiming]) -> dict:
+    keys = ("output_tok_per_s", "ttft_p50_s", "ttft_p99_s", "tbt_p50_s", "tbt_p99_s")
+    summary = summarize(wall_s, timings)
+    return {key: summary[key] for key in keys}
+
+
+def exactness(plan: Plan, work_dir: Path) -> dict:
+    what, checkpoint = gpu_checks.oracle_checkpoint(work_dir)
+    return {
+        "checkpoint": what,
+        "against_transformers": [
+            gpu_checks.check_against_transformers(
+                checkpoint, dtype, plan.device, plan.exactness_lengths, plan.exactness_tokens
+            )
+            for dtype in ("float32", "bfloat16")
+        ],
+        "triton_attention": [
+            gpu_checks.check_attention(plan.device, dtype, plan.attention_heads)
+            for dtype in ("float32", "bfloat16")
+        ],
+    }
+
+
+def steps(plan: Plan, dry_run: bool) -> dict:
+    rates = gpu_steps.device_rates(torch.device(plan.device), dry_run)
+    return gpu_steps.summary(rates, gpu_steps.measure(plan.steps, plan.device, rates))
+
+
+def run_part(name: str, part: Callable[[], dict]) -> dict:
+    """A part's figures, or the error that stopped it: one failing part (on a device no session
+    has tried yet) must not cost the others their run."""
+    print(f"-- {name}", flush=True)
+    try:
+        return part()
+    except Exception as error:  # recorded, printed, and judged a miss
+        traceback.print_exc()
+        return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-4000:]}
+
+
+def goals_met(result: dict, dry_run: bool) -> dict[str, bool]:
+    failed = {name for name, part in result["parts"].items() if "error" in part}
+    exactness = result["parts"]["exactness"]
+    checks = (
+        [] if "exactness" in failed else [*exactness["against_transformers"], *exactness["triton_attention"]]
+    )
+    met = {"every exactness check passes": "exactness" not in failed and all(c["passed"] for c in checks)}
+    if dry_run:  # the CPU's figures are not the H100's: the speed goals are not judged
+        met["every part ran"] = not failed
+        return met
+    decode_goal = (
+        f"decode steps at batch >= {gpu_steps.GOAL_MIN_BATCH} <= {gpu_steps.GOAL_RATIO}x the HBM floor"
+    )
+    met[decode_goal] = "steps" not in failed and all(
+        s["ratio"] <= gpu_steps.GOAL_RATIO
+        for s in result["parts"]["steps"]["steps"]
+        if s["case"].startswith("decode-b")
+        and int(s["case"].removeprefix("decode-b")) >= gpu_steps.GOAL_MIN_BATCH
+    )
+    met["offline >= 6,600 output tok/s"] = (
+        "offline" not in failed
+        and result["parts"]["offline"]["output_tok_per_s"] >= GOALS["offline_output_tok_per_s_min"]
+    )
+    return met
+
+
+def print_table(parts: dict) -> None:
+    for name, part in parts.items():
+        if "error" in part:
+            print(f"{name}: FAILED: {part['error']}")
+    if "error" not in parts["exactness"]:
+        for check in parts["exactness"]["against_transformers"]:
+            verdict = "ok" if check["passed"] else "FAIL"
+            gaps = ", ".join(f"{d['top2_gap']:.2g}" for d in check["divergences"]) or "-"
+            print(f"exactness {check['dtype']:9} {check['identical']}/{check['prompts']} identical, "
+                  f"gaps at divergences {gaps} (tolerance {check['tie_tolerance']}): {verdict}")  # fmt: skip
+        for check in parts["exactness"]["triton_attention"]:
+            worst = max(check["max_abs_error"].values())
+            verdict = "ok" if check["passed"] else "FAIL"
+            tolerance = check["tolerance"]
+            print(
+                f"triton attention {check['dtype']:9} max abs error {worst:.2e} (tol {tolerance}): {verdict}"
+            )
+    if "error" not in parts["steps"]:
+        rates = parts["steps"]["device"]
+        print(f"device {rates['name']}: floors {rates['bytes_per_s'] / 1e12:.3f} TB/s, "
+              f"{rates['flops_per_s'] / 1e12:.1f} TFLOP/s ({rates['source']}); measured copy "
+              f"{rates['measured_bytes_per_s'] / 1e12:.3f} TB/s, bf16 matmul "
+              f"{rates['measured_bf16_flops_per_s'] / 1e12:.1f} TFLOP/s")  # fmt: skip
+        print(f"{'case':16}{'step ms':>10}{'model ms':>10}{'floor ms':>10}  {'bound':8}{'ratio':>7}")
+        for s in parts["steps"]["steps"]:
+            print(f"{s['case']:16}{s['step_ms']:>10.2f}{s['model_ms']:>10.2f}{s['floor_ms']:>10.3f}  "
+                  f"{s['floor_kind']:8}{s['ratio']:>6.2f}x")  # fmt: skip
+    if "error" not in parts["offline"]:
+        o = parts["offline"]
+        print(f"offline: {o['requests']} requests, {o['output_tokens']} output tokens in "
+              f"{o['wall_s']:.1f} s: {o['output_tok_per_s']:.0f} output tok/s "
+              "(anchor: vLLM 6,582.87 on an H100)")  # fmt: skip
+    for run, figures in parts["served"].items():
+        print(f"served {run}: {json.dumps(figures) if isinstance(figures, dict) else figures}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="on this CPU: Triton interpreted, tiny shapes")
+    parser.add_argument("--output", type=Path, help="default: bench/results/gpu_<device>.json")
+    args = parser.parse_args(argv)
+    plan = DRY_RUN if args.dry_run else FULL
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device here: run with --dry-run to rehearse on the CPU")
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before our kernel's module is first imported
+    name = "dry_run" if args.dry_run else torch.cuda.get_device_name().split()[1].lower()
+    run = BenchmarkRun("gpu", args.output or Path(f"bench/results/gpu_{name}.json"), GOALS)
+    work_dir = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    body: dict = {
+        "dry_run": args.dry_run,
+        "plan": {"model": plan.model, "steps": vars(plan.steps)},
+        "parts": {},
+    }
+    for part_name, part in (
+        ("exactness", lambda: exactness(plan, work_dir)),
+        ("steps", lambda: steps(plan, args.dry_run)),
+        ("offline", lambda: offline(plan)),
+        ("served", lambda: served(plan, work_dir)),
+    ):
+        body["parts"][part_name] = run_part(part_name, part)
+        run.write(body, {})  # so far: a run cut short still leaves its parts
+    print_table(body["parts"])
+    met = goals_met(body, args.dry_run)
+    print_verdicts(met)
+    run.write(body, met)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Greedy continuations from Hugging Face `generate`, and the tie-tolerant comparison with ours.
+
+A flat batch sums in a different order than Hugging Face's layout, so a token may differ where
+the two best logits are within TIE_TOLERANCE of each other; that case alone is allowed, printed,
+and the comparison of that prompt stops there (the continuations then legitimately diverge)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TIE_TOLERANCE = 1e-4
+
+
+def _device(hf_model) -> torch.device:
+    return next(hf_model.parameters()).device
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids], device=_device(hf_model))
+    with torch.no_grad():
+        out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@dataclass(frozen=True)
+class Divergence:
+    position: int  # the first output token where ours and theirs differ
+    top2_gap: float  # there, Hugging Face's gap between its two best logits
+
+
+def first_divergence(
+    hf_model, prompt_ids: list[int], ours: list[int], theirs: list[int]
+) -> Divergence | None:
+    if ours == theirs:
+        return None
+    position = next(
+        (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs))
+    )
+    with torch.no_grad():
+        ids = torch.tensor([prompt_ids + theirs[:position]], device=_device(hf_model))
+        logits = hf_model(ids).logits[0, -1].float()
+    top2 = logits.topk(2).values
+    return Divergence(position, (top2[0] - top2[1]).item())
+
+
+def assert_matches_up_to_ties(
+    hf_model, prompt_ids: list[int], ours: list[int], theirs: list[int], label: str
+) -> None:
+    divergence = first_divergence(hf_model, prompt_ids, ours, theirs)
+    if divergence is None:
+        return
+    print(f"[{label}] divergence at output {divergence.position}: top-2 logit gap {divergence.top2_gap:.2e}")
+    assert divergence.top2_gap < TIE_TOLERANCE, (label, divergence.position, ours, theirs)

@@ -1,0 +1,52 @@
+"""`python -m bench.gpu --dry-run` on this CPU, as make test runs it so the command cannot rot
+before a session is lent a GPU: every part runs (Triton in its interpreter, tiny dummy shapes, a
+served run through Ray Serve), the exactness checks pass, and the speed goals stay unjudged (a
+CPU's figures are not an H100's). Also the stand-in the lent machine compares against, where
+the embedded SmolLM2 cannot travel: a random checkpoint without a tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import gpu, gpu_checks
+from common.errors import InvalidRequestError
+from replica_engine import LLM
+
+
+@pytest.mark.own_ray_cluster
+def test_the_gpu_benchmark_rehearses_on_the_cpu(tmp_path: Path):
+    output = tmp_path / "gpu.json"
+    gpu.main(["--dry-run", "--output", str(output)])
+    result = json.loads(output.read_text())
+    assert result["dry_run"]
+    parts = result["parts"]
+    assert result["goals_met"] == {"every exactness check passes": True, "every part ran": True}, {
+        name: part["error"] for name, part in parts.items() if "error" in part
+    }
+    checks = parts["exactness"]["against_transformers"]
+    assert [(c["dtype"], c["attention_backend"]) for c in checks] == [
+        ("float32", "triton"),
+        ("bfloat16", "triton"),
+    ]
+    assert parts["exactness"]["checkpoint"] == "SmolLM2-135M-Instruct (embedded)"
+    assert [c["dtype"] for c in parts["exactness"]["triton_attention"]] == ["float32", "bfloat16"]
+    steps = parts["steps"]["steps"]
+    assert [s["case"] for s in steps] == ["decode-b1", "decode-b4", "mixed-4+28"]
+    assert all(s["step_ms"] > 0 and s["floor_ms"] > 0 for s in steps)
+    assert parts["steps"]["device"]["source"] == "measured here"
+    assert parts["offline"]["output_tokens"] > 0
+    assert set(parts["served"]) == {"c1", "c4"}
+    assert all(figures["output_tok_per_s"] > 0 for figures in parts["served"].values())
+
+
+def test_a_checkpoint_without_a_tokenizer_serves_token_ids_and_matches_transformers(tmp_path: Path):
+    checkpoint = gpu_checks.random_checkpoint(tmp_path, "tiny-llama")
+    assert not list(checkpoint.glob("tokenizer*"))
+    check = gpu_checks.check_against_transformers(checkpoint, "float32", "cpu", (5, 9, 30), max_tokens=6)
+    assert check["passed"] and check["kv_blocks_returned"], check
+    llm = LLM(model=str(checkpoint), dtype="float32", kv_cache_bytes=4 << 20)
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        llm.generate("text needs a tokenizer")
