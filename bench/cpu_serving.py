@@ -153,7 +153,7 @@ def measure(url: str, name: str, arrivals: list[Arrival], model: str | None = No
         "source": "measured in this run",
         "c1": c1,
         "c16": c16,
-        "c16_cpu_seconds": c16_cpu,
+        "c16_cpu": c16_cpu,
         "poisson": {
             "median": {key: s.median for key, s in spread.items()},
             "spread": {key: asdict(s) for key, s in spread.items()},
@@ -278,8 +278,9 @@ def plot(path: Path, raw: dict[str, dict[str, list[dict]]]) -> None:
     figure.savefig(path, dpi=120)
 
 
-def _without_timings(result: dict) -> dict:
-    return {key: value for key, value in result.items() if key != "timings"}
+def _summary(result: dict) -> dict:
+    """A server's figures, without its requests' timings and its CPU split (listed apart)."""
+    return {key: value for key, value in result.items() if key not in ("timings", "c16_cpu")}
 
 
 def measure_peers(arrivals: list[Arrival], wanted: set[str], log_dir: Path) -> dict[str, dict]:
@@ -341,7 +342,8 @@ def main(argv: list[str] | None = None) -> None:
             "poisson_offered_tok_per_s": offered,
         },
         "peers": {p.name: {"command": p.command, "source": results[p.name]["source"]} for p in peers.PEERS},
-        "results": {name: _without_timings(r) for name, r in results.items()},
+        "results": {name: _summary(r) for name, r in results.items()},
+        "c16_cpu": {name: r["c16_cpu"] for name, r in results.items() if "c16_cpu" in r},
         "ratios_ours_over_peer": ratios(results),
         "serving_overhead": overhead,
         "engine_alone": alone,

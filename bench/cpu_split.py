@@ -37,8 +37,9 @@ def _cpu_seconds() -> dict[int, tuple[str, float]]:
 
 @contextmanager
 def cpu_split() -> Iterator[dict[str, float]]:
-    """`with cpu_split() as split:` ... ; afterwards `split` maps each group to its CPU seconds
-    during the block (the TOP largest, then "the rest"), plus "wall_s" and "cores" (the machine's)."""
+    """`with cpu_split() as split:` ... ; afterwards `split` holds the block's "wall_s", the
+    machine's "cores", and "by_process": per group (the TOP largest, then "the rest") its CPU
+    seconds and their share of the machine's core-seconds."""
     split: dict[str, float] = {}
     before = _cpu_seconds()
     started = time.monotonic()
@@ -48,7 +49,11 @@ def cpu_split() -> Iterator[dict[str, float]]:
     for pid, (label, seconds) in _cpu_seconds().items():
         by_group[label] += seconds - before.get(pid, (label, 0.0))[1]
     named = {group: seconds for group, seconds in by_group.most_common(TOP) if seconds >= 0.01}
-    split.update({group: round(seconds, 2) for group, seconds in named.items()})
-    split["the rest"] = round(sum(by_group.values()) - sum(named.values()), 2)
+    named["the rest"] = sum(by_group.values()) - sum(named.values())
+    cores = psutil.cpu_count() or 1
     split["wall_s"] = round(wall_s, 2)
-    split["cores"] = float(psutil.cpu_count() or 1)
+    split["cores"] = cores
+    split["by_process"] = {
+        group: {"cpu_s": round(seconds, 2), "share_of_cores": round(seconds / (wall_s * cores), 4)}
+        for group, seconds in named.items()
+    }
