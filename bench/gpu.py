@@ -220,12 +220,15 @@ def goals_met(result: dict, dry_run: bool) -> dict[str, bool]:
         return met
     decode_goal = (
         f"decode steps at batch >= {gpu_steps.GOAL_MIN_BATCH} <= {gpu_steps.GOAL_RATIO}x the HBM floor"
+        " (eager or graphs, the better)"
     )
+    best: dict[int, float] = {}  # batch -> the better ratio of its eager and graphs steps
+    for s in result["parts"].get("steps", {}).get("steps", []):
+        if s["case"].startswith("decode-b"):
+            batch = int(s["case"].removeprefix("decode-b").removesuffix(" graphs"))
+            best[batch] = min(best.get(batch, float("inf")), s["ratio"])
     met[decode_goal] = "steps" not in failed and all(
-        s["ratio"] <= gpu_steps.GOAL_RATIO
-        for s in result["parts"]["steps"]["steps"]
-        if s["case"].startswith("decode-b")
-        and int(s["case"].removeprefix("decode-b")) >= gpu_steps.GOAL_MIN_BATCH
+        ratio <= gpu_steps.GOAL_RATIO for batch, ratio in best.items() if batch >= gpu_steps.GOAL_MIN_BATCH
     )
     met["offline >= 6,600 output tok/s"] = (
         "offline" not in failed

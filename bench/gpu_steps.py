@@ -79,20 +79,31 @@ class StepPlan:
 
 
 def measure(plan: StepPlan, device: str, rates: DeviceRates) -> list[StepResult]:
+    """Decode steps eagerly and replayed from CUDA graphs (cases `decode-b<B>` and `... graphs`),
+    then the mixed steps (never captured: they hold prompt chunks)."""
     dtype = "bfloat16"
     floor_rates = (rates.bytes_per_s, rates.flops_per_s)
-    common = dict(model=plan.model, dtype=dtype, device=device, kv_cache_bytes=plan.kv_cache_bytes)
+    common = dict(
+        model=plan.model,
+        dtype=dtype,
+        device=device,
+        attention_backend="triton",
+        kv_cache_bytes=plan.kv_cache_bytes,
+    )
     results = []
     budget = max(plan.decode_batches) * 64  # prompts computed in a few steps, not one huge one
-    engine = LLMEngine(
-        EngineConfig(**common, max_num_batched_tokens=budget, max_num_seqs=max(plan.decode_batches))
-    )
-    model_time = ModelTime(engine)
-    for batch in plan.decode_batches:
-        timing, work = time_decode_steps(engine, model_time, batch, plan.context, plan.num_steps)
-        results.append(step_result(dtype, f"decode-b{batch}", timing, work, floor_rates, True, GOAL_RATIO))
-    del engine, model_time
-    _free_device_memory()
+    for graphs in (False, True):
+        config = EngineConfig(
+            **common, max_num_batched_tokens=budget, max_num_seqs=max(plan.decode_batches), cuda_graphs=graphs
+        )
+        engine = LLMEngine(config)
+        model_time = ModelTime(engine)
+        for batch in plan.decode_batches:
+            timing, work = time_decode_steps(engine, model_time, batch, plan.context, plan.num_steps)
+            case = f"decode-b{batch}" + (" graphs" if graphs else "")
+            results.append(step_result(dtype, case, timing, work, floor_rates, True, GOAL_RATIO))
+        del engine, model_time
+        _free_device_memory()
     for decodes, chunk in plan.mixed:
         config = EngineConfig(
             **common,

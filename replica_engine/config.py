@@ -117,6 +117,14 @@ class EngineConfig:
             "`torch`: the reference (gather + SDPA)"
         ),
     )
+    cuda_graphs: bool = field(
+        default=False,
+        metadata=_doc(
+            "Decode-only steps replay CUDA graphs captured at start, one per padded batch size "
+            "(needs the `triton` backend). Off until measured on a GPU (bench.gpu); on a CPU the "
+            "same padded batches run eagerly, which is what the tests check"
+        ),
+    )
     scheduling_policy: str = field(
         default="stall_free",
         metadata=_doc(
@@ -215,6 +223,12 @@ class EngineConfig:
             raise InvalidRequestError(
                 "max_model_len", f"{self.max_model_len} exceeds the model's context of {model_max_len} tokens"
             )
+        attention_backend = self._attention_backend(on_gpu)
+        if self.cuda_graphs and attention_backend != "triton":
+            raise InvalidRequestError(
+                "cuda_graphs",
+                f"needs attention_backend 'triton' (the only one captured), got {attention_backend!r}",
+            )
         return dataclasses.replace(
             self,
             device=device,
@@ -224,7 +238,7 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs or defaults["max_num_seqs"],
             kv_cache_bytes=self.kv_cache_bytes or defaults.get("kv_cache_bytes"),
             max_model_len=self.max_model_len or model_max_len,
-            attention_backend=self._attention_backend(on_gpu),
+            attention_backend=attention_backend,
         )
 
     def _dtype(self, on_gpu: bool) -> str:

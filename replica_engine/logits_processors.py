@@ -37,13 +37,12 @@ def _apply_penalties(logits: torch.Tensor, index: list[int], rows: list[Sampling
     device, vocab = logits.device, logits.shape[-1]
     selected = torch.tensor(index, device=device)
     sub = logits[selected]
-    output_counts = torch.stack([_vocab_row(row.output_counts, vocab, torch.float32) for row in rows])
-    output_counts = output_counts.to(device)
+    output_counts = torch.stack([_vocab_row(row.output_counts, vocab, torch.float32, device) for row in rows])
     in_output = output_counts > 0
     repetition = torch.tensor([row.params.repetition_penalty for row in rows], device=device)[:, None]
     if bool((repetition != 1).any()):
-        prompt_seen = torch.stack([_vocab_row(row.prompt_seen, vocab, torch.bool) for row in rows])
-        seen = in_output | prompt_seen.to(device)
+        prompt_seen = torch.stack([_vocab_row(row.prompt_seen, vocab, torch.bool, device) for row in rows])
+        seen = in_output | prompt_seen
         penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
         sub = torch.where(seen, penalized, sub)
     frequency = torch.tensor([row.params.frequency_penalty for row in rows], device=device)[:, None]
@@ -52,6 +51,9 @@ def _apply_penalties(logits: torch.Tensor, index: list[int], rows: list[Sampling
     logits[selected] = sub
 
 
-def _vocab_row(values: torch.Tensor | None, vocab: int, dtype: torch.dtype) -> torch.Tensor:
-    """A row's [vocab] counts or flags (zeros where it has none), cut to the logits' width."""
-    return values[:vocab] if values is not None else torch.zeros(vocab, dtype=dtype)
+def _vocab_row(
+    values: torch.Tensor | None, vocab: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A row's [vocab] counts or flags (zeros where it has none), cut to the logits' width, on
+    the logits' device (the model runner keeps them there already)."""
+    return values[:vocab].to(device) if values is not None else torch.zeros(vocab, dtype=dtype, device=device)

@@ -13,8 +13,9 @@ import torch
 from common.logprobs import TokenLogprob
 from common.sampling_params import SamplingParams
 from replica_engine.config import EngineConfig
+from replica_engine.decode_graphs import DecodeGraphs
 from replica_engine.executor import RunnerOutput
-from replica_engine.flat_batch import build_flat_batch
+from replica_engine.flat_batch import FlatBatch, build_flat_batch
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens, blocks_in_bytes, kv_block_bytes
 from replica_engine.logprobs import logprobs_of
 from replica_engine.models.llama import LlamaForCausalLM
@@ -36,11 +37,12 @@ class ModelRunner:
         attention = model.model.layers[0].self_attn
         self.kv_shape = (config.block_size, attention.num_kv_heads, attention.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.decode_graphs: DecodeGraphs | None = None  # with cuda_graphs, once the pool exists
         assert config.max_num_seqs is not None and config.max_model_len is not None  # resolved
         assert config.max_num_batched_tokens is not None
         longest = max(config.max_model_len, config.max_num_batched_tokens)  # the memory profile's row
         vocab_size = model.config.vocab_size
-        self.rows = PersistentBatch(config.max_num_seqs, longest, config.block_size, vocab_size)
+        self.rows = PersistentBatch(config.max_num_seqs, longest, config.block_size, vocab_size, self.device)
         # Fills grammar bitmasks while the model runs (the forward releases the GIL in its kernels).
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmasks")
 
@@ -72,7 +74,7 @@ class ModelRunner:
         the memory it needed beyond what was allocated before."""
         num_tokens = self.config.max_num_batched_tokens
         num_blocks = blocks_for_tokens(num_tokens, self.config.block_size)
-        self.allocate_kv_cache(num_blocks + 1)
+        self._allocate_pool(num_blocks + 1)
         sampling = SamplingRow(SamplingParams(max_tokens=1, temperature=0.0), None)
         row = ScheduledRow(
             "profile", (0,) * num_tokens, 0, tuple(range(NULL_BLOCK_ID + 1, num_blocks + 1)), False, sampling
@@ -89,7 +91,17 @@ class ModelRunner:
         return peak
 
     def allocate_kv_cache(self, pool_size: int) -> None:
-        """`pool_size` blocks per layer for K and for V, the null block included."""
+        """`pool_size` blocks per layer for K and for V, the null block included; then, with
+        cuda_graphs, the decode graphs over that pool (captured on a GPU)."""
+        self._allocate_pool(pool_size)
+        if self.config.cuda_graphs:
+            width = self.rows.block_table.shape[1]
+            assert self.config.max_num_seqs is not None  # resolved
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, width)
+            if self.device.type == "cuda":
+                self.decode_graphs.capture()
+
+    def _allocate_pool(self, pool_size: int) -> None:
         self.kv_caches = [
             (
                 torch.zeros((pool_size, *self.kv_shape), dtype=self.config.torch_dtype, device=self.device),
@@ -109,7 +121,7 @@ class ModelRunner:
         bitmasks = self._fill_bitmasks(sampling_rows)
         started = time.perf_counter()
         try:
-            hidden = self.model(flat.input_ids, flat.positions, self.kv_caches, flat.attention)
+            hidden = self._forward(flat)
             prompt_logprobs = self._prompt_logprobs(batch.rows, hidden)
             if sampling_rows:
                 logits = self.model.compute_logits(hidden[flat.logits_indices])
@@ -126,6 +138,12 @@ class ModelRunner:
         # Last: a batch that raised before here counted nothing, so its rows can be rerun alone.
         self.rows.count_sampled([row.request_id for row in sampling_rows], sampled.token_ids)
         return RunnerOutput(sampled, prompt_logprobs, model_s)
+
+    def _forward(self, flat: FlatBatch) -> torch.Tensor:
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.handles(flat):  # one token a row: replayed (GPU)
+            return graphs.run(flat)
+        return self.model(flat.input_ids, flat.positions, self.kv_caches, flat.attention)
 
     def _fill_bitmasks(self, rows: list[ScheduledRow]) -> Future[torch.Tensor] | None:
         """The constrained rows' bitmasks, one batch mask filled on the grammar thread."""

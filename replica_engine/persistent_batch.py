@@ -16,12 +16,24 @@ import torch
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
 from replica_engine.scheduler.plan import ScheduledBatch, ScheduledRow, TokenHistory
 
+_HOST = torch.device("cpu")
+
 
 class PersistentBatch:
-    def __init__(self, max_num_seqs: int, max_num_tokens: int, block_size: int, vocab_size: int) -> None:
-        """Room for `max_num_seqs` requests of up to `max_num_tokens` tokens each."""
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_tokens: int,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device = _HOST,
+    ) -> None:
+        """Room for `max_num_seqs` requests of up to `max_num_tokens` tokens each. Block tables
+        stay on the host (each step's rows go over with the batch's inputs); penalty counts live
+        on `device`, beside the logits they adjust."""
         self.block_size = block_size
         self.vocab_size = vocab_size
+        self.device = device
         width = blocks_for_tokens(max_num_tokens, block_size)
         self.block_table = torch.full((max_num_seqs, width), NULL_BLOCK_ID, dtype=torch.int32)
         self._slots: dict[str, int] = {}  # request id -> its row of block_table
@@ -70,14 +82,14 @@ class PersistentBatch:
             table[row.block_offset : end] = torch.tensor(row.new_block_ids, dtype=torch.int32)
 
     def _set_history(self, request_id: str, history: TokenHistory) -> None:
-        counts = torch.zeros(self.vocab_size)
+        counts = torch.zeros(self.vocab_size, device=self.device)
         if history.output_token_ids:
-            ids = torch.tensor(history.output_token_ids)
-            counts.index_add_(0, ids, torch.ones(len(ids)))
+            ids = torch.tensor(history.output_token_ids, device=self.device)
+            counts.index_add_(0, ids, torch.ones(len(ids), device=self.device))
         self._output_counts[request_id] = counts
         if history.prompt_token_ids:
-            seen = torch.zeros(self.vocab_size, dtype=torch.bool)
-            seen[torch.tensor(history.prompt_token_ids)] = True
+            seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            seen[torch.tensor(history.prompt_token_ids, device=self.device)] = True
             self._prompt_seen[request_id] = seen
 
     def block_tables(self, batch: ScheduledBatch) -> torch.Tensor:

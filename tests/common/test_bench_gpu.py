@@ -34,7 +34,8 @@ def test_the_gpu_benchmark_rehearses_on_the_cpu(tmp_path: Path):
     assert parts["exactness"]["checkpoint"] == "SmolLM2-135M-Instruct (embedded)"
     assert [c["dtype"] for c in parts["exactness"]["triton_attention"]] == ["float32", "bfloat16"]
     steps = parts["steps"]["steps"]
-    assert [s["case"] for s in steps] == ["decode-b1", "decode-b4", "mixed-4+28"]
+    cases = ["decode-b1", "decode-b4", "decode-b1 graphs", "decode-b4 graphs", "mixed-4+28"]
+    assert [s["case"] for s in steps] == cases
     assert all(s["step_ms"] > 0 and s["floor_ms"] > 0 for s in steps)
     assert parts["steps"]["device"]["source"] == "measured here"
     assert parts["offline"]["output_tokens"] > 0

@@ -1,7 +1,9 @@
 """The GPU-only paths of the model runner, rehearsed on the CPU so they cannot rot before a GPU is
-lent: sizing the KV pool from gpu_memory_utilization runs a full-budget profile step through the
-runner's current batch API. CUDA's memory counters cannot run here: a stand-in gives fixed figures
-(weights and the rest of the process: 1 GiB used of 10 GiB; the profile step: 256 MiB at its peak)."""
+lent. Sizing the KV pool from gpu_memory_utilization runs a full-budget profile step through the
+runner's current batch API; CUDA's memory counters cannot run here: a stand-in gives fixed figures
+(weights and the rest of the process: 1 GiB used of 10 GiB; the profile step: 256 MiB at its peak).
+Decode steps with cuda_graphs go through the padded static inputs a captured graph replays (the
+capture itself needs a GPU: bench.gpu's first run checks it)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from common.errors import InvalidRequestError
 from common.model_source import resolve_model
 from replica_engine import EngineConfig
 from replica_engine.attention import get_backend
@@ -56,3 +59,43 @@ def test_the_kv_pool_is_sized_from_gpu_memory_utilization_after_a_profile_step(m
     assert fake.calls.count("reset_peak_memory_stats") == 1 and "empty_cache" in fake.calls
     assert runner.rows.num_held == 0  # the profile's row is forgotten
     assert runner.kv_caches == []  # and its throwaway pool dropped, for the real one
+
+
+def test_decode_steps_through_the_padded_static_batch_give_the_same_tokens(tmp_path, monkeypatch):
+    """cuda_graphs on the CPU: no graph is captured, but every decode step goes through the
+    padded static inputs a graph would replay (requests finishing at different steps: 3 rows,
+    then 2, then 1). Transformers' random init keeps the logits apart, so any mixing of rows
+    or a stale input would change a token."""
+    from bench.gpu_checks import random_checkpoint, random_prompts
+    from replica_engine import LLM, SamplingParams
+    from replica_engine.decode_graphs import DecodeGraphs
+
+    checkpoint = random_checkpoint(tmp_path, "tiny-llama")
+    prompts = random_prompts((7, 19, 30), vocab_size=512)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 6, 9)]
+    settings = dict(
+        model=str(checkpoint), dtype="float32", attention_backend="triton", kv_cache_bytes=4 << 20
+    )
+    expected = [o.token_ids for o in LLM(**settings).generate(prompts, params)]
+
+    padded: list[tuple[int, int]] = []
+    run = DecodeGraphs.run
+
+    def spy(self: DecodeGraphs, flat):
+        num_rows = flat.input_ids.shape[0]
+        padded.append((num_rows, self.padded_size(num_rows)))
+        return run(self, flat)
+
+    monkeypatch.setattr(DecodeGraphs, "run", spy)
+    llm = LLM(**settings, cuda_graphs=True, max_num_seqs=6)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert {(3, 4), (2, 2), (1, 1)} <= set(padded), padded
+    assert llm.engine.core.runner.decode_graphs.sizes == (1, 2, 4, 6)
+    assert not llm.engine.core.runner.decode_graphs.graphs  # nothing captured on a CPU
+
+
+def test_cuda_graphs_need_the_triton_backend():
+    from replica_engine import LLM
+
+    with pytest.raises(InvalidRequestError, match="cuda_graphs"):
+        LLM(model="dummy:tiny-llama", attention_backend="torch", cuda_graphs=True, kv_cache_bytes=4 << 20)
