@@ -89,6 +89,14 @@ SERVING_SPECS: dict[str, BenchSpec] = {
                     Col("Poisson TBT p99", "poisson_tbt_p99_s", "x"),
                 ),
             ),
+            Rows(
+                "cores",
+                "Where the 2 cores went during each server's c=16 run: CPU seconds per process (the"
+                " largest six, then the rest), and their share of the run's core-seconds:",
+                "c16_cpu/*/by_process/*",
+                ("server", "process"),
+                (Col("CPU s", "cpu_s"), Col("share of the cores", "share_of_cores", "pct")),
+            ),
             Values(
                 "engine_alone",
                 "The engine alone at c=16 (the same requests straight into an in-process engine, its core"
