@@ -252,12 +252,11 @@ FLEET_SPECS: dict[str, BenchSpec] = {
         "1,000 streams with hang-ups and a replica killed half-way",
         _soak(
             (
-                Col("replacement running after the kill", "kill/replaced_after_s", "s"),
-                Col(
-                    "failed among requests sent 10 s after the kill",
-                    "kill/failed_among_sent_10s_after",
-                    "int",
-                ),
+                Col("clients that hung", "hung", "int"),
+                Col("replica killed at", "fault/at_s", "s"),
+                Col("replacement serving after the kill", "fault/whole_after_s", "s"),
+                Col("requests sent after that", "fault/sent_after_whole", "int"),
+                Col("failed among them", "fault/failed_among_sent_after_whole", "int"),
             )
         ),
     ),
