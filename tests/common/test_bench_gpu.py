@@ -1,8 +1,8 @@
 """`python -m bench.gpu --dry-run` on this CPU, as make test runs it so the command cannot rot
 before a session is lent a GPU: every part runs (Triton in its interpreter, tiny dummy shapes, a
-served run through Ray Serve), the exactness checks pass, and the speed goals stay unjudged (a
-CPU's figures are not an H100's). Also the stand-in the lent machine compares against, where
-the embedded SmolLM2 cannot travel: a random checkpoint without a tokenizer."""
+served run through Ray Serve), the exactness checks pass (against the stand-in the lent machine
+uses where the embedded SmolLM2 cannot travel: a random checkpoint without a tokenizer), and the
+speed goals stay unjudged (a CPU's figures are not an H100's)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from bench import gpu, gpu_checks
 from common.errors import InvalidRequestError
-from replica_engine import LLM
+from replica_engine import LLM, SamplingParams
 
 
 @pytest.mark.own_ray_cluster
@@ -31,7 +31,7 @@ def test_the_gpu_benchmark_rehearses_on_the_cpu(tmp_path: Path):
         ("float32", "triton"),
         ("bfloat16", "triton"),
     ]
-    assert parts["exactness"]["checkpoint"] == "SmolLM2-135M-Instruct (embedded)"
+    assert parts["exactness"]["checkpoint"] == "tiny-llama shape, transformers' random init"
     assert [c["dtype"] for c in parts["exactness"]["triton_attention"]] == ["float32", "bfloat16"]
     steps = parts["steps"]["steps"]
     cases = ["decode-b1", "decode-b4", "decode-b1 graphs", "decode-b4 graphs", "mixed-4+28"]
@@ -43,11 +43,11 @@ def test_the_gpu_benchmark_rehearses_on_the_cpu(tmp_path: Path):
     assert all(figures["output_tok_per_s"] > 0 for figures in parts["served"].values())
 
 
-def test_a_checkpoint_without_a_tokenizer_serves_token_ids_and_matches_transformers(tmp_path: Path):
+def test_a_checkpoint_without_a_tokenizer_serves_token_ids(tmp_path: Path):
+    """The stand-in the lent machine compares against (the dry run above checks its outputs)."""
     checkpoint = gpu_checks.random_checkpoint(tmp_path, "tiny-llama")
     assert not list(checkpoint.glob("tokenizer*"))
-    check = gpu_checks.check_against_transformers(checkpoint, "float32", "cpu", (5, 9, 30), max_tokens=6)
-    assert check["passed"] and check["kv_blocks_returned"], check
     llm = LLM(model=str(checkpoint), dtype="float32", kv_cache_bytes=4 << 20)
+    assert len(llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
     with pytest.raises(InvalidRequestError, match="no tokenizer"):
         llm.generate("text needs a tokenizer")
