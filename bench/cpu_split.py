@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import psutil
 
@@ -36,11 +37,11 @@ def _cpu_seconds() -> dict[int, tuple[str, float]]:
 
 
 @contextmanager
-def cpu_split() -> Iterator[dict[str, float]]:
+def cpu_split() -> Iterator[dict[str, Any]]:
     """`with cpu_split() as split:` ... ; afterwards `split` holds the block's "wall_s", the
     machine's "cores", and "by_process": per group (the TOP largest, then "the rest") its CPU
     seconds and their share of the machine's core-seconds."""
-    split: dict[str, float] = {}
+    split: dict[str, Any] = {}
     before = _cpu_seconds()
     started = time.monotonic()
     yield split

@@ -10,11 +10,12 @@ beside them, and are the floors on a device no spec sheet names (the CPU of a dr
 from __future__ import annotations
 
 import gc
-import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
+from bench.floors import best_time
 from bench.step_timing import ModelTime, StepResult, step_result, time_decode_steps, time_mixed_steps
 from replica_engine import EngineConfig, LLMEngine
 
@@ -37,20 +38,15 @@ class DeviceRates:
     measured_bf16_flops_per_s: float  # a square bf16 matmul
 
 
-def _best_of(fn, repeats: int, device: torch.device) -> float:
-    def sync() -> None:
+def _synced(fn: Callable[[], object], device: torch.device) -> Callable[[], None]:
+    """`fn`, then waiting for the device: a GPU's work is timed when done, not when launched."""
+
+    def run() -> None:
+        fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - started)
-    return best
+    return run
 
 
 def device_rates(device: torch.device, dry_run: bool) -> DeviceRates:
@@ -59,9 +55,9 @@ def device_rates(device: torch.device, dry_run: bool) -> DeviceRates:
     copy_bytes, size = (64 << 20, 512) if dry_run else (2 << 30, 8192)
     source = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device=device)
     target = torch.empty_like(source)
-    copied = 2 * copy_bytes / _best_of(lambda: target.copy_(source), 5, device)
+    copied = 2 * copy_bytes / best_time(_synced(lambda: target.copy_(source), device), 5)
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    flops = 2 * size**3 / _best_of(lambda: a @ a, 5, device)
+    flops = 2 * size**3 / best_time(_synced(lambda: a @ a, device), 5)
     spec = next((rates for key, rates in SPEC_SHEETS.items() if key in name), None)
     if spec is None:
         return DeviceRates(name, copied, flops, "measured here", copied, flops)

@@ -105,14 +105,11 @@ def timed_steps(engine: LLMEngine, model_time: ModelTime, count: int) -> tuple[f
     return statistics.median(steps), statistics.median(model)
 
 
-def _token(index: int, engine: LLMEngine) -> int:
-    return index % engine.model_config.vocab_size  # a tiny dummy model's vocabulary is 512 ids
-
-
 def add_decoders(engine: LLMEngine, count: int, context: int, params: SamplingParams) -> list[str]:
     """`count` requests of `context` - 1 distinct prompt tokens each, to decode from."""
+    vocab = engine.model_config.vocab_size  # a tiny dummy model's is 512 ids
     return [
-        engine.add_request([_token(1000 + (7 * i + j) % 20000, engine) for j in range(context - 1)], params)
+        engine.add_request([(1000 + (7 * i + j) % 20000) % vocab for j in range(context - 1)], params)
         for i in range(count)
     ]
 
@@ -155,7 +152,8 @@ def time_mixed_steps(
     ids = add_decoders(engine, decodes, context, params)
     _prefill_all(engine)
     contexts = [r.num_tokens + num_steps // 2 for r in scheduler.running]
-    prompt = [_token(300 + (13 * j) % 20000, engine) for j in range(chunk * (num_steps + 1))]
+    vocab = engine.model_config.vocab_size
+    prompt = [(300 + (13 * j) % 20000) % vocab for j in range(chunk * (num_steps + 1))]
     ids.append(engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0)))
     summaries.clear()
     timing = timed_steps(engine, model_time, num_steps)
