@@ -40,9 +40,10 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # with cuda_graphs, once the pool exists
         assert config.max_num_seqs is not None and config.max_model_len is not None  # resolved
         assert config.max_num_batched_tokens is not None
-        longest = max(config.max_model_len, config.max_num_batched_tokens)  # the memory profile's row
         vocab_size = model.config.vocab_size
-        self.rows = PersistentBatch(config.max_num_seqs, longest, config.block_size, vocab_size, self.device)
+        self.rows = PersistentBatch(
+            config.max_num_seqs, config.max_model_len, config.block_size, vocab_size, self.device
+        )
         # Fills grammar bitmasks while the model runs (the forward releases the GIL in its kernels).
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmasks")
 
@@ -71,21 +72,26 @@ class ModelRunner:
 
     def _profile_peak_step_bytes(self) -> int:
         """Run one step of max_num_batched_tokens tokens against a throwaway pool and measure
-        the memory it needed beyond what was allocated before."""
+        the memory it needed beyond what was allocated before. The budget may exceed the context
+        (positions past it have no rotary angle): rows of at most max_model_len tokens share it."""
         num_tokens = self.config.max_num_batched_tokens
-        num_blocks = blocks_for_tokens(num_tokens, self.config.block_size)
-        self._allocate_pool(num_blocks + 1)
+        row_len = self.config.max_model_len
+        lengths = [min(row_len, num_tokens - start) for start in range(0, num_tokens, row_len)]
+        row_blocks = [blocks_for_tokens(length, self.config.block_size) for length in lengths]
+        self._allocate_pool(sum(row_blocks) + 1)
         sampling = SamplingRow(SamplingParams(max_tokens=1, temperature=0.0), None)
-        row = ScheduledRow(
-            "profile", (0,) * num_tokens, 0, tuple(range(NULL_BLOCK_ID + 1, num_blocks + 1)), False, sampling
-        )
+        rows, first_block = [], NULL_BLOCK_ID + 1
+        for index, (length, num_blocks) in enumerate(zip(lengths, row_blocks, strict=True)):
+            block_ids = tuple(range(first_block, first_block + num_blocks))
+            rows.append(ScheduledRow(f"profile-{index}", (0,) * length, 0, block_ids, False, sampling))
+            first_block += num_blocks
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self.execute(ScheduledBatch((row,)))
+        self.execute(ScheduledBatch(tuple(rows)))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        self.rows.release([row.request_id])
+        self.rows.release([row.request_id for row in rows])
         self.kv_caches = []
         torch.cuda.empty_cache()
         return peak

@@ -38,12 +38,13 @@ class FakeCudaMemory:
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (9 * GiB, 10 * GiB))
 
 
-def test_the_kv_pool_is_sized_from_gpu_memory_utilization_after_a_profile_step(monkeypatch):
+@pytest.mark.parametrize("max_model_len", [None, 48])  # 48: the budget spans three rows
+def test_the_kv_pool_is_sized_from_gpu_memory_utilization_after_a_profile_step(monkeypatch, max_model_len):
     source = resolve_model("dummy:tiny-llama")
     model_config = load_config(source)
-    config = EngineConfig(model="dummy:tiny-llama", dtype="float32", max_num_batched_tokens=128).resolve(
-        model_config
-    )
+    config = EngineConfig(
+        model="dummy:tiny-llama", dtype="float32", max_num_batched_tokens=128, max_model_len=max_model_len
+    ).resolve(model_config)
     config = dataclasses.replace(config, kv_cache_bytes=None, num_kv_blocks=None, gpu_memory_utilization=0.5)
     model = load_model(
         source, model_config, get_backend("torch"), torch.float32, torch.device("cpu"), config.max_model_len
@@ -57,7 +58,7 @@ def test_the_kv_pool_is_sized_from_gpu_memory_utilization_after_a_profile_step(m
     # 10 GiB x 0.5, less the 1 GiB in use, less the profile step's 256 MiB peak.
     assert num_blocks == blocks_in_bytes(5 * GiB - GiB - 256 * MiB, runner.bytes_per_block)
     assert fake.calls.count("reset_peak_memory_stats") == 1 and "empty_cache" in fake.calls
-    assert runner.rows.num_held == 0  # the profile's row is forgotten
+    assert runner.rows.num_held == 0  # the profile's rows are forgotten
     assert runner.kv_caches == []  # and its throwaway pool dropped, for the real one
 
 
