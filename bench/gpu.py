@@ -209,6 +209,8 @@ def run_part(name: str, part: Callable[[], dict]) -> dict:
     except Exception as error:  # recorded, printed, and judged a miss
         traceback.print_exc()
         return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-4000:]}
+    finally:  # a failed part's engine (in reference cycles) must not take the next part's memory
+        gpu_steps.free_device_memory()
 
 
 def goals_met(result: dict, dry_run: bool) -> dict[str, bool]:

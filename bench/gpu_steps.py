@@ -99,7 +99,7 @@ def measure(plan: StepPlan, device: str, rates: DeviceRates) -> list[StepResult]
             case = f"decode-b{batch}" + (" graphs" if graphs else "")
             results.append(step_result(dtype, case, timing, work, floor_rates, True, GOAL_RATIO))
         del engine, model_time
-        _free_device_memory()
+        free_device_memory()
     for decodes, chunk in plan.mixed:
         config = EngineConfig(
             **common,
@@ -114,11 +114,11 @@ def measure(plan: StepPlan, device: str, rates: DeviceRates) -> list[StepResult]
         case = f"mixed-{decodes}+{chunk}"
         results.append(step_result(dtype, case, timing, work, floor_rates, False, GOAL_RATIO))
         del engine
-        _free_device_memory()
+        free_device_memory()
     return results
 
 
-def _free_device_memory() -> None:
+def free_device_memory() -> None:
     """The last engine's weights and KV pool gone before the next one sizes its pool."""
     gc.collect()
     if torch.cuda.is_available():

@@ -143,7 +143,11 @@ def time_mixed_steps(
 ) -> tuple[tuple[float, float], StepWork]:
     """Steps of `decodes` requests decoding (each ~`context` tokens in) beside a long prompt's
     `chunk`-token chunk, as the stall-free scheduler makes them when its budget is decodes +
-    chunk (the engine's). Checks every timed step had that shape; leaves the engine empty."""
+    chunk (the engine's). Checks every timed step had that shape; leaves the engine empty. The
+    long prompt fits the context, so a large chunk gets fewer than `num_steps` steps."""
+    assert engine.config.max_model_len is not None  # resolved
+    num_steps = min(num_steps, engine.config.max_model_len // chunk - 1)
+    assert num_steps >= 1, f"a {chunk}-token chunk leaves no step in a {engine.config.max_model_len} context"
     scheduler = engine.core.scheduler
     summaries: list[StepSummary] = []
     engine.step_listeners.append(summaries.append)
