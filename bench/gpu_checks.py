@@ -68,16 +68,22 @@ def random_prompts(lengths: tuple[int, ...], vocab_size: int, seed: int = 0) -> 
 
 
 def check_against_transformers(
-    model_dir: Path, dtype: str, device: str, lengths: tuple[int, ...], max_tokens: int
+    model_dir: Path, dtype: str, device: str, lengths: tuple[int, ...], max_tokens: int, cuda_graphs: bool
 ) -> dict:
-    """Greedy outputs up to ties; KV blocks all returned afterwards."""
+    """Greedy outputs up to ties; KV blocks all returned afterwards. With cuda_graphs, decode
+    steps replay captured graphs (on a CPU: the same padded batches, eagerly)."""
     from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype)
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
     prompts = random_prompts(lengths, hf_model.config.vocab_size)
     ours = LLM(
-        model=str(model_dir), dtype=dtype, device=device, attention_backend="triton", kv_cache_bytes=256 << 20
+        model=str(model_dir),
+        dtype=dtype,
+        device=device,
+        attention_backend="triton",
+        kv_cache_bytes=256 << 20,
+        cuda_graphs=cuda_graphs,
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     outputs = [o.token_ids for o in ours.generate(prompts, params)]
@@ -90,6 +96,7 @@ def check_against_transformers(
     tolerance = TIE_TOLERANCES[dtype]
     return {
         "dtype": dtype,
+        "cuda_graphs": cuda_graphs,
         "attention_backend": ours.engine.config.attention_backend,
         "prompts": len(prompts),
         "max_tokens": max_tokens,

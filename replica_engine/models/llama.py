@@ -8,6 +8,7 @@ from torch import nn
 
 from replica_engine.attention.base import AttentionBackend, AttentionMetadata
 from replica_engine.kernels import cpu as cpu_kernels
+from replica_engine.kernels import pointwise
 from replica_engine.models.rotary import RotaryEmbedding, apply_rotary
 
 CosSin = tuple[torch.Tensor, torch.Tensor]  # every token's rotary cos and sin, [T, 1, head_dim]
@@ -22,13 +23,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.rms_norm(x, self.weight, self.eps)[0]
+        return pointwise.rms_norm(x, self.weight, self.eps)[0]
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x); the residual stream starts as x (residual None)."""
-        return cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+        return pointwise.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Linear(nn.Linear):
@@ -104,7 +105,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(pointwise.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from replica_engine.kernels import cpu as cpu_kernels
+from replica_engine.kernels import pointwise
 
 
 def _inv_freq(config) -> tuple[torch.Tensor, float]:
@@ -47,6 +47,6 @@ def apply_rotary(
     """q [T, heads, d], k [T, kv_heads, d]; returns both rotated by their tokens' positions (in
     place, by the CPU kernel, where it applies)."""
     cos, sin = cos_sin
-    if cpu_kernels.rotary_(q, k, cos, sin):
+    if pointwise.rotary_(q, k, cos, sin):
         return q, k
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -27,9 +27,10 @@ def test_the_gpu_benchmark_rehearses_on_the_cpu(tmp_path: Path):
         name: part["error"] for name, part in parts.items() if "error" in part
     }
     checks = parts["exactness"]["against_transformers"]
-    assert [(c["dtype"], c["attention_backend"]) for c in checks] == [
-        ("float32", "triton"),
-        ("bfloat16", "triton"),
+    assert [(c["dtype"], c["cuda_graphs"], c["attention_backend"]) for c in checks] == [
+        ("float32", False, "triton"),
+        ("bfloat16", False, "triton"),
+        ("bfloat16", True, "triton"),
     ]
     assert parts["exactness"]["checkpoint"] == "tiny-llama shape, transformers' random init"
     assert [c["dtype"] for c in parts["exactness"]["triton_attention"]] == ["float32", "bfloat16"]
@@ -38,7 +39,8 @@ def test_the_gpu_benchmark_rehearses_on_the_cpu(tmp_path: Path):
     assert [s["case"] for s in steps] == cases
     assert all(s["step_ms"] > 0 and s["floor_ms"] > 0 for s in steps)
     assert parts["steps"]["device"]["source"] == "measured here"
-    assert parts["offline"]["output_tokens"] > 0
+    assert set(parts["offline"]) == {"eager", "graphs"}
+    assert all(run["output_tokens"] > 0 and run["steps"] > 0 for run in parts["offline"].values())
     assert set(parts["served"]) == {"c1", "c4"}
     assert all(figures["output_tok_per_s"] > 0 for figures in parts["served"].values())
 

@@ -27,7 +27,8 @@ SHAPES = {
 
 
 @pytest.mark.parametrize("batch_kind", list(SHAPES))
-@pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (4, 1), (8, 1)])  # GQA ratios 1, 4, 8
+# GQA ratios 1, 4, 3 (SmolLM2's) and 8
+@pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (4, 1), (6, 2), (8, 1)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_triton_matches_the_reference(batch_kind: str, heads: int, kv_heads: int, head_dim: int):
     # Different inputs per case, the same on every run (str hashes are salted per process).
