@@ -100,3 +100,15 @@ def test_cuda_graphs_need_the_triton_backend():
 
     with pytest.raises(InvalidRequestError, match="cuda_graphs"):
         LLM(model="dummy:tiny-llama", attention_backend="torch", cuda_graphs=True, kv_cache_bytes=4 << 20)
+
+
+@pytest.mark.parametrize(
+    ("device", "backend", "expected"),
+    [("cpu", "auto", False), ("cuda", "auto", True), ("cuda", "torch", False)],
+)
+def test_cuda_graphs_default_on_for_a_gpu_with_triton(monkeypatch, device, backend, expected):
+    """Resolved only (no model runs): a GPU is pretended, which is all the resolution asks."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model_config = load_config(resolve_model("dummy:tiny-llama"))
+    config = EngineConfig(model="dummy:tiny-llama", device=device, attention_backend=backend)
+    assert config.resolve(model_config).cuda_graphs is expected
