@@ -14,6 +14,7 @@ from common.errors import InvalidRequestError
 from common.model_source import DEFAULT_MODEL, context_length
 from replica_engine.attention import ATTENTION_BACKENDS
 from replica_engine.kernels.cpu import cpu_ops
+from replica_engine.parallel.tensor_parallel import check_divisible
 from replica_engine.scheduler import SCHEDULING_POLICIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -115,6 +116,14 @@ class EngineConfig:
             "`triton`: one kernel launch per layer for a mixed batch of prompt chunks and decodes "
             "over the paged cache; `cpu`: our C++ kernels reading the paged cache in place; "
             "`torch`: the reference (gather + SDPA)"
+        ),
+    )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=_doc(
+            "Workers one replica's model is split over (Megatron-style: heads, MLP width and "
+            "vocabulary divided among them), each a process of its own; gloo on a CPU, NCCL on "
+            "a GPU. Must divide the model's query and KV heads, MLP width and vocabulary"
         ),
     )
     cuda_graphs: bool | None = field(
@@ -219,6 +228,7 @@ class EngineConfig:
         if on_gpu and not torch.cuda.is_available():
             raise InvalidRequestError("device", f"{device!r} asked for, but CUDA is not available")
         defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
+        check_divisible(model_config, self.tensor_parallel_size)
         model_max_len = context_length(model_config.to_dict())
         if self.max_model_len is not None and self.max_model_len > model_max_len:
             raise InvalidRequestError(

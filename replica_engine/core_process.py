@@ -10,19 +10,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pickle
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
 import torch
 
 from common.metrics_sinks import BufferedSink
+from replica_engine.child_process import Channel, start_child
 from replica_engine.config import EngineConfig
 from replica_engine.core_client import OnOutputs
 from replica_engine.core_loop import SHUTDOWN, CoreLoop, CoreMessage, EngineOutputs
@@ -32,25 +30,6 @@ from replica_engine.metrics.engine_metrics import MODEL_LABEL
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 10
-
-
-class Channel:
-    """One end of the socket pair, carrying pickled objects. Plain pickle, not the Connection's own
-    (multiprocessing's ForkingPickler, with torch's reducers): that sends a tensor, a seeded
-    request's generator state among them, as a shared-memory handle that only a process started
-    by multiprocessing may open."""
-
-    def __init__(self, fd: int) -> None:
-        self._connection = Connection(fd)
-
-    def send(self, message: object) -> None:
-        self._connection.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def recv(self) -> object:
-        return pickle.loads(self._connection.recv_bytes())
-
-    def poll(self, timeout: float) -> bool:
-        return self._connection.poll(timeout)
 
 
 @dataclass(frozen=True)
@@ -75,16 +54,7 @@ class ProcessCore:
     while a step runs; outputs come in on a reader thread."""
 
     def __init__(self, config: EngineConfig, metrics: EngineMetrics | None, on_outputs: OnOutputs) -> None:
-        ours, theirs = socket.socketpair()
-        # This process's import path: a Ray worker may have the app on it only through its runtime_env.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "replica_engine.core_process", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
-            env=env,
-        )
-        theirs.close()  # so that the core's death reads as end-of-file here
-        self._conn = Channel(ours.detach())
+        self._process, self._conn = start_child("replica_engine.core_process")
         self._closing = False
         model_name = metrics.labels[MODEL_LABEL] if metrics is not None else None
         self._conn.send(CoreArgs(config, model_name, torch.get_num_threads()))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-import torch
 from transformers import PretrainedConfig
 
 from common.errors import InvalidRequestError
@@ -16,15 +15,15 @@ from common.model_source import ModelSource, resolve_model
 from common.prompts import Prompt, PromptProcessor
 from common.sampling_params import SamplingParams
 from common.tokenizer import Message
-from replica_engine.attention import get_backend
 from replica_engine.config import EngineConfig
 from replica_engine.engine_core import EngineCore
 from replica_engine.errors import StepFailedError
 from replica_engine.input_processor import InputProcessor
-from replica_engine.model_runner import ModelRunner
-from replica_engine.models.loader import load_config, load_model, load_tokenizer
+from replica_engine.model_runner import ModelRunner, load_runner
+from replica_engine.models.loader import load_config, load_tokenizer
 from replica_engine.output_processor import RequestState
 from replica_engine.outputs import CoreOutput, EngineStats, RequestOutput
+from replica_engine.parallel.executor import ParallelExecutor
 from replica_engine.step_listeners import StepListener
 from replica_engine.structured import GrammarCompiler
 
@@ -42,18 +41,12 @@ def _resolve(config: EngineConfig) -> tuple[ModelSource, PretrainedConfig, Engin
 
 def build_core(config: EngineConfig, metrics: EngineMetrics | None) -> EngineCore:
     """Load the model and size the KV pool (the engine core's process, or the caller's)."""
-    source, model_config, config = _resolve(config)
-    torch.manual_seed(config.seed)
-    model = load_model(
-        source,
-        model_config,
-        get_backend(config.attention_backend),
-        config.torch_dtype,
-        config.torch_device,
-        config.max_model_len,
-        config.seed,
+    _, model_config, config = _resolve(config)
+    runner: ModelRunner | ParallelExecutor = (
+        load_runner(config)
+        if config.tensor_parallel_size == 1
+        else ParallelExecutor(config, model_config.vocab_size)
     )
-    runner = ModelRunner(model, config)
     num_kv_blocks = runner.num_kv_blocks()
     if num_kv_blocks < 1:
         param = "num_kv_blocks" if config.num_kv_blocks is not None else "kv_cache_bytes"

@@ -1,17 +1,21 @@
 """Runs a sealed step on the model: owns the KV cache tensors and the persistent batch, builds the
 flat batch, samples. It reads only the ScheduledBatch it is given and what it kept of earlier
-ones, never a live request (but a constrained request's grammar, read-only during the step)."""
+ones, never a live request (but a constrained request's grammar, read-only during the step).
+`forward` is the half a tensor-parallel worker runs: every worker computes the step, and the
+first one's logits go to the sampler in the engine core (parallel/executor.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 
 import torch
 
 from common.logprobs import TokenLogprob
+from common.model_source import resolve_model
 from common.sampling_params import SamplingParams
+from replica_engine.attention import get_backend
+from replica_engine.batch_sampler import BatchSampler
 from replica_engine.config import EngineConfig
 from replica_engine.decode_graphs import DecodeGraphs
 from replica_engine.executor import RunnerOutput
@@ -19,12 +23,20 @@ from replica_engine.flat_batch import FlatBatch, build_flat_batch
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens, blocks_in_bytes, kv_block_bytes
 from replica_engine.logprobs import logprobs_of
 from replica_engine.models.llama import LlamaForCausalLM
+from replica_engine.models.loader import load_config, load_model
 from replica_engine.persistent_batch import PersistentBatch
-from replica_engine.sampler import sample
 from replica_engine.scheduler.plan import SamplingRow, ScheduledBatch, ScheduledRow
-from replica_engine.structured import new_bitmask
 
 PROMPT_LOGPROBS_SLICE = 512  # positions per logits pass: 512 x a 128k vocabulary is 256 MB of fp32
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """What the model computed in a step, before sampling."""
+
+    logits: torch.Tensor | None  # [sampling rows, vocab] float32; None when no row samples
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # by request id
+    model_s: float = 0.0
 
 
 class ModelRunner:
@@ -44,8 +56,7 @@ class ModelRunner:
         self.rows = PersistentBatch(
             config.max_num_seqs, config.max_model_len, config.block_size, vocab_size, self.device
         )
-        # Fills grammar bitmasks while the model runs (the forward releases the GIL in its kernels).
-        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmasks")
+        self.sampler = BatchSampler(self.rows)
 
     @property
     def bytes_per_block(self) -> int:
@@ -116,79 +127,41 @@ class ModelRunner:
             for _ in self.model.model.layers
         ]
 
+    def release(self, request_ids: list[str]) -> None:
+        """Forget rows outside the scheduler's batches (a startup profile's)."""
+        self.rows.release(request_ids)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Compute every scheduled token; sample one token per `batch.sampling_rows`."""
-        on_gpu = self.device.type == "cuda"
+        bitmasks = self.sampler.start_bitmasks(batch.sampling_rows)
+        try:
+            step = self.forward(batch)
+        finally:  # the matchers are free again before anything (a rerun) touches them
+            self.sampler.wait(bitmasks)
+        if step.logits is None:
+            return RunnerOutput(prompt_logprobs=step.prompt_logprobs, model_s=step.model_s)
+        sampled, sample_s = self.sampler.sample(batch.sampling_rows, step.logits, bitmasks)
+        return RunnerOutput(sampled, step.prompt_logprobs, step.model_s + sample_s)
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> StepLogits:
+        """The step's forward, its prompt logprobs and its sampling rows' logits."""
         self.rows.apply(batch)
         tables = self.rows.block_tables(batch)
+        on_gpu = self.device.type == "cuda"
         flat = build_flat_batch(batch, tables, self.config.block_size, pin_memory=on_gpu).to(self.device)
-        sampling_rows = batch.sampling_rows
-        bitmasks = self._fill_bitmasks(sampling_rows)
         started = time.perf_counter()
-        try:
-            hidden = self._forward(flat)
-            prompt_logprobs = self._prompt_logprobs(batch.rows, hidden)
-            if sampling_rows:
-                logits = self.model.compute_logits(hidden[flat.logits_indices])
-        finally:  # the matchers are free again before anything (a rerun) touches them
-            if bitmasks is not None:
-                wait([bitmasks])
-        model_s = time.perf_counter() - started
-        if not sampling_rows:
-            return RunnerOutput(prompt_logprobs=prompt_logprobs, model_s=model_s)
-        sampling = self._sampling(sampling_rows, bitmasks.result() if bitmasks is not None else None)
-        started = time.perf_counter()
-        sampled = sample(logits, sampling)
-        model_s += time.perf_counter() - started
-        # Last: a batch that raised before here counted nothing, so its rows can be rerun alone.
-        self.rows.count_sampled([row.request_id for row in sampling_rows], sampled.token_ids)
-        return RunnerOutput(sampled, prompt_logprobs, model_s)
+        hidden = self._forward(flat)
+        prompt_logprobs = self._prompt_logprobs(batch.rows, hidden)
+        logits = self.model.compute_logits(hidden[flat.logits_indices]) if batch.sampling_rows else None
+        return StepLogits(logits, prompt_logprobs, time.perf_counter() - started)
 
     def _forward(self, flat: FlatBatch) -> torch.Tensor:
         graphs = self.decode_graphs
         if graphs is not None and graphs.handles(flat):  # one token a row: replayed (GPU)
             return graphs.run(flat)
         return self.model(flat.input_ids, flat.positions, self.kv_caches, flat.attention)
-
-    def _fill_bitmasks(self, rows: list[ScheduledRow]) -> Future[torch.Tensor] | None:
-        """The constrained rows' bitmasks, one batch mask filled on the grammar thread."""
-        grammars = [row.sampling.grammar for row in rows if row.sampling and row.sampling.grammar]
-        if not grammars:
-            return None
-
-        def fill() -> torch.Tensor:
-            bitmask = new_bitmask(len(grammars), grammars[0].vocab_size)
-            for index, grammar in enumerate(grammars):
-                grammar.fill_allowed_tokens(bitmask, index)
-            return bitmask
-
-        return self._grammar_thread.submit(fill)
-
-    def _sampling(self, rows: list[ScheduledRow], bitmask: torch.Tensor | None) -> list[SamplingRow]:
-        """Each sampling row with what this runner adds: its bitmask and its penalty counts."""
-        sampling: list[SamplingRow] = []
-        num_constrained = 0
-        for row in rows:
-            assert row.sampling is not None
-            needs_history = row.sampling.params.needs_token_history
-            if row.sampling.grammar is None and not needs_history:
-                sampling.append(row.sampling)
-                continue
-            allowed = None
-            if row.sampling.grammar is not None:
-                assert bitmask is not None
-                allowed = bitmask[num_constrained : num_constrained + 1]
-                num_constrained += 1
-            sampling.append(
-                dataclasses.replace(
-                    row.sampling,
-                    allowed_tokens=allowed,
-                    output_counts=self.rows.output_counts(row.request_id),
-                    prompt_seen=self.rows.prompt_seen(row.request_id),
-                )
-            )
-        return sampling
 
     def _prompt_logprobs(
         self, rows: tuple[ScheduledRow, ...], hidden: torch.Tensor
@@ -209,3 +182,21 @@ class ModelRunner:
                     found += logprobs_of(logits, targets, [wanted.num_top] * len(targets))
             row_start += row.num_tokens
         return results
+
+
+def load_runner(config: EngineConfig, worker: tuple[int, int] = (0, 1)) -> ModelRunner:
+    """The model (or tensor-parallel worker (rank, size)'s share of it) behind a runner; `config`
+    resolved."""
+    source = resolve_model(config.model)
+    torch.manual_seed(config.seed)
+    model = load_model(
+        source,
+        load_config(source),
+        get_backend(config.attention_backend),
+        config.torch_dtype,
+        config.torch_device,
+        config.max_model_len,
+        config.seed,
+        worker,
+    )
+    return ModelRunner(model, config)

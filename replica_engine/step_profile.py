@@ -10,6 +10,7 @@ from common.sampling_params import SamplingParams
 from replica_engine.config import EngineConfig
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
 from replica_engine.model_runner import ModelRunner
+from replica_engine.parallel.executor import ParallelExecutor
 from replica_engine.scheduler.plan import SamplingRow, ScheduledBatch, ScheduledRow
 from replica_engine.scheduler.step_time_model import StepShape
 
@@ -42,7 +43,7 @@ def profile_shapes(config: EngineConfig) -> list[Rows]:
 
 
 def profile_step_times(
-    runner: ModelRunner, config: EngineConfig, num_kv_blocks: int
+    runner: ModelRunner | ParallelExecutor, config: EngineConfig, num_kv_blocks: int
 ) -> list[tuple[StepShape, float]]:
     """Each shape run twice, the second timed (the first warms caches and allocators). Rows share
     the pool's blocks cyclically: their K/V is garbage, written and read, never cached."""
@@ -57,7 +58,7 @@ def profile_step_times(
         started = time.perf_counter()
         runner.execute(batch)
         samples.append((batch.shape(), time.perf_counter() - started))
-        runner.rows.release(row.request_id for row in batch.rows)
+        runner.release([row.request_id for row in batch.rows])
     return samples
 
 

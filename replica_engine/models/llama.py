@@ -4,6 +4,8 @@ where T is all scheduled tokens of all requests; attention goes through the back
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from replica_engine.attention.base import AttentionBackend, AttentionMetadata
@@ -33,12 +35,17 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear, through the CPU's packed kernel once `pack_for_cpu` has replaced its weight."""
+    """nn.Linear, through the CPU's packed kernel once `pack_for_cpu` has replaced its weight.
+    Row-parallel under tensor parallelism (`sum_across_workers`): each worker holds a slice of
+    the input features, and the partial products are summed over the workers before the bias."""
 
     packed: cpu_kernels.PackedWeight | None = None
+    sum_across_workers = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = cpu_kernels.linear(x, self.packed or self.weight)
+        if self.sum_across_workers:
+            dist.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
     def pack_for_cpu(self) -> None:
@@ -153,6 +160,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, backend)
         self.rotary = RotaryEmbedding(config, max_position)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # Under tensor parallelism: the vocabulary rows this worker holds (embeddings and LM head).
+        self.vocab_shard: tuple[int, int] | None = None
         self.packed_embeddings: cpu_kernels.PackedWeight | None = None  # pack_for_cpu's, when tied
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -164,15 +173,29 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self._embed(input_ids)
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(cos_sin, hidden, residual, kv_cache, metadata)
         return self.model.norm.add_and_norm(hidden, residual)[0]
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.vocab_shard is None:
+            return self.model.embed_tokens(input_ids)
+        start, end = self.vocab_shard  # rows of ids outside the shard are zero here, summed below
+        held = (input_ids >= start) & (input_ids < end)
+        hidden = F.embedding((input_ids - start) * held, self.model.embed_tokens.weight) * held[:, None]
+        dist.all_reduce(hidden)
+        return hidden
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.linear(hidden, self._logits_weight(), float32_out=True)
+        logits = cpu_kernels.linear(hidden, self._logits_weight(), float32_out=True)
+        if self.vocab_shard is None:
+            return logits
+        shards = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
+        dist.all_gather(shards, logits.contiguous())
+        return torch.cat(shards, dim=-1)
 
     def _logits_weight(self) -> torch.Tensor | cpu_kernels.PackedWeight:
         if self.tie_word_embeddings:

@@ -1,0 +1,81 @@
+"""The sampling half of a step, wherever the logits come from (this process's model, or the
+first tensor-parallel worker's): the constrained rows' grammar bitmasks, filled on a thread while
+the model runs; each row's penalty state from the persistent batch; one token per sampling row."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import torch
+
+from replica_engine.executor import SampledTokens
+from replica_engine.persistent_batch import PersistentBatch
+from replica_engine.sampler import sample
+from replica_engine.scheduler.plan import SamplingRow, ScheduledRow
+from replica_engine.structured import new_bitmask
+
+
+class BatchSampler:
+    def __init__(self, rows: PersistentBatch) -> None:
+        self.rows = rows
+        # Fills grammar bitmasks while the model runs (the forward releases the GIL in its kernels).
+        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmasks")
+
+    def start_bitmasks(self, rows: list[ScheduledRow]) -> Future[torch.Tensor] | None:
+        """The constrained rows' bitmasks, one batch mask filled on the grammar thread. Wait on
+        it before anything (a rerun) touches the matchers again."""
+        grammars = [row.sampling.grammar for row in rows if row.sampling and row.sampling.grammar]
+        if not grammars:
+            return None
+
+        def fill() -> torch.Tensor:
+            bitmask = new_bitmask(len(grammars), grammars[0].vocab_size)
+            for index, grammar in enumerate(grammars):
+                grammar.fill_allowed_tokens(bitmask, index)
+            return bitmask
+
+        return self._grammar_thread.submit(fill)
+
+    @staticmethod
+    def wait(bitmasks: Future[torch.Tensor] | None) -> None:
+        if bitmasks is not None:
+            wait([bitmasks])
+
+    def sample(
+        self, rows: list[ScheduledRow], logits: torch.Tensor, bitmasks: Future[torch.Tensor] | None
+    ) -> tuple[SampledTokens, float]:
+        """A token per row (and the seconds it took); the rows' penalty counts take them in."""
+        sampling = self._sampling(rows, bitmasks.result() if bitmasks is not None else None)
+        started = time.perf_counter()
+        sampled = sample(logits, sampling)
+        seconds = time.perf_counter() - started
+        # Last: a batch that raised before here counted nothing, so its rows can be rerun alone.
+        self.rows.count_sampled([row.request_id for row in rows], sampled.token_ids)
+        return sampled, seconds
+
+    def _sampling(self, rows: list[ScheduledRow], bitmask: torch.Tensor | None) -> list[SamplingRow]:
+        """Each sampling row with what the runner adds: its bitmask and its penalty counts."""
+        sampling: list[SamplingRow] = []
+        num_constrained = 0
+        for row in rows:
+            assert row.sampling is not None
+            needs_history = row.sampling.params.needs_token_history
+            if row.sampling.grammar is None and not needs_history:
+                sampling.append(row.sampling)
+                continue
+            allowed = None
+            if row.sampling.grammar is not None:
+                assert bitmask is not None
+                allowed = bitmask[num_constrained : num_constrained + 1]
+                num_constrained += 1
+            sampling.append(
+                dataclasses.replace(
+                    row.sampling,
+                    allowed_tokens=allowed,
+                    output_counts=self.rows.output_counts(row.request_id),
+                    prompt_seen=self.rows.prompt_seen(row.request_id),
+                )
+            )
+        return sampling

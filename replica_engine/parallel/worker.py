@@ -1,0 +1,121 @@
+"""One tensor-parallel worker: a process holding its share of the model and its KV heads' cache,
+started by parallel/executor.py as `python -m replica_engine.parallel.worker FD`. It joins the
+replica's process group, says how many KV blocks fit, then runs every step it is sent. All
+workers run each step (their collectives keep them in lock step); only the first sends the
+step's logits back. A collective that waits on a dead worker gives up after
+COLLECTIVE_TIMEOUT_S, so no worker hangs for ever."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from replica_engine.child_process import Channel
+from replica_engine.config import EngineConfig
+from replica_engine.model_runner import ModelRunner, load_runner
+from replica_engine.scheduler.plan import ScheduledBatch
+
+COLLECTIVE_TIMEOUT_S = 60
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    config: EngineConfig  # the replica's, resolved
+    rank: int
+    address: str  # the process group's rendezvous, tcp://host:port
+    num_threads: int
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    num_kv_blocks: int
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class AllocateKVCache:
+    pool_size: int
+
+
+@dataclass(frozen=True)
+class Release:
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class RunStep:
+    batch: ScheduledBatch  # without grammars or generators: sampling is the executor's
+
+
+STOP = "stop"
+
+
+def build_runner(args: WorkerArgs) -> ModelRunner:
+    config = args.config
+    size = config.tensor_parallel_size
+    backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group(
+        backend, init_method=args.address, rank=args.rank, world_size=size, timeout=timeout
+    )
+    # The replica's KV budget, split: each worker holds its own KV heads for every block.
+    own_bytes = config.kv_cache_bytes // size if config.kv_cache_bytes is not None else None
+    return load_runner(dataclasses.replace(config, kv_cache_bytes=own_bytes), (args.rank, size))
+
+
+def main(fd: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the replica's to handle
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s tp-worker %(name)s: %(message)s"
+    )
+    conn = Channel(fd)
+    args = conn.recv()
+    assert isinstance(args, WorkerArgs)
+    torch.set_num_threads(args.num_threads)
+    try:
+        runner = build_runner(args)
+        conn.send(WorkerReady(runner.num_kv_blocks()))
+    except BaseException as error:
+        conn.send(WorkerFailed(RuntimeError(f"tensor-parallel worker {args.rank}: {error!r}")))
+        return
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the executor is gone
+            return
+        if message == STOP:
+            dist.destroy_process_group()
+            return
+        try:
+            reply: object = None
+            if isinstance(message, AllocateKVCache):
+                runner.allocate_kv_cache(message.pool_size)
+            elif isinstance(message, Release):
+                runner.release(message.request_ids)
+            else:
+                assert isinstance(message, RunStep)
+                step = runner.forward(message.batch)
+                reply = step if args.rank == 0 else None
+        except Exception as error:  # the step fails in the executor; the worker lives on
+            reply = WorkerFailed(RuntimeError(f"tensor-parallel worker {args.rank}: {error!r}"))
+        conn.send(reply)
+
+
+if __name__ == "__main__":
+    # By its importable name: what it unpickles must name `replica_engine.parallel.worker`.
+    from replica_engine.parallel.worker import main as worker_main
+
+    worker_main(int(sys.argv[1]))
+    os._exit(0)  # no waiting on non-daemon threads a library may have left

@@ -1,0 +1,82 @@
+"""Tensor parallelism on the CPU: worker processes joined over torch.distributed's gloo backend
+(the NCCL path on a GPU is the same code; only one GPU is ever lent here, so it is untested).
+Each worker holds its share of the heads, the MLP and the vocabulary; the engine core samples
+from the first worker's gathered logits. The oracle is the same model unsplit."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from common.errors import InvalidRequestError
+from replica_engine import LLM, SamplingParams
+from replica_engine.errors import StepFailedError
+from replica_engine.parallel.executor import WorkerDiedError
+from replica_engine.scheduler.plan import ScheduledBatch
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+LOGPROB_TOLERANCE = 1e-4  # float32, partial sums added in another order
+
+
+def assert_same_up_to_near_ties(split, whole) -> None:
+    """Token ids identical, each token's logprob within the tolerance; where they differ, the
+    whole model's top two must be within the tolerance of each other (a near-tie)."""
+    for ours, theirs in zip(split, whole, strict=True):
+        for mine, reference in zip(ours.logprobs, theirs.logprobs, strict=False):
+            if mine.token_id != reference.token_id:
+                (_, best), (_, second) = reference.top[:2]
+                assert best - second <= LOGPROB_TOLERANCE, (ours.token_ids, theirs.token_ids)
+                break
+            assert abs(mine.logprob - reference.logprob) <= LOGPROB_TOLERANCE
+
+
+def test_three_workers_answer_as_one_model_with_chunked_prompts_and_preemption(llm):
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=2, prompt_logprobs=1)
+    whole = llm.generate(PROMPTS, params)
+    # An 8-token budget chunks every prompt; 5 blocks of 16 tokens for 3 requests preempts.
+    split_llm = LLM(dtype="float32", tensor_parallel_size=3, max_num_batched_tokens=8, num_kv_blocks=5)
+    split = split_llm.generate(PROMPTS, params)
+    assert_same_up_to_near_ties(split, whole)
+    for ours, theirs in zip(split, whole, strict=True):
+        assert ours.prompt_logprobs is not None and theirs.prompt_logprobs is not None
+        for mine, reference in zip(ours.prompt_logprobs, theirs.prompt_logprobs, strict=True):
+            assert abs(mine.logprob - reference.logprob) <= LOGPROB_TOLERANCE
+    stats = split_llm.engine.stats()
+    assert stats.num_preemptions > 0
+    manager = split_llm.engine.core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_blocks  # nothing held after
+
+
+def test_qwen3_shape_on_two_workers_matches_one():
+    """q/k norms and a 16/8-head split, with random weights of Qwen3-0.6B's real shape."""
+    settings = dict(model="dummy:qwen3-0.6b", dtype="float32", kv_cache_bytes=32 << 20, max_model_len=512)
+    prompts = [[11, 2000 + i, 31, 400 * i + 7, 5] for i in range(3)]
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
+    whole = LLM(**settings).generate(prompts, params)
+    split = LLM(**settings, tensor_parallel_size=2).generate(prompts, params)
+    assert_same_up_to_near_ties(split, whole)
+
+
+def test_heads_the_workers_cannot_share_are_refused_by_name():
+    with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size.*9 query heads"):
+        LLM(dtype="float32", tensor_parallel_size=2)
+
+
+def test_a_dead_worker_fails_the_request_and_no_one_hangs():
+    split_llm = LLM(model="dummy:tiny-llama", dtype="float32", kv_cache_bytes=4 << 20, tensor_parallel_size=2)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert len(split_llm.generate([[1, 2, 3]], params)[0].token_ids) == 4
+    executor = split_llm.engine.core.runner
+    worker = executor._workers[1][0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait()
+    for _ in range(2):  # and each later step at once: the survivor's replies are out of step
+        with pytest.raises(StepFailedError):
+            split_llm.generate([[1, 2, 3]], params)
+    with pytest.raises(WorkerDiedError, match="worker 1 exited"):
+        executor.execute(ScheduledBatch(()))
+    processes = [process for process, _ in executor._workers]
+    executor.close()  # the survivor, stuck in a collective with the dead one, is stopped
+    assert all(process.poll() is not None for process in processes)
