@@ -13,10 +13,12 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router i
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
-from common.model_source import served_model_name
+from common.model_source import resolve_model, served_model_name
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import Ingress, IngressSettings
 from replica_engine import DEFAULT_MODEL, EngineConfig, SamplingParams
+from replica_engine.models.loader import load_config
+from replica_engine.parallel.tensor_parallel import check_divisible
 from router.autoscaling import KVPressurePolicy
 from router.kv_router import KVPressureRouter
 from router.prefix_router import KVPrefixRouter
@@ -165,7 +167,15 @@ class AppArgs(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         """Checked here, at build time, so a bad value fails `serve run` with the field's name."""
-        return EngineConfig(model=self.model, **self.engine)
+        config = EngineConfig(model=self.model, **self.engine)
+        if config.tensor_parallel_size > 1:  # against the model's shape, read here too
+            check_divisible(load_config(resolve_model(self.model)), config.tensor_parallel_size)
+            if self.num_cpus <= 0:
+                raise ValueError(
+                    "num_cpus: a tensor-parallel replica reserves a placement-group bundle per "
+                    "worker, and a bundle needs num_cpus > 0"
+                )
+        return config
 
 
 def _autoscaling(args: AppArgs) -> dict[str, Any]:
@@ -203,11 +213,28 @@ def _routing(args: AppArgs) -> dict[str, Any]:
     return {"request_router_config": config}
 
 
+def replica_placement(args: AppArgs, workers: int) -> dict[str, Any]:
+    """The replica's resources. Tensor-parallel workers are child processes of the replica, on
+    its node: a STRICT_PACK placement group with one bundle per worker, the first (the replica's
+    actor) holding every worker's GPUs so that all of them are visible to it (worker r uses the
+    r-th)."""
+    options = {"num_cpus": args.num_cpus, "num_gpus": args.num_gpus * workers, "resources": args.resources}
+    if workers == 1:
+        return {"ray_actor_options": options}
+    gpus = {"GPU": args.num_gpus * workers} if args.num_gpus else {}
+    bundles = [{"CPU": args.num_cpus, **gpus, **args.resources}] + [{"CPU": args.num_cpus}] * (workers - 1)
+    return {
+        "ray_actor_options": options,
+        "placement_group_bundles": bundles,
+        "placement_group_strategy": "STRICT_PACK",
+    }
+
+
 def build_app(args: AppArgs) -> Application:
     engine_config = args.engine_config()
     model_name = args.served_model_name or served_model_name(args.model)
     replica = EngineReplica.options(
-        ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": args.num_gpus, "resources": args.resources},
+        **replica_placement(args, engine_config.tensor_parallel_size),
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
         **_autoscaling(args),

@@ -65,7 +65,10 @@ STOP = "stop"
 def build_runner(args: WorkerArgs) -> ModelRunner:
     config = args.config
     size = config.tensor_parallel_size
-    backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
+    on_gpu = config.torch_device.type == "cuda"
+    if on_gpu:  # the replica sees one GPU per worker (deployments/app.py): this worker's is its rank's
+        torch.cuda.set_device(args.rank)
+    backend = "nccl" if on_gpu else "gloo"
     timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     dist.init_process_group(
         backend, init_method=args.address, rank=args.rank, world_size=size, timeout=timeout

@@ -6,7 +6,7 @@ import pydantic
 import pytest
 import yaml
 
-from deployments.app import AppArgs, build_app
+from deployments.app import AppArgs, build_app, replica_placement
 from harness.serve_cluster import REPO
 
 
@@ -30,4 +30,28 @@ def test_shipped_configs_build(config: str):
 )
 def test_bad_args_name_the_field(args: dict, field: str):
     with pytest.raises((pydantic.ValidationError, ValueError), match=field):
+        build_app(AppArgs.model_validate(args))
+
+
+def test_a_tensor_parallel_replica_reserves_a_bundle_per_worker_on_one_node():
+    args = AppArgs(model="dummy:tiny-llama", num_cpus=0.5, num_gpus=1, engine={"tensor_parallel_size": 2})
+    build_app(args)
+    assert replica_placement(args, 2) == {
+        # the replica's actor sees both GPUs: its workers are its child processes
+        "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 2, "resources": {}},
+        "placement_group_bundles": [{"CPU": 0.5, "GPU": 2}, {"CPU": 0.5}],
+        "placement_group_strategy": "STRICT_PACK",
+    }
+    assert "placement_group_bundles" not in replica_placement(args, 1)
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ({"engine": {"tensor_parallel_size": 2}}, "tensor_parallel_size"),  # SmolLM2's 9 heads
+        ({"model": "dummy:tiny-llama", "num_cpus": 0, "engine": {"tensor_parallel_size": 2}}, "num_cpus"),
+    ],
+)
+def test_bad_tensor_parallel_settings_fail_the_deploy(args: dict, field: str):
+    with pytest.raises(ValueError, match=field):
         build_app(AppArgs.model_validate(args))
