@@ -18,7 +18,6 @@ from deployments.engine_replica import EngineReplica
 from deployments.ingress import Ingress, IngressSettings
 from replica_engine import DEFAULT_MODEL, EngineConfig, SamplingParams
 from replica_engine.models.loader import load_config
-from replica_engine.parallel.tensor_parallel import check_divisible
 from router.autoscaling import KVPressurePolicy
 from router.kv_router import KVPressureRouter
 from router.prefix_router import KVPrefixRouter
@@ -168,12 +167,12 @@ class AppArgs(BaseModel):
     def engine_config(self) -> EngineConfig:
         """Checked here, at build time, so a bad value fails `serve run` with the field's name."""
         config = EngineConfig(model=self.model, **self.engine)
-        if config.tensor_parallel_size > 1:  # against the model's shape, read here too
-            check_divisible(load_config(resolve_model(self.model)), config.tensor_parallel_size)
+        if config.num_workers > 1:  # against the model's shape, read here too
+            config.check_parallel(load_config(resolve_model(self.model)))
             if self.num_cpus <= 0:
                 raise ValueError(
-                    "num_cpus: a tensor-parallel replica reserves a placement-group bundle per "
-                    "worker, and a bundle needs num_cpus > 0"
+                    "num_cpus: a parallel replica reserves a placement-group bundle per worker, "
+                    "and a bundle needs num_cpus > 0"
                 )
         return config
 
@@ -214,7 +213,7 @@ def _routing(args: AppArgs) -> dict[str, Any]:
 
 
 def replica_placement(args: AppArgs, workers: int) -> dict[str, Any]:
-    """The replica's resources. Tensor-parallel workers are child processes of the replica, on
+    """The replica's resources. Parallel workers are child processes of the replica, on
     its node: a STRICT_PACK placement group with one bundle per worker, the first (the replica's
     actor) holding every worker's GPUs so that all of them are visible to it (worker r uses the
     r-th)."""
@@ -234,7 +233,7 @@ def build_app(args: AppArgs) -> Application:
     engine_config = args.engine_config()
     model_name = args.served_model_name or served_model_name(args.model)
     replica = EngineReplica.options(
-        **replica_placement(args, engine_config.tensor_parallel_size),
+        **replica_placement(args, engine_config.num_workers),
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
         **_autoscaling(args),

@@ -14,6 +14,7 @@ from common.errors import InvalidRequestError
 from common.model_source import DEFAULT_MODEL, context_length
 from replica_engine.attention import ATTENTION_BACKENDS
 from replica_engine.kernels.cpu import cpu_ops
+from replica_engine.parallel.pipeline_parallel import check_layers
 from replica_engine.parallel.tensor_parallel import check_divisible
 from replica_engine.scheduler import SCHEDULING_POLICIES
 
@@ -126,6 +127,14 @@ class EngineConfig:
             "a GPU. Must divide the model's query and KV heads, MLP width and vocabulary"
         ),
     )
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata=_doc(
+            "Stages one replica's layers are split over, each a worker process of its own "
+            "passing the hidden states on; one batch in the pipeline at a time for now (memory, "
+            "not yet throughput). Not yet combined with `tensor_parallel_size`"
+        ),
+    )
     cuda_graphs: bool | None = field(
         default=None,
         metadata=_doc(
@@ -228,7 +237,7 @@ class EngineConfig:
         if on_gpu and not torch.cuda.is_available():
             raise InvalidRequestError("device", f"{device!r} asked for, but CUDA is not available")
         defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
-        check_divisible(model_config, self.tensor_parallel_size)
+        self.check_parallel(model_config)
         model_max_len = context_length(model_config.to_dict())
         if self.max_model_len is not None and self.max_model_len > model_max_len:
             raise InvalidRequestError(
@@ -252,7 +261,7 @@ class EngineConfig:
             attention_backend=attention_backend,
             cuda_graphs=self.cuda_graphs
             if self.cuda_graphs is not None
-            else on_gpu and attention_backend == "triton",
+            else on_gpu and attention_backend == "triton" and self.pipeline_parallel_size == 1,
         )
 
     def _dtype(self, on_gpu: bool) -> str:
@@ -270,6 +279,22 @@ class EngineConfig:
         if on_gpu:
             return "triton" if importlib.util.find_spec("triton") is not None else "torch"
         return "cpu" if cpu_ops() is not None else "torch"
+
+    def check_parallel(self, model_config: PretrainedConfig) -> None:
+        """The parallel layout against the model's shape (also at deploy time, on any node)."""
+        check_divisible(model_config, self.tensor_parallel_size)
+        check_layers(model_config, self.pipeline_parallel_size)
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise InvalidRequestError(
+                "pipeline_parallel_size", "not yet combined with tensor_parallel_size above 1"
+            )
+        if self.cuda_graphs and self.pipeline_parallel_size > 1:
+            raise InvalidRequestError("cuda_graphs", "not captured across pipeline stages")
+
+    @property
+    def num_workers(self) -> int:
+        """Model worker processes: 1 means the model runs in the engine core's own process."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -24,6 +24,7 @@ from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens, bl
 from replica_engine.logprobs import logprobs_of
 from replica_engine.models.llama import LlamaForCausalLM
 from replica_engine.models.loader import load_config, load_model
+from replica_engine.parallel.place import WHOLE_MODEL, WorkerPlace
 from replica_engine.persistent_batch import PersistentBatch
 from replica_engine.scheduler.plan import SamplingRow, ScheduledBatch, ScheduledRow
 
@@ -153,11 +154,13 @@ class ModelRunner:
         flat = build_flat_batch(batch, tables, self.config.block_size, pin_memory=on_gpu).to(self.device)
         started = time.perf_counter()
         hidden = self._forward(flat)
+        if hidden is None:  # a pipeline stage before the last: its output went to the next stage
+            return StepLogits(None, {}, time.perf_counter() - started)
         prompt_logprobs = self._prompt_logprobs(batch.rows, hidden)
         logits = self.model.compute_logits(hidden[flat.logits_indices]) if batch.sampling_rows else None
         return StepLogits(logits, prompt_logprobs, time.perf_counter() - started)
 
-    def _forward(self, flat: FlatBatch) -> torch.Tensor:
+    def _forward(self, flat: FlatBatch) -> torch.Tensor | None:
         graphs = self.decode_graphs
         if graphs is not None and graphs.handles(flat):  # one token a row: replayed (GPU)
             return graphs.run(flat)
@@ -184,9 +187,8 @@ class ModelRunner:
         return results
 
 
-def load_runner(config: EngineConfig, worker: tuple[int, int] = (0, 1)) -> ModelRunner:
-    """The model (or tensor-parallel worker (rank, size)'s share of it) behind a runner; `config`
-    resolved."""
+def load_runner(config: EngineConfig, place: WorkerPlace = WHOLE_MODEL) -> ModelRunner:
+    """The model (or one parallel worker's share of it) behind a runner; `config` resolved."""
     source = resolve_model(config.model)
     torch.manual_seed(config.seed)
     model = load_model(
@@ -197,6 +199,6 @@ def load_runner(config: EngineConfig, worker: tuple[int, int] = (0, 1)) -> Model
         config.torch_device,
         config.max_model_len,
         config.seed,
-        worker,
+        place,
     )
     return ModelRunner(model, config)

@@ -3,6 +3,8 @@ where T is all scheduled tokens of all requests; attention goes through the back
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -147,6 +149,23 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+@dataclass(frozen=True)
+class PipelineStage:
+    """Under pipeline parallelism: which of `count` stages this worker is (its rank, with no
+    tensor parallelism), holding a contiguous run of the layers."""
+
+    index: int
+    count: int
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
 class LlamaForCausalLM(nn.Module):
     """Hugging Face parameter names, except the merged qkv_proj and gate_up_proj (see loader)."""
 
@@ -162,6 +181,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Under tensor parallelism: the vocabulary rows this worker holds (embeddings and LM head).
         self.vocab_shard: tuple[int, int] | None = None
+        self.stage: PipelineStage | None = None  # under pipeline parallelism: model.layers are its own
         self.packed_embeddings: cpu_kernels.PackedWeight | None = None  # pack_for_cpu's, when tied
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -172,13 +192,28 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = self._embed(input_ids)
+    ) -> torch.Tensor | None:
+        """The last hidden states, normed; None on a pipeline stage that is not the last (it
+        sends its layers' output, and the residual stream, on to the next stage)."""
+        stage = self.stage
+        if stage is None or stage.first:
+            hidden, residual = self._embed(input_ids), None
+        else:
+            hidden, residual = self._receive(input_ids.shape[0], stage.index - 1)
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
-        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(cos_sin, hidden, residual, kv_cache, metadata)
+        if stage is not None and not stage.last:
+            assert residual is not None  # every stage holds a layer
+            dist.send(torch.stack((hidden, residual)), stage.index + 1)
+            return None
         return self.model.norm.add_and_norm(hidden, residual)[0]
+
+    def _receive(self, num_tokens: int, source: int) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = self.model.layers[0].input_layernorm.weight
+        both = torch.empty((2, num_tokens, self.config.hidden_size), dtype=weight.dtype, device=weight.device)
+        dist.recv(both, source)
+        return both[0], both[1]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.vocab_shard is None:

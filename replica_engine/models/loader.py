@@ -23,6 +23,8 @@ from transformers import (
 from common.model_source import ModelSource, model_config_dict
 from replica_engine.attention.base import AttentionBackend
 from replica_engine.models.llama import LlamaForCausalLM, MergedLinear
+from replica_engine.parallel.pipeline_parallel import keep_stage
+from replica_engine.parallel.place import WHOLE_MODEL, WorkerPlace
 from replica_engine.parallel.tensor_parallel import shard_model
 
 logger = logging.getLogger(__name__)
@@ -77,17 +79,18 @@ def load_model(
     device: torch.device,
     max_position: int,
     seed: int = 0,
-    worker: tuple[int, int] = (0, 1),
+    place: WorkerPlace = WHOLE_MODEL,
 ) -> LlamaForCausalLM:
-    """The model whole, or worker (rank, size)'s tensor-parallel share of it (loaded whole, then
-    cut: every worker draws the same dummy weights from the same seed)."""
+    """The model whole, or one parallel worker's share of it (loaded whole, then cut: every
+    worker draws the same dummy weights from the same seed)."""
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(config, backend, max_position)
     if source.dummy_shape is not None:
         _fill_dummy(model, seed)
     else:
         _load_safetensors(model, source.hf_dir)
-    shard_model(model, *worker)
+    shard_model(model, place.rank, place.tensor_parallel_size)
+    keep_stage(model, place.rank, place.pipeline_parallel_size)
     _pack(model)
     return model.eval()
 

@@ -1,5 +1,6 @@
-"""The Executor of a tensor-parallel replica: drives `tensor_parallel_size` worker processes
-(parallel/worker.py) and samples in the engine core from the first worker's logits. The core
+"""The Executor of a parallel replica: drives its worker processes (parallel/worker.py;
+tensor-parallel ranks or pipeline stages) and samples in the engine core from the logits of the
+last worker. The core
 keeps what cannot cross a process boundary (grammar matchers, seeded generators) and the
 penalty counts; the workers get each step's rows without them."""
 
@@ -41,7 +42,7 @@ class WorkerDiedError(RuntimeError):
 class ParallelExecutor:
     def __init__(self, config: EngineConfig, vocab_size: int) -> None:
         """`config` resolved. Starts the workers and waits until each has its share loaded."""
-        size = config.tensor_parallel_size
+        size = config.num_workers
         address = f"tcp://127.0.0.1:{_free_port()}"
         threads = max(1, torch.get_num_threads() // size)
         self._workers: list[tuple[subprocess.Popen, Channel]] = []
@@ -80,7 +81,7 @@ class ParallelExecutor:
         try:
             self.rows.apply(batch)
             self._broadcast(RunStep(_for_workers(batch)))
-            step = self._replies()[0]
+            step = self._replies()[-1]  # the last worker's: it holds the logits
         finally:  # the matchers are free again before anything (a rerun) touches them
             self.sampler.wait(bitmasks)
         assert isinstance(step, StepLogits)

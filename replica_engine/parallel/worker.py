@@ -1,7 +1,8 @@
-"""One tensor-parallel worker: a process holding its share of the model and its KV heads' cache,
+"""One parallel worker: a process holding its share of the model (its heads, or its pipeline
+stage's layers) and that share's KV cache,
 started by parallel/executor.py as `python -m replica_engine.parallel.worker FD`. It joins the
 replica's process group, says how many KV blocks fit, then runs every step it is sent. All
-workers run each step (their collectives keep them in lock step); only the first sends the
+workers run each step (their collectives keep them in lock step); only the last sends the
 step's logits back. A collective that waits on a dead worker gives up after
 COLLECTIVE_TIMEOUT_S, so no worker hangs for ever."""
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from replica_engine.child_process import Channel
 from replica_engine.config import EngineConfig
 from replica_engine.model_runner import ModelRunner, load_runner
+from replica_engine.parallel.place import WorkerPlace
 from replica_engine.scheduler.plan import ScheduledBatch
 
 COLLECTIVE_TIMEOUT_S = 60
@@ -62,20 +64,21 @@ class RunStep:
 STOP = "stop"
 
 
-def build_runner(args: WorkerArgs) -> ModelRunner:
+def build_runner(args: WorkerArgs, place: WorkerPlace) -> ModelRunner:
     config = args.config
-    size = config.tensor_parallel_size
     on_gpu = config.torch_device.type == "cuda"
     if on_gpu:  # the replica sees one GPU per worker (deployments/app.py): this worker's is its rank's
         torch.cuda.set_device(args.rank)
-    backend = "nccl" if on_gpu else "gloo"
-    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     dist.init_process_group(
-        backend, init_method=args.address, rank=args.rank, world_size=size, timeout=timeout
+        "nccl" if on_gpu else "gloo",
+        init_method=args.address,
+        rank=args.rank,
+        world_size=place.world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
-    # The replica's KV budget, split: each worker holds its own KV heads for every block.
-    own_bytes = config.kv_cache_bytes // size if config.kv_cache_bytes is not None else None
-    return load_runner(dataclasses.replace(config, kv_cache_bytes=own_bytes), (args.rank, size))
+    # The replica's KV budget, split: each worker holds its own KV heads or layers for every block.
+    own_bytes = config.kv_cache_bytes // place.world_size if config.kv_cache_bytes is not None else None
+    return load_runner(dataclasses.replace(config, kv_cache_bytes=own_bytes), place)
 
 
 def main(fd: int) -> None:
@@ -88,7 +91,8 @@ def main(fd: int) -> None:
     assert isinstance(args, WorkerArgs)
     torch.set_num_threads(args.num_threads)
     try:
-        runner = build_runner(args)
+        place = WorkerPlace(args.rank, args.config.tensor_parallel_size, args.config.pipeline_parallel_size)
+        runner = build_runner(args, place)
         conn.send(WorkerReady(runner.num_kv_blocks()))
     except BaseException as error:
         conn.send(WorkerFailed(RuntimeError(f"tensor-parallel worker {args.rank}: {error!r}")))
@@ -110,7 +114,7 @@ def main(fd: int) -> None:
             else:
                 assert isinstance(message, RunStep)
                 step = runner.forward(message.batch)
-                reply = step if args.rank == 0 else None
+                reply = step if place.holds_logits else None
         except Exception as error:  # the step fails in the executor; the worker lives on
             reply = WorkerFailed(RuntimeError(f"tensor-parallel worker {args.rank}: {error!r}"))
         conn.send(reply)

@@ -1,7 +1,8 @@
-"""Tensor parallelism on the CPU: worker processes joined over torch.distributed's gloo backend
-(the NCCL path on a GPU is the same code; only one GPU is ever lent here, so it is untested).
-Each worker holds its share of the heads, the MLP and the vocabulary; the engine core samples
-from the first worker's gathered logits. The oracle is the same model unsplit."""
+"""Tensor and pipeline parallelism on the CPU: worker processes joined over torch.distributed's
+gloo backend (the NCCL path on a GPU is the same code; only one GPU is ever lent here, so it is
+untested). A tensor-parallel worker holds its share of the heads, the MLP and the vocabulary; a
+pipeline stage its run of layers. The engine core samples from the last worker's logits. The
+oracle is the same model unsplit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from common.errors import InvalidRequestError
 from replica_engine import LLM, SamplingParams
 from replica_engine.errors import StepFailedError
 from replica_engine.parallel.executor import WorkerDiedError
+from replica_engine.parallel.pipeline_parallel import stage_layers
 from replica_engine.scheduler.plan import ScheduledBatch
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
@@ -59,9 +61,38 @@ def test_qwen3_shape_on_two_workers_matches_one():
     assert_same_up_to_near_ties(split, whole)
 
 
-def test_heads_the_workers_cannot_share_are_refused_by_name():
-    with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size.*9 query heads"):
-        LLM(dtype="float32", tensor_parallel_size=2)
+def test_two_pipeline_stages_answer_as_one_model_with_chunked_prompts_and_preemption(llm):
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=2)
+    whole = llm.generate(PROMPTS, params)
+    # A 16-token budget chunks every prompt; 4 blocks of 16 tokens for 3 requests preempts.
+    staged_llm = LLM(dtype="float32", pipeline_parallel_size=2, max_num_batched_tokens=16, num_kv_blocks=4)
+    staged = staged_llm.generate(PROMPTS, params)
+    assert_same_up_to_near_ties(staged, whole)  # chunks change the order of attention's sums
+    assert staged_llm.engine.stats().num_preemptions > 0
+    manager = staged_llm.engine.core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_layers_are_split_in_contiguous_runs_as_even_as_can_be():
+    assert [len(run) for run in stage_layers(30, 4)] == [8, 8, 7, 7]
+    assert [run.start for run in stage_layers(30, 4)] == [0, 8, 16, 23]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"tensor_parallel_size": 2}, r"tensor_parallel_size: 2 does not divide the model's 9 query heads"),
+        ({"pipeline_parallel_size": 31}, r"pipeline_parallel_size: 31 stages for the model's 30 layers"),
+        (
+            {"tensor_parallel_size": 3, "pipeline_parallel_size": 2},
+            r"pipeline_parallel_size: not yet combined",
+        ),
+        ({"pipeline_parallel_size": 2, "cuda_graphs": True}, r"cuda_graphs: not captured across"),
+    ],
+)
+def test_layouts_the_model_cannot_take_are_refused_by_name(settings, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        LLM(dtype="float32", **settings)
 
 
 def test_a_dead_worker_fails_the_request_and_no_one_hangs():
