@@ -6,8 +6,11 @@ A step runs its kernels one after another, so its time is a sum of rooflines, ea
 bandwidth, FLOPs / compute): the linear layers (every weight read once; 2 FLOPs per weight per
 token), the decodes' attention (each key and value read once for one query), the prompt chunks'
 attention (a matrix product: compute), the LM head for each sampled row, and a fixed overhead
-per step (launches, the scheduler). Not modelled: a prompt chunk's reads of its cached context,
-communication (one GPU per replica), quantized weights or KV. The engine's linear StepTimeModel
+per step (launches, the scheduler). Under tensor parallelism over N GPUs each does 1/N of every
+term but the overhead, and two all-reduces per layer of the step's hidden states are added (a
+ring's 2(N-1)/N of the bytes over the GPU interconnect, plus a fixed latency each). Not
+modelled: a prompt chunk's reads of its cached context, pipeline parallelism, quantized weights
+or KV. The engine's linear StepTimeModel
 cannot stand for it: fitted to this roofline it is 30-50% off on both sides of the knee where
 the linear layers turn from memory-bound to compute-bound, where decode steps live.
 
@@ -39,6 +42,8 @@ class Accelerator:
     attention_efficiency: float
     step_overhead_s: float
     memory_bytes: float
+    all_reduce_bytes_per_s: float  # what one GPU's link moves in an all-reduce (stated)
+    all_reduce_latency_s: float
 
     def memory_s(self, num_bytes: float) -> float:
         return num_bytes / (self.memory_bytes_per_s * self.memory_efficiency)
@@ -51,7 +56,11 @@ ACCELERATORS = {
     # NVIDIA's H100 SXM5 datasheet: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16, 80 GB. Efficiencies:
     # ~80% of HBM bandwidth for large weight reads, ~60% of peak for GEMMs and ~50% for flash
     # attention in serving, ~1 ms of launches and scheduling per step: assumptions, not measured.
-    "h100-sxm": Accelerator("NVIDIA H100 SXM (80 GB)", 3.35e12, 989e12, 0.8, 0.6, 0.5, 1e-3, 80e9),
+    # NVLink 4: 450 GB/s each way per GPU, ~70% of it in an all-reduce, ~10 us a collective:
+    # assumptions too.
+    "h100-sxm": Accelerator(
+        "NVIDIA H100 SXM (80 GB)", 3.35e12, 989e12, 0.8, 0.6, 0.5, 1e-3, 80e9, 0.7 * 450e9, 10e-6
+    ),
 }
 
 
@@ -64,6 +73,8 @@ class ModelCost:
     lm_head_flops: float  # per sampled row
     kv_bytes_per_token: float  # K and V of one token in every layer
     attention_flops_per_pair: float  # QK^T and PV, every head, every layer
+    num_layers: int
+    hidden_bytes_per_token: float  # one token's hidden state: what an all-reduce sums
 
     @classmethod
     def of(cls, config: Mapping[str, Any]) -> ModelCost:
@@ -82,6 +93,8 @@ class ModelCost:
             lm_head_flops=2 * embedding,
             kv_bytes_per_token=kv_block_bytes(layers, 1, kv_heads, head_dim, BYTES_PER_VALUE),
             attention_flops_per_pair=4 * layers * heads * head_dim,
+            num_layers=layers,
+            hidden_bytes_per_token=hidden * BYTES_PER_VALUE,
         )
 
 
@@ -91,27 +104,40 @@ class RooflineStepTime:
 
     accelerator: Accelerator
     cost: ModelCost
+    tensor_parallel_size: int = 1  # GPUs per replica
 
     @classmethod
-    def named(cls, accelerator: str, config: Mapping[str, Any]) -> RooflineStepTime:
+    def named(
+        cls, accelerator: str, config: Mapping[str, Any], tensor_parallel_size: int = 1
+    ) -> RooflineStepTime:
         if accelerator not in ACCELERATORS:
             raise ValueError(f"accelerator: {accelerator!r} is not one of {sorted(ACCELERATORS)}")
-        return cls(ACCELERATORS[accelerator], ModelCost.of(config))
+        return cls(ACCELERATORS[accelerator], ModelCost.of(config), tensor_parallel_size)
 
     def predict_raw(self, shape: StepShape) -> float:
-        a, cost = self.accelerator, self.cost
+        a, cost, gpus = self.accelerator, self.cost, self.tensor_parallel_size
         tokens = shape.num_prefill_tokens + shape.num_decodes
-        linear_flops = tokens * cost.linear_flops_per_token
-        linear = max(a.memory_s(cost.weight_bytes), a.compute_s(linear_flops, a.compute_efficiency))
-        decode_pairs = shape.num_decode_attention_pairs
+        linear_flops = tokens * cost.linear_flops_per_token / gpus
+        linear = max(a.memory_s(cost.weight_bytes / gpus), a.compute_s(linear_flops, a.compute_efficiency))
+        decode_pairs = shape.num_decode_attention_pairs / gpus  # each GPU its share of the heads
         decode_attention = max(
             a.memory_s(decode_pairs * cost.kv_bytes_per_token),
             a.compute_s(decode_pairs * cost.attention_flops_per_pair, a.attention_efficiency),
         )
-        prompt_flops = shape.num_prompt_attention_pairs * cost.attention_flops_per_pair
+        prompt_flops = shape.num_prompt_attention_pairs * cost.attention_flops_per_pair / gpus
         prompt_attention = a.compute_s(prompt_flops, a.attention_efficiency)
-        lm_head = a.compute_s(shape.num_requests * cost.lm_head_flops, a.compute_efficiency)
-        return a.step_overhead_s + linear + decode_attention + prompt_attention + lm_head
+        lm_head = a.compute_s(shape.num_requests * cost.lm_head_flops / gpus, a.compute_efficiency)
+        compute = linear + decode_attention + prompt_attention + lm_head
+        return a.step_overhead_s + compute + self._all_reduces_s(tokens)
+
+    def _all_reduces_s(self, tokens: int) -> float:
+        """Two per layer (after attention's output projection and after the MLP), ring-style."""
+        gpus = self.tensor_parallel_size
+        if gpus == 1:
+            return 0.0
+        a, cost = self.accelerator, self.cost
+        moved = 2 * (gpus - 1) / gpus * tokens * cost.hidden_bytes_per_token
+        return 2 * cost.num_layers * (a.all_reduce_latency_s + moved / a.all_reduce_bytes_per_s)
 
     def predict(self, shape: StepShape) -> float:
         return self.predict_raw(shape)

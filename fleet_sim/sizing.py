@@ -35,7 +35,7 @@ from replica_engine.scheduler.step_time_model import StepTime, StepTimeModel
 # that change nothing it simulates.
 REPLICA_FIELDS = ("max_num_batched_tokens", "max_num_seqs", "block_size", "scheduling_policy",
                   "enable_prefix_caching", "tbt_slo_s")  # fmt: skip
-ENGINE_MODELED = {*REPLICA_FIELDS, "num_kv_blocks", "kv_cache_bytes", "dtype"}
+ENGINE_MODELED = {*REPLICA_FIELDS, "num_kv_blocks", "kv_cache_bytes", "dtype", "tensor_parallel_size"}
 ENGINE_IGNORED = {"attention_backend", "seed", "max_model_len", "device"}
 # ingress_replicas: one is the simulator's one router; more are refused
 APP_MODELED = {
@@ -189,6 +189,12 @@ def _num_kv_blocks(path: Path, engine: dict[str, Any], model: str, block_size: i
     return blocks_in_bytes(int(engine["kv_cache_bytes"]), block_bytes)
 
 
+def tensor_parallel_size(path: Path) -> int:
+    """GPUs per replica (the roofline's; the KV blocks come from kv_cache_bytes, the replica's)."""
+    args = yaml.safe_load(path.read_text())["applications"][0].get("args") or {}
+    return int((args.get("engine") or {}).get("tensor_parallel_size", 1))
+
+
 def model_config(model: str) -> dict[str, Any]:
     """The model's config.json fields (its shape)."""
     from common.model_source import model_config_dict, resolve_model
@@ -235,8 +241,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         requests = load_trace(args.trace)
         replica, max_ongoing, configured = fleet_settings(args.serve_config)
+        gpus = tensor_parallel_size(args.serve_config)
+        if gpus > 1 and not args.accelerator:
+            raise ValueError(
+                "engine.tensor_parallel_size: needs --accelerator (a fitted step time is one worker's)"
+            )
         step_time: StepTime = (
-            RooflineStepTime.named(args.accelerator, model_config(replica.model))
+            RooflineStepTime.named(args.accelerator, model_config(replica.model), gpus)
             if args.accelerator
             else load_step_time(args.step_time)
         )
@@ -248,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"error: {error}\n")
     print(
         f"{len(requests)} requests; a replica: {replica.num_kv_blocks} KV blocks, "
-        f"max_ongoing_requests {max_ongoing}"
+        f"max_ongoing_requests {max_ongoing}" + (f", {gpus} GPUs (tensor parallel)" if gpus > 1 else "")
     )
     needed: dict[str, int | None] = dict.fromkeys(routers)
     for count in counts:

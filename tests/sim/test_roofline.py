@@ -56,3 +56,42 @@ def test_the_sizing_command_sizes_a_gpu_fleet_from_the_configs_model(tmp_path, c
     out = capsys.readouterr().out
     assert "a replica: 23840 KV blocks" in out  # 50 GB of 2 MiB blocks, less the null block
     assert out.splitlines()[-1] == "TTFT p90 <= 0.5 s with power_of_two: 2 replicas"
+
+
+def test_two_gpus_halve_the_work_and_add_two_all_reduces_a_layer():
+    one, two = (RooflineStepTime.named("h100-sxm", LLAMA3_8B, gpus) for gpus in (1, 2))
+    cost, h100 = one.cost, one.accelerator
+    decodes = StepShape.of([(1023, 1, True)] * 64)
+    work = one.predict_raw(decodes) - h100.step_overhead_s
+    # 64 tokens of 4,096 bf16 values; a ring of N GPUs moves 2(N-1)/N of them: all of them for two
+    all_reduce_s = 10e-6 + 64 * 4096 * 2 / (0.7 * 450e9)
+    assert two.predict_raw(decodes) == pytest.approx(h100.step_overhead_s + work / 2 + 64 * all_reduce_s)
+    assert cost.num_layers == 32
+
+
+def test_the_sizing_command_sizes_tensor_parallel_replicas(tmp_path, capsys):
+    config = yaml.safe_load(SHIPPED.read_text())
+    args = config["applications"][0]["args"]
+    args["model"] = "dummy:llama3-8b"
+    args["engine"].update(kv_cache_bytes=100 * 10**9, max_num_batched_tokens=8192, tensor_parallel_size=2)
+    serve_config = tmp_path / "serve_config.yaml"
+    serve_config.write_text(yaml.safe_dump(config))
+    trace = write_lines(
+        tmp_path,
+        *(json.dumps({"arrival_s": i / 10, "output_tokens": 50, "prompt_tokens": 500}) for i in range(50)),
+    )
+    argv = [
+        "--trace",
+        str(trace),
+        "--serve-config",
+        str(serve_config),
+        "--replicas",
+        "1",
+        "--routers",
+        "power_of_two",
+    ]
+    main([*argv, "--accelerator", "h100-sxm"])
+    assert "2 GPUs (tensor parallel)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*argv, "--step-time", str(tmp_path / "unused.json")])
+    assert "engine.tensor_parallel_size: needs --accelerator" in capsys.readouterr().err
