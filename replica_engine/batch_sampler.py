@@ -1,20 +1,32 @@
 """The sampling half of a step, wherever the logits come from (this process's model, or the
-first tensor-parallel worker's): the constrained rows' grammar bitmasks, filled on a thread while
-the model runs; each row's penalty state from the persistent batch; one token per sampling row."""
+last parallel worker's): the constrained rows' grammar bitmasks, filled on a thread while the
+model runs; each row's penalty state from the persistent batch; one token per sampling row."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 
 import torch
 
-from replica_engine.executor import SampledTokens
+from common.logprobs import TokenLogprob
+from replica_engine.executor import RunnerOutput, SampledTokens
 from replica_engine.persistent_batch import PersistentBatch
 from replica_engine.sampler import sample
-from replica_engine.scheduler.plan import SamplingRow, ScheduledRow
+from replica_engine.scheduler.plan import SamplingRow, ScheduledBatch, ScheduledRow
 from replica_engine.structured import new_bitmask
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """What the model computed in a step, before sampling."""
+
+    logits: torch.Tensor | None  # [sampling rows, vocab] float32; None when no row samples
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # by request id
+    model_s: float = 0.0
 
 
 class BatchSampler:
@@ -23,9 +35,22 @@ class BatchSampler:
         # Fills grammar bitmasks while the model runs (the forward releases the GIL in its kernels).
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmasks")
 
-    def start_bitmasks(self, rows: list[ScheduledRow]) -> Future[torch.Tensor] | None:
-        """The constrained rows' bitmasks, one batch mask filled on the grammar thread. Wait on
-        it before anything (a rerun) touches the matchers again."""
+    def execute(self, batch: ScheduledBatch, forward: Callable[[], StepLogits]) -> RunnerOutput:
+        """A whole step: `forward` computes the logits while the bitmasks fill; then a token per
+        sampling row."""
+        bitmasks = self._start_bitmasks(batch.sampling_rows)
+        try:
+            step = forward()
+        finally:  # the matchers are free again before anything (a rerun) touches them
+            if bitmasks is not None:
+                wait([bitmasks])
+        if step.logits is None:
+            return RunnerOutput(prompt_logprobs=step.prompt_logprobs, model_s=step.model_s)
+        sampled, sample_s = self._sample(batch.sampling_rows, step.logits, bitmasks)
+        return RunnerOutput(sampled, step.prompt_logprobs, step.model_s + sample_s)
+
+    def _start_bitmasks(self, rows: list[ScheduledRow]) -> Future[torch.Tensor] | None:
+        """The constrained rows' bitmasks, one batch mask filled on the grammar thread."""
         grammars = [row.sampling.grammar for row in rows if row.sampling and row.sampling.grammar]
         if not grammars:
             return None
@@ -38,12 +63,7 @@ class BatchSampler:
 
         return self._grammar_thread.submit(fill)
 
-    @staticmethod
-    def wait(bitmasks: Future[torch.Tensor] | None) -> None:
-        if bitmasks is not None:
-            wait([bitmasks])
-
-    def sample(
+    def _sample(
         self, rows: list[ScheduledRow], logits: torch.Tensor, bitmasks: Future[torch.Tensor] | None
     ) -> tuple[SampledTokens, float]:
         """A token per row (and the seconds it took); the rows' penalty counts take them in."""

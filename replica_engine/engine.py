@@ -41,9 +41,11 @@ def _resolve(config: EngineConfig) -> tuple[ModelSource, PretrainedConfig, Engin
 
 def build_core(config: EngineConfig, metrics: EngineMetrics | None) -> EngineCore:
     """Load the model and size the KV pool (the engine core's process, or the caller's)."""
-    _, model_config, config = _resolve(config)
+    source, model_config, config = _resolve(config)
     runner: ModelRunner | ParallelExecutor = (
-        load_runner(config) if config.num_workers == 1 else ParallelExecutor(config, model_config.vocab_size)
+        load_runner(source, model_config, config)
+        if config.num_workers == 1
+        else ParallelExecutor(config, model_config.vocab_size)
     )
     num_kv_blocks = runner.num_kv_blocks()
     if num_kv_blocks < 1:

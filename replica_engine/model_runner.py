@@ -1,21 +1,21 @@
 """Runs a sealed step on the model: owns the KV cache tensors and the persistent batch, builds the
 flat batch, samples. It reads only the ScheduledBatch it is given and what it kept of earlier
 ones, never a live request (but a constrained request's grammar, read-only during the step).
-`forward` is the half a tensor-parallel worker runs: every worker computes the step, and the
-first one's logits go to the sampler in the engine core (parallel/executor.py)."""
+`forward` is the half a parallel worker runs: every worker computes the step, and the last one's
+logits go to the sampler in the engine core (parallel/executor.py)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
+from transformers import PretrainedConfig
 
 from common.logprobs import TokenLogprob
-from common.model_source import resolve_model
+from common.model_source import ModelSource
 from common.sampling_params import SamplingParams
 from replica_engine.attention import get_backend
-from replica_engine.batch_sampler import BatchSampler
+from replica_engine.batch_sampler import BatchSampler, StepLogits
 from replica_engine.config import EngineConfig
 from replica_engine.decode_graphs import DecodeGraphs
 from replica_engine.executor import RunnerOutput
@@ -23,21 +23,12 @@ from replica_engine.flat_batch import FlatBatch, build_flat_batch
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens, blocks_in_bytes, kv_block_bytes
 from replica_engine.logprobs import logprobs_of
 from replica_engine.models.llama import LlamaForCausalLM
-from replica_engine.models.loader import load_config, load_model
+from replica_engine.models.loader import load_model
 from replica_engine.parallel.place import WHOLE_MODEL, WorkerPlace
 from replica_engine.persistent_batch import PersistentBatch
 from replica_engine.scheduler.plan import SamplingRow, ScheduledBatch, ScheduledRow
 
 PROMPT_LOGPROBS_SLICE = 512  # positions per logits pass: 512 x a 128k vocabulary is 256 MB of fp32
-
-
-@dataclass(frozen=True)
-class StepLogits:
-    """What the model computed in a step, before sampling."""
-
-    logits: torch.Tensor | None  # [sampling rows, vocab] float32; None when no row samples
-    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # by request id
-    model_s: float = 0.0
 
 
 class ModelRunner:
@@ -135,15 +126,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Compute every scheduled token; sample one token per `batch.sampling_rows`."""
-        bitmasks = self.sampler.start_bitmasks(batch.sampling_rows)
-        try:
-            step = self.forward(batch)
-        finally:  # the matchers are free again before anything (a rerun) touches them
-            self.sampler.wait(bitmasks)
-        if step.logits is None:
-            return RunnerOutput(prompt_logprobs=step.prompt_logprobs, model_s=step.model_s)
-        sampled, sample_s = self.sampler.sample(batch.sampling_rows, step.logits, bitmasks)
-        return RunnerOutput(sampled, step.prompt_logprobs, step.model_s + sample_s)
+        return self.sampler.execute(batch, lambda: self.forward(batch))
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> StepLogits:
@@ -187,13 +170,17 @@ class ModelRunner:
         return results
 
 
-def load_runner(config: EngineConfig, place: WorkerPlace = WHOLE_MODEL) -> ModelRunner:
+def load_runner(
+    source: ModelSource,
+    model_config: PretrainedConfig,
+    config: EngineConfig,
+    place: WorkerPlace = WHOLE_MODEL,
+) -> ModelRunner:
     """The model (or one parallel worker's share of it) behind a runner; `config` resolved."""
-    source = resolve_model(config.model)
     torch.manual_seed(config.seed)
     model = load_model(
         source,
-        load_config(source),
+        model_config,
         get_backend(config.attention_backend),
         config.torch_dtype,
         config.torch_device,

@@ -1,8 +1,7 @@
 """The Executor of a parallel replica: drives its worker processes (parallel/worker.py;
 tensor-parallel ranks or pipeline stages) and samples in the engine core from the logits of the
-last worker. The core
-keeps what cannot cross a process boundary (grammar matchers, seeded generators) and the
-penalty counts; the workers get each step's rows without them."""
+last worker. The core keeps what cannot cross a process boundary (grammar matchers, seeded
+generators) and the penalty counts; the workers get each step's rows without them."""
 
 from __future__ import annotations
 
@@ -15,11 +14,10 @@ from typing import NoReturn
 
 import torch
 
-from replica_engine.batch_sampler import BatchSampler
+from replica_engine.batch_sampler import BatchSampler, StepLogits
 from replica_engine.child_process import Channel, start_child
 from replica_engine.config import EngineConfig
 from replica_engine.executor import RunnerOutput
-from replica_engine.model_runner import StepLogits
 from replica_engine.parallel.worker import (
     STOP,
     AllocateKVCache,
@@ -36,7 +34,7 @@ SHUTDOWN_TIMEOUT_S = 10
 
 
 class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker exited: the replica cannot run another step."""
+    """A parallel worker exited: the replica cannot run another step."""
 
 
 class ParallelExecutor:
@@ -77,24 +75,20 @@ class ParallelExecutor:
         self._replies()
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        bitmasks = self.sampler.start_bitmasks(batch.sampling_rows)
-        try:
-            self.rows.apply(batch)
-            self._broadcast(RunStep(_for_workers(batch)))
-            step = self._replies()[-1]  # the last worker's: it holds the logits
-        finally:  # the matchers are free again before anything (a rerun) touches them
-            self.sampler.wait(bitmasks)
+        return self.sampler.execute(batch, lambda: self._forward(batch))
+
+    def _forward(self, batch: ScheduledBatch) -> StepLogits:
+        self.rows.apply(batch)
+        self._broadcast(RunStep(_for_workers(batch)))
+        step = self._replies()[-1]  # the last worker's: it holds the logits
         assert isinstance(step, StepLogits)
-        if step.logits is None:
-            return RunnerOutput(prompt_logprobs=step.prompt_logprobs, model_s=step.model_s)
-        sampled, sample_s = self.sampler.sample(batch.sampling_rows, step.logits, bitmasks)
-        return RunnerOutput(sampled, step.prompt_logprobs, step.model_s + sample_s)
+        return step
 
     def close(self) -> None:
         _stop(self._workers)
 
     def _died(self, rank: int, process: subprocess.Popen) -> NoReturn:
-        self._dead = f"tensor-parallel worker {rank} exited (code {process.poll()})"
+        self._dead = f"parallel worker {rank} exited (code {process.poll()})"
         raise WorkerDiedError(self._dead)
 
     def _broadcast(self, message: object) -> None:

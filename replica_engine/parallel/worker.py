@@ -1,10 +1,9 @@
 """One parallel worker: a process holding its share of the model (its heads, or its pipeline
-stage's layers) and that share's KV cache,
-started by parallel/executor.py as `python -m replica_engine.parallel.worker FD`. It joins the
-replica's process group, says how many KV blocks fit, then runs every step it is sent. All
-workers run each step (their collectives keep them in lock step); only the last sends the
-step's logits back. A collective that waits on a dead worker gives up after
-COLLECTIVE_TIMEOUT_S, so no worker hangs for ever."""
+stage's layers) and that share's KV cache, started by parallel/executor.py as
+`python -m replica_engine.parallel.worker FD`. It joins the replica's process group, says how
+many KV blocks fit, then runs every step it is sent. All workers run each step (their
+collectives keep them in lock step); only the last sends the step's logits back. A collective
+that waits on a dead worker gives up after COLLECTIVE_TIMEOUT_S, so no worker hangs for ever."""
 
 from __future__ import annotations
 
@@ -19,9 +18,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from common.model_source import resolve_model
 from replica_engine.child_process import Channel
 from replica_engine.config import EngineConfig
 from replica_engine.model_runner import ModelRunner, load_runner
+from replica_engine.models.loader import load_config
 from replica_engine.parallel.place import WorkerPlace
 from replica_engine.scheduler.plan import ScheduledBatch
 
@@ -34,6 +35,10 @@ class WorkerArgs:
     rank: int
     address: str  # the process group's rendezvous, tcp://host:port
     num_threads: int
+
+    @property
+    def place(self) -> WorkerPlace:
+        return WorkerPlace(self.rank, self.config.tensor_parallel_size, self.config.pipeline_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -64,8 +69,8 @@ class RunStep:
 STOP = "stop"
 
 
-def build_runner(args: WorkerArgs, place: WorkerPlace) -> ModelRunner:
-    config = args.config
+def build_runner(args: WorkerArgs) -> ModelRunner:
+    config, place = args.config, args.place
     on_gpu = config.torch_device.type == "cuda"
     if on_gpu:  # the replica sees one GPU per worker (deployments/app.py): this worker's is its rank's
         torch.cuda.set_device(args.rank)
@@ -78,7 +83,9 @@ def build_runner(args: WorkerArgs, place: WorkerPlace) -> ModelRunner:
     )
     # The replica's KV budget, split: each worker holds its own KV heads or layers for every block.
     own_bytes = config.kv_cache_bytes // place.world_size if config.kv_cache_bytes is not None else None
-    return load_runner(dataclasses.replace(config, kv_cache_bytes=own_bytes), place)
+    source = resolve_model(config.model)
+    own_config = dataclasses.replace(config, kv_cache_bytes=own_bytes)
+    return load_runner(source, load_config(source), own_config, place)
 
 
 def main(fd: int) -> None:
@@ -91,11 +98,10 @@ def main(fd: int) -> None:
     assert isinstance(args, WorkerArgs)
     torch.set_num_threads(args.num_threads)
     try:
-        place = WorkerPlace(args.rank, args.config.tensor_parallel_size, args.config.pipeline_parallel_size)
-        runner = build_runner(args, place)
+        runner = build_runner(args)
         conn.send(WorkerReady(runner.num_kv_blocks()))
     except BaseException as error:
-        conn.send(WorkerFailed(RuntimeError(f"tensor-parallel worker {args.rank}: {error!r}")))
+        conn.send(WorkerFailed(RuntimeError(f"parallel worker {args.rank}: {error!r}")))
         return
     while True:
         try:
@@ -114,9 +120,9 @@ def main(fd: int) -> None:
             else:
                 assert isinstance(message, RunStep)
                 step = runner.forward(message.batch)
-                reply = step if place.holds_logits else None
+                reply = step if args.place.holds_logits else None
         except Exception as error:  # the step fails in the executor; the worker lives on
-            reply = WorkerFailed(RuntimeError(f"tensor-parallel worker {args.rank}: {error!r}"))
+            reply = WorkerFailed(RuntimeError(f"parallel worker {args.rank}: {error!r}"))
         conn.send(reply)
 
 
