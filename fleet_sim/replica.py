@@ -48,6 +48,8 @@ class SimExecutor:
     and a step takes the step-time model's mean (uncalibrated) prediction for its shape, on a
     virtual clock (`elapsed_s`)."""
 
+    pipeline_depth = 1
+
     def __init__(self, step_time: StepTime) -> None:
         self.step_time = step_time
         self.elapsed_s = 0.0

@@ -38,19 +38,17 @@ class BatchSampler:
     def execute(self, batch: ScheduledBatch, forward: Callable[[], StepLogits]) -> RunnerOutput:
         """A whole step: `forward` computes the logits while the bitmasks fill; then a token per
         sampling row."""
-        bitmasks = self._start_bitmasks(batch.sampling_rows)
+        bitmasks = self.start(batch)
         try:
             step = forward()
         finally:  # the matchers are free again before anything (a rerun) touches them
-            if bitmasks is not None:
-                wait([bitmasks])
-        if step.logits is None:
-            return RunnerOutput(prompt_logprobs=step.prompt_logprobs, model_s=step.model_s)
-        sampled, sample_s = self._sample(batch.sampling_rows, step.logits, bitmasks)
-        return RunnerOutput(sampled, step.prompt_logprobs, step.model_s + sample_s)
+            self.settle(bitmasks)
+        return self.finish(batch, step, bitmasks)
 
-    def _start_bitmasks(self, rows: list[ScheduledRow]) -> Future[torch.Tensor] | None:
-        """The constrained rows' bitmasks, one batch mask filled on the grammar thread."""
+    def start(self, batch: ScheduledBatch) -> Future[torch.Tensor] | None:
+        """Before the batch's forward: its constrained rows' bitmasks, one batch mask filled on
+        the grammar thread."""
+        rows = batch.sampling_rows
         grammars = [row.sampling.grammar for row in rows if row.sampling and row.sampling.grammar]
         if not grammars:
             return None
@@ -62,6 +60,21 @@ class BatchSampler:
             return bitmask
 
         return self._grammar_thread.submit(fill)
+
+    @staticmethod
+    def settle(bitmasks: Future[torch.Tensor] | None) -> None:
+        """Wait until the bitmasks are filled (or failed)."""
+        if bitmasks is not None:
+            wait([bitmasks])
+
+    def finish(
+        self, batch: ScheduledBatch, step: StepLogits, bitmasks: Future[torch.Tensor] | None
+    ) -> RunnerOutput:
+        """After the forward: a token per sampling row."""
+        if step.logits is None:
+            return RunnerOutput(prompt_logprobs=step.prompt_logprobs, model_s=step.model_s)
+        sampled, sample_s = self._sample(batch.sampling_rows, step.logits, bitmasks)
+        return RunnerOutput(sampled, step.prompt_logprobs, step.model_s + sample_s)
 
     def _sample(
         self, rows: list[ScheduledRow], logits: torch.Tensor, bitmasks: Future[torch.Tensor] | None

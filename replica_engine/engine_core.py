@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from common.finish_reason import FinishReason
 from common.logprobs import TokenLogprob
 from replica_engine.errors import StepFailedError
-from replica_engine.executor import Executor, RunnerOutput, SampledTokens
+from replica_engine.executor import Executor, PipelinedExecutor, RunnerOutput, SampledTokens
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.outputs import CoreOutput
 from replica_engine.request import Request
@@ -89,6 +90,10 @@ class EngineCore:
             self.step_listeners.append(metrics.record_step)
         if self.slo_budget is not None and step_time is None:
             self.step_listeners.append(StepTimeLearner(self.slo_budget, metrics))
+        # Under pipeline parallelism: the batches in the pipeline, oldest first, with when each
+        # was scheduled.
+        self._pipeline = cast(PipelinedExecutor, runner) if runner.pipeline_depth > 1 else None
+        self._in_pipeline: deque[tuple[ScheduledBatch, float]] = deque()
         self.stats = self.scheduler.stats()
         self.publish_stats()
 
@@ -131,7 +136,7 @@ class EngineCore:
         ]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_pipeline)
 
     def publish_stats(self) -> None:
         """Snapshot the gauges (queue depth, running, KV usage) for readers on any thread."""
@@ -143,11 +148,38 @@ class EngineCore:
         """Schedule, execute, update: an output for every request that got a token or finished.
         A request whose computation fails is finished with reason `error`; the others go on.
         Raises StepFailedError (after finishing them) if every request of the step failed."""
+        if self._pipeline is not None:
+            return self._step_pipelined(self._pipeline)
         started = self.clock()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        executed = self._execute(batch)
+        return self._finish_step(self._execute(batch), started)
+
+    def _step_pipelined(self, pipeline: PipelinedExecutor) -> list[CoreOutput]:
+        """vLLM v1's batch queue: while the pipeline has room, schedule (requests in flight sit
+        out) and submit, returning at once; wait for the oldest batch when the pipeline is full or
+        nothing more could be scheduled. A batch that fails finishes its requests, reason error
+        (its rows are not rerun alone: the batches behind it are already in the pipeline)."""
+        if len(self._in_pipeline) < pipeline.pipeline_depth:
+            started = self.clock()
+            batch = self.scheduler.schedule()
+            if not batch.is_empty:
+                pipeline.submit(batch)
+                self._in_pipeline.append((batch, started))
+                if len(self._in_pipeline) < pipeline.pipeline_depth:
+                    return []
+        if not self._in_pipeline:
+            return []
+        batch, started = self._in_pipeline.popleft()
+        try:
+            executed = ExecutedBatch(batch, pipeline.collect(), [])
+        except Exception:
+            logger.exception("a step of %d requests failed", len(batch.rows))
+            executed = ExecutedBatch(batch.only([]), RunnerOutput(), [row.request_id for row in batch.rows])
+        return self._finish_step(executed, started)
+
+    def _finish_step(self, executed: ExecutedBatch, started: float) -> list[CoreOutput]:
         outputs = self._update(executed)
         self.publish_stats()
         if executed.ran.is_empty:  # every request failed
@@ -185,10 +217,11 @@ class EngineCore:
 
     def _update(self, executed: ExecutedBatch) -> list[CoreOutput]:
         """Advance the requests that ran (an output each); finish the failed ones, reason error."""
+        ran, sampled = self._still_awaited(executed.ran, executed.output.sampled)
         for request_id, logprobs in executed.output.prompt_logprobs.items():
-            self.scheduler.requests[request_id].prompt_logprobs += logprobs
-        sampled = executed.output.sampled
-        advanced = self.scheduler.update(executed.ran, sampled.token_ids)
+            if request_id in self.scheduler.in_flight:
+                self.scheduler.requests[request_id].prompt_logprobs += logprobs
+        advanced = self.scheduler.update(ran, sampled.token_ids)
         now = time.monotonic()
         outputs = [
             self._token_output(request, logprob, now)
@@ -198,6 +231,23 @@ class EngineCore:
             self.abort_request(request_id, FinishReason.ERROR) for request_id in executed.failed_request_ids
         ]
         return outputs + [output for output in failed if output is not None]
+
+    def _still_awaited(
+        self, batch: ScheduledBatch, sampled: SampledTokens
+    ) -> tuple[ScheduledBatch, SampledTokens]:
+        """The batch without the rows of requests that finished while it ran (aborted while in a
+        pipeline): what they computed is dropped."""
+        awaited = [row.request_id for row in batch.rows if row.request_id in self.scheduler.in_flight]
+        if len(awaited) == len(batch.rows):
+            return batch, sampled
+        kept = [
+            (token_id, logprob)
+            for row, token_id, logprob in zip(
+                batch.sampling_rows, sampled.token_ids, sampled.logprobs, strict=True
+            )
+            if row.request_id in self.scheduler.in_flight
+        ]
+        return batch.only(awaited), SampledTokens([t for t, _ in kept], [lp for _, lp in kept])
 
     def _token_output(self, request: Request, logprob: TokenLogprob | None, now: float) -> CoreOutput:
         if self.metrics is not None:

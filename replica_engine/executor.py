@@ -1,6 +1,7 @@
 """What runs a sealed step for EngineCore: the model runner (model_runner.py, on a CPU or a GPU),
-or the fleet simulator's stand-in (fleet_sim/replica.py: SimExecutor, a step-time model's time
-and each request's next simulated token). Torch-free, so that the simulator runs the real core."""
+the parallel executor over worker processes (parallel/executor.py), or the fleet simulator's
+stand-in (fleet_sim/replica.py: SimExecutor, a step-time model's time and each request's next
+simulated token). Torch-free, so that the simulator runs the real core."""
 
 from __future__ import annotations
 
@@ -27,9 +28,23 @@ class RunnerOutput:
 
 
 class Executor(Protocol):
+    pipeline_depth: int  # batches it can hold at once; above 1, a PipelinedExecutor
+
     def allocate_kv_cache(self, pool_size: int) -> None:
         """`pool_size` blocks of K/V per layer, the null block included."""
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Compute every scheduled token; sample one token per `batch.sampling_rows`."""
+        ...
+
+
+class PipelinedExecutor(Executor, Protocol):
+    """One that runs a batch through stages (pipeline parallelism): the core submits the next
+    batch while earlier ones are still in the pipeline, and collects their outputs in order."""
+
+    def submit(self, batch: ScheduledBatch) -> None:
+        """Start the batch behind those in flight."""
+
+    def collect(self) -> RunnerOutput:
+        """The oldest batch in flight's output, once it has run; raises as execute would."""
         ...

@@ -34,6 +34,8 @@ PROMPT_LOGPROBS_SLICE = 512  # positions per logits pass: 512 x a 128k vocabular
 class ModelRunner:
     """The Executor of a real replica."""
 
+    pipeline_depth = 1
+
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig) -> None:
         self.model = model
         self.config = config

@@ -3,6 +3,7 @@ where T is all scheduled tokens of all requests; attention goes through the back
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -149,13 +150,14 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PipelineStage:
     """Under pipeline parallelism: which of `count` stages this worker is (its rank, with no
     tensor parallelism), holding a contiguous run of the layers."""
 
     index: int
     count: int
+    waited_s: float = 0.0  # blocked receiving from the stage before or sending to the next: idle
 
     @property
     def first(self) -> bool:
@@ -199,20 +201,25 @@ class LlamaForCausalLM(nn.Module):
         if stage is None or stage.first:
             hidden, residual = self._embed(input_ids), None
         else:
-            hidden, residual = self._receive(input_ids.shape[0], stage.index - 1)
+            hidden, residual = self._receive(input_ids.shape[0], stage)
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(cos_sin, hidden, residual, kv_cache, metadata)
         if stage is not None and not stage.last:
             assert residual is not None  # every stage holds a layer
-            dist.send(torch.stack((hidden, residual)), stage.index + 1)
+            both = torch.stack((hidden, residual))
+            started = time.perf_counter()
+            dist.send(both, stage.index + 1)
+            stage.waited_s += time.perf_counter() - started
             return None
         return self.model.norm.add_and_norm(hidden, residual)[0]
 
-    def _receive(self, num_tokens: int, source: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _receive(self, num_tokens: int, stage: PipelineStage) -> tuple[torch.Tensor, torch.Tensor]:
         weight = self.model.layers[0].input_layernorm.weight
         both = torch.empty((2, num_tokens, self.config.hidden_size), dtype=weight.dtype, device=weight.device)
-        dist.recv(both, source)
+        started = time.perf_counter()
+        dist.recv(both, stage.index - 1)
+        stage.waited_s += time.perf_counter() - started
         return both[0], both[1]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

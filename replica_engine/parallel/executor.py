@@ -10,6 +10,8 @@ import dataclasses
 import socket
 import subprocess
 import weakref
+from collections import deque
+from concurrent.futures import Future
 from typing import NoReturn
 
 import torch
@@ -19,10 +21,12 @@ from replica_engine.child_process import Channel, start_child
 from replica_engine.config import EngineConfig
 from replica_engine.executor import RunnerOutput
 from replica_engine.parallel.worker import (
+    READ_CLOCK,
     STOP,
     AllocateKVCache,
     Release,
     RunStep,
+    StageClock,
     WorkerArgs,
     WorkerFailed,
     WorkerReady,
@@ -60,6 +64,9 @@ class ParallelExecutor:
         assert config.max_num_seqs is not None and config.max_model_len is not None  # resolved
         self.rows = PersistentBatch(config.max_num_seqs, config.max_model_len, config.block_size, vocab_size)
         self.sampler = BatchSampler(self.rows)
+        # Pipeline stages each hold a batch: the core submits that many before it collects.
+        self.pipeline_depth = config.pipeline_parallel_size
+        self._in_flight: deque[tuple[ScheduledBatch, Future[torch.Tensor] | None]] = deque()
 
     def num_kv_blocks(self) -> int:
         """What every worker's share of the KV budget holds (equal shares: equal counts)."""
@@ -70,19 +77,39 @@ class ParallelExecutor:
         self._replies()
 
     def release(self, request_ids: list[str]) -> None:
+        assert not self._in_flight  # (a startup profile's rows) its replies would come out of turn
         self.rows.release(request_ids)
         self._broadcast(Release(request_ids))
         self._replies()
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        return self.sampler.execute(batch, lambda: self._forward(batch))
+        self.submit(batch)
+        return self.collect()
 
-    def _forward(self, batch: ScheduledBatch) -> StepLogits:
-        self.rows.apply(batch)
+    def submit(self, batch: ScheduledBatch) -> None:
+        """Send the batch to every worker; its bitmasks fill meanwhile. Workers run the batches
+        they are sent in order (stage by stage, under pipeline parallelism)."""
         self._broadcast(RunStep(_for_workers(batch)))
-        step = self._replies()[-1]  # the last worker's: it holds the logits
+        self._in_flight.append((batch, self.sampler.start(batch)))
+
+    def collect(self) -> RunnerOutput:
+        """The oldest batch's replies, then its tokens. The sampler's rows take each batch in
+        order here, not at submit: a batch in flight still samples from what they held before."""
+        batch, bitmasks = self._in_flight.popleft()
+        try:
+            step = self._replies()[-1]  # the last worker's: it holds the logits
+        finally:
+            self.sampler.settle(bitmasks)
         assert isinstance(step, StepLogits)
-        return step
+        self.rows.apply(batch)
+        return self.sampler.finish(batch, step, bitmasks)
+
+    def stage_busy_s(self) -> list[float]:
+        """Each worker's seconds computing steps since it started (not waiting on another stage)."""
+        assert not self._in_flight
+        self._broadcast(READ_CLOCK)
+        clocks = self._replies()
+        return [clock.busy_s for clock in clocks if isinstance(clock, StageClock)]
 
     def close(self) -> None:
         _stop(self._workers)

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -66,7 +67,13 @@ class RunStep:
     batch: ScheduledBatch  # without grammars or generators: sampling is the executor's
 
 
+@dataclass(frozen=True)
+class StageClock:
+    busy_s: float  # computing steps since the worker started, not waiting on another stage
+
+
 STOP = "stop"
+READ_CLOCK = "read clock"
 
 
 def build_runner(args: WorkerArgs) -> ModelRunner:
@@ -88,10 +95,15 @@ def build_runner(args: WorkerArgs) -> ModelRunner:
     return load_runner(source, load_config(source), own_config, place)
 
 
+def _waited_s(runner: ModelRunner) -> float:
+    stage = runner.model.stage
+    return stage.waited_s if stage is not None else 0.0
+
+
 def main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the replica's to handle
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s tp-worker %(name)s: %(message)s"
+        level=logging.INFO, format="%(asctime)s %(levelname)s parallel-worker %(name)s: %(message)s"
     )
     conn = Channel(fd)
     args = conn.recv()
@@ -103,6 +115,7 @@ def main(fd: int) -> None:
     except BaseException as error:
         conn.send(WorkerFailed(RuntimeError(f"parallel worker {args.rank}: {error!r}")))
         return
+    busy_s = 0.0
     while True:
         try:
             message = conn.recv()
@@ -117,9 +130,13 @@ def main(fd: int) -> None:
                 runner.allocate_kv_cache(message.pool_size)
             elif isinstance(message, Release):
                 runner.release(message.request_ids)
+            elif message == READ_CLOCK:
+                reply = StageClock(busy_s)
             else:
                 assert isinstance(message, RunStep)
+                started, waited = time.perf_counter(), _waited_s(runner)
                 step = runner.forward(message.batch)
+                busy_s += time.perf_counter() - started - (_waited_s(runner) - waited)
                 reply = step if args.place.holds_logits else None
         except Exception as error:  # the step fails in the executor; the worker lives on
             reply = WorkerFailed(RuntimeError(f"parallel worker {args.rank}: {error!r}"))

@@ -41,6 +41,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._arrivals = itertools.count()
         self._released: list[str] = []  # held by the runner, since finished or preempted
+        # In a batch not yet updated (a pipeline holds several): not scheduled again, nor
+        # preempted, until its tokens are known.
+        self.in_flight: set[str] = set()
 
     # -- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -88,6 +91,7 @@ class Scheduler:
             self.waiting.remove(request)
         self._free(request)
         del self.requests[request.request_id]
+        self.in_flight.discard(request.request_id)  # its batch's output, if one is out, is dropped
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
@@ -98,6 +102,7 @@ class Scheduler:
         if plan.is_empty:  # not run: the runner hears of the released ones in the next batch
             return plan.seal()
         released, self._released = tuple(self._released), []
+        self.in_flight.update(request.request_id for request in plan.num_scheduled_tokens)
         return plan.seal(released)
 
     def _free(self, request: Request) -> None:
@@ -115,6 +120,7 @@ class Scheduler:
         """Advance the requests a step computed; `sampled_token_ids` follows `batch.sampling_rows`.
         Returns the requests that got a token (some may now be finished)."""
         for row in batch.rows:
+            self.in_flight.remove(row.request_id)
             request = self.requests[row.request_id]
             request.num_computed_tokens += row.num_tokens
             self.kv_cache_manager.cache_computed_blocks(request)
@@ -133,6 +139,8 @@ class Scheduler:
         preempt the least urgent running request until this one fits (or is itself the victim)."""
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or request in plan.num_scheduled_tokens:
+                continue
+            if request.request_id in self.in_flight:
                 continue
             if not select(request):
                 continue
@@ -193,8 +201,9 @@ class Scheduler:
 
     def _preemption_victim(self) -> Request:
         """vLLM's priority victim: the highest value, then the latest arrival. At one priority
-        `running` is in arrival order, so this is the newest, as plain FCFS preempts."""
-        return max(self.running, key=admission_key)
+        `running` is in arrival order, so this is the newest, as plain FCFS preempts. Never one in
+        flight: its batch's update is still to come."""
+        return max((r for r in self.running if r.request_id not in self.in_flight), key=admission_key)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Free the request's blocks and queue it again to recompute later, ahead of every later

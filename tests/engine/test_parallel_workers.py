@@ -61,16 +61,51 @@ def test_qwen3_shape_on_two_workers_matches_one():
     assert_same_up_to_near_ties(split, whole)
 
 
-def test_two_pipeline_stages_answer_as_one_model_with_chunked_prompts_and_preemption(llm):
+@pytest.fixture(scope="module")
+def staged_llm() -> LLM:
+    """Two stages. A 16-token budget chunks every prompt; 4 blocks of 16 tokens for 3 requests
+    preempts."""
+    return LLM(dtype="float32", pipeline_parallel_size=2, max_num_batched_tokens=16, num_kv_blocks=4)
+
+
+def test_two_pipeline_stages_answer_as_one_model_with_chunked_prompts_and_preemption(llm, staged_llm):
     params = SamplingParams(max_tokens=16, temperature=0, logprobs=2)
     whole = llm.generate(PROMPTS, params)
-    # A 16-token budget chunks every prompt; 4 blocks of 16 tokens for 3 requests preempts.
-    staged_llm = LLM(dtype="float32", pipeline_parallel_size=2, max_num_batched_tokens=16, num_kv_blocks=4)
     staged = staged_llm.generate(PROMPTS, params)
     assert_same_up_to_near_ties(staged, whole)  # chunks change the order of attention's sums
     assert staged_llm.engine.stats().num_preemptions > 0
     manager = staged_llm.engine.core.kv_cache_manager
     assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_two_batches_are_in_the_pipeline_at_once_and_an_abort_there_loses_nothing(llm, staged_llm):
+    engine, core = staged_llm.engine, staged_llm.engine.core
+    params = SamplingParams(max_tokens=3, temperature=0)
+    busy_before = core.runner.stage_busy_s()
+    first = engine.add_request(PROMPTS[0], params)
+    assert engine.step() == []  # submitted; the pipeline has room for another batch
+    second = engine.add_request(PROMPTS[1], params)
+    # The second batch holds only the new request (the first is in the pipeline); with the
+    # pipeline full, the first batch is collected.
+    assert [output.request_id for output in engine.step()] == [first]
+    assert core.scheduler.in_flight == {second}
+    assert [output.request_id for output in engine.step()] == [second]  # first's decode went in
+    assert core.scheduler.in_flight == {first}
+    assert engine.abort_request(first) is not None  # while its decode is in the pipeline
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        assert first not in {output.request_id for output in outputs}
+    manager = core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_blocks and not core.scheduler.in_flight
+    # Nothing of the aborted request is left behind in the stages: the same prompt again
+    # answers as the whole model does.
+    again = staged_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, logprobs=2))
+    assert_same_up_to_near_ties(
+        again, llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, logprobs=2))
+    )
+    busy_after = core.runner.stage_busy_s()
+    assert len(busy_after) == 2
+    assert all(after > before for after, before in zip(busy_after, busy_before, strict=True))
 
 
 def test_layers_are_split_in_contiguous_runs_as_even_as_can_be():
