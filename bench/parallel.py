@@ -5,8 +5,8 @@ batching a stage holding a whole prompt leaves the other waiting (a bubble); sta
 cost about the same at every step. Measured: the real SmolLM2 (dtype auto, prefix caching off)
 split in two pipeline stages, one worker process and one torch thread each, two batches in the
 pipeline at once, under `prefill_first` (whole prompts, budget 2048) and `stall_free` (budget
-512); beside them one process on both threads (`stall_free`, 512), the replica that a 2-core
-machine would otherwise run. The engine core runs on a thread of this process (AsyncEngine, no
+256, serve_config's); beside them one process on both threads (`stall_free`, 256), the replica
+that a 2-core machine would otherwise run. The engine core runs on a thread of this process (AsyncEngine, no
 Ray), as in bench.capacity.
 
 Workload: bench.capacity's (random prompts log-uniform 64-1024, outputs 16-128, Poisson
@@ -42,14 +42,15 @@ SYSTEMS = {
         "scheduling_policy": "prefill_first",
         "max_num_batched_tokens": 2048,
     },
-    "PP=2 stall_free": {"pipeline_parallel_size": 2, "max_num_batched_tokens": 512},
-    "1 process stall_free": {"max_num_batched_tokens": 512},
+    "PP=2 stall_free": {"pipeline_parallel_size": 2, "max_num_batched_tokens": 256},
+    "1 process stall_free": {"max_num_batched_tokens": 256},
 }
 COMMON = {"enable_prefix_caching": False}
 SEEDS = (0, 1, 2)
 RATES = (0.5, 1.0, 1.41, 2.0, 2.83, 4.0, 5.66)  # requests/s, 2^(1/2) apart
 BUBBLE_RATE = 4.0
 WINDOW_S, MIN_REQUESTS = 16.0, 24
+WARMUP_REQUESTS = 8  # replayed on each fresh engine before its points, unmeasured
 GOALS = {
     "stall_free_bubble_0.5x_prefill_first": "PP=2: stall_free's pipeline bubble fraction <= 0.5x"
     f" prefill_first's at {BUBBLE_RATE} req/s (medians over seeds)",
@@ -164,6 +165,7 @@ def main() -> None:
             print(f"seed {seed}: {name}", flush=True)
             system = System({**COMMON, **settings})
             try:
+                system.run(arrivals[:WARMUP_REQUESTS], BUBBLE_RATE)  # first passes at each shape are slow
                 runs[name].append({"seed": seed, **walk(system, arrivals, slos, delay_bound_s)})
             finally:
                 system.shutdown()
