@@ -28,6 +28,7 @@ Writes bench/results/parallel_cpu.json; about half an hour on 2 cores, not part 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -106,19 +107,18 @@ def at_rate(run: dict, rate: float) -> dict:
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
-    """Medians and spreads over seeds: capacity per SLO; at BUBBLE_RATE the bubble fraction,
-    output tok/s and TBT p99."""
+    """Medians and spreads over seeds: capacity per SLO; at BUBBLE_RATE the bubble fraction (None
+    for one process), output tok/s and TBT p99."""
     summary: dict[str, dict] = {}
     for name, seeds in runs.items():
-        figures = {
+        figures: dict[str, Spread | None] = {
             f"capacity_{slo}_req_per_s": Spread.of(run["capacity_req_per_s"][slo] for run in seeds)
             for slo in SLO_FACTORS
         }
         at_bubble_rate = [at_rate(run, BUBBLE_RATE) for run in seeds]
         for key in ("output_tok_per_s", "tbt_p99_s", "bubble_fraction"):
-            if key in at_bubble_rate[0]:
-                figures[key] = Spread.of_runs(at_bubble_rate, key)
-        summary[name] = {key: {"median": f.median, "spread": f.range} for key, f in figures.items()}
+            figures[key] = Spread.of_runs(at_bubble_rate, key) if key in at_bubble_rate[0] else None
+        summary[name] = {key: None if f is None else dataclasses.asdict(f) for key, f in figures.items()}
     return summary
 
 
@@ -143,10 +143,7 @@ def print_table(summary: dict) -> None:
 
 
 def _cell(figure: dict | None) -> str:
-    if figure is None:
-        return "-"
-    low, high = figure["spread"]
-    return f"{figure['median']:.3g} [{low:.3g}-{high:.3g}]"
+    return "-" if figure is None else f"{figure['median']:.3g} [{figure['min']:.3g}-{figure['max']:.3g}]"
 
 
 def main() -> None:

@@ -72,6 +72,12 @@ class AppArgs(BaseModel):
         "the builder's options wholesale and silently drop it",
     )
     num_cpus: float = Field(default=1, ge=0, description="CPUs Ray reserves per replica")
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        default="STRICT_PACK",
+        description="A parallel replica's placement group (one bundle per worker): `STRICT_PACK` "
+        "keeps it on one node; `PACK`, `SPREAD` and `STRICT_SPREAD` let its workers go to other "
+        "nodes, which needs the engine's `distributed_executor_backend: ray`",
+    )
     resources: dict[str, float] = Field(
         default_factory=dict,
         description="Custom Ray resources per replica, e.g. `{stallfree_engine: 1}` with nodes "
@@ -174,6 +180,11 @@ class AppArgs(BaseModel):
                     "num_cpus: a parallel replica reserves a placement-group bundle per worker, "
                     "and a bundle needs num_cpus > 0"
                 )
+        if self.placement_strategy != "STRICT_PACK" and config.distributed_executor_backend != "ray":
+            raise ValueError(
+                f"placement_strategy: {self.placement_strategy} may put workers on other nodes; "
+                "worker processes (distributed_executor_backend: mp) stay on the replica's"
+            )
         return config
 
 
@@ -212,20 +223,31 @@ def _routing(args: AppArgs) -> dict[str, Any]:
     return {"request_router_config": config}
 
 
-def replica_placement(args: AppArgs, workers: int) -> dict[str, Any]:
-    """The replica's resources. Parallel workers are child processes of the replica, on
-    its node: a STRICT_PACK placement group with one bundle per worker, the first (the replica's
+def replica_placement(args: AppArgs, config: EngineConfig) -> dict[str, Any]:
+    """The replica's resources. A parallel replica gets a placement group. Its workers as child
+    processes (`mp`) sit on its node: STRICT_PACK, one bundle per worker, the first (the replica's
     actor) holding every worker's GPUs so that all of them are visible to it (worker r uses the
-    r-th)."""
+    r-th). As Ray actors (`ray`): the replica's bundle, then one per worker with its own GPUs,
+    placed by `placement_strategy`."""
+    workers = config.num_workers
     options = {"num_cpus": args.num_cpus, "num_gpus": args.num_gpus * workers, "resources": args.resources}
     if workers == 1:
         return {"ray_actor_options": options}
-    gpus = {"GPU": args.num_gpus * workers} if args.num_gpus else {}
-    bundles = [{"CPU": args.num_cpus, **gpus, **args.resources}] + [{"CPU": args.num_cpus}] * (workers - 1)
+    worker_gpus = {"GPU": args.num_gpus} if args.num_gpus else {}
+    if config.distributed_executor_backend == "ray":
+        options["num_gpus"] = 0
+        bundles = [{"CPU": args.num_cpus, **args.resources}] + [
+            {"CPU": args.num_cpus, **worker_gpus}
+        ] * workers
+    else:
+        gpus = {"GPU": args.num_gpus * workers} if args.num_gpus else {}
+        bundles = [{"CPU": args.num_cpus, **gpus, **args.resources}] + [{"CPU": args.num_cpus}] * (
+            workers - 1
+        )
     return {
         "ray_actor_options": options,
         "placement_group_bundles": bundles,
-        "placement_group_strategy": "STRICT_PACK",
+        "placement_group_strategy": args.placement_strategy,
     }
 
 
@@ -233,7 +255,7 @@ def build_app(args: AppArgs) -> Application:
     engine_config = args.engine_config()
     model_name = args.served_model_name or served_model_name(args.model)
     replica = EngineReplica.options(
-        **replica_placement(args, engine_config.num_workers),
+        **replica_placement(args, engine_config),
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
         **_autoscaling(args),

@@ -4,6 +4,7 @@ predicts for its shape."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ class ReplicaConfig:
     scheduling_policy: str = "stall_free"
     enable_prefix_caching: bool = True
     tbt_slo_s: float | None = None
+    pipeline_parallel_size: int = 1  # stages, each 1/N of a step's time; N batches in flight
     model: str = "sim"  # part of every block's hash, as a real replica's model name is
 
     def __post_init__(self) -> None:
@@ -41,32 +43,54 @@ class ReplicaConfig:
             raise ValueError(
                 f"scheduling_policy: {self.scheduling_policy!r} is not one of {sorted(SCHEDULING_POLICIES)}"
             )
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size: must be at least 1, got {self.pipeline_parallel_size}")
 
 
 class SimExecutor:
     """The forward pass replaced: each sampling row's token is its request's next simulated token,
     and a step takes the step-time model's mean (uncalibrated) prediction for its shape, on a
-    virtual clock (`elapsed_s`)."""
+    virtual clock (`elapsed_s`). With N pipeline stages (`pipeline_depth`), each stage takes 1/N
+    of that (an even split of the work; stage-to-stage transfers are not modeled) and starts a
+    batch once the stage before has passed it on and its previous batch is done, so N batches
+    overlap as in the engine's pipeline."""
 
-    pipeline_depth = 1
-
-    def __init__(self, step_time: StepTime) -> None:
+    def __init__(self, step_time: StepTime, pipeline_depth: int = 1) -> None:
         self.step_time = step_time
+        self.pipeline_depth = pipeline_depth
         self.elapsed_s = 0.0
-        self.last_step_s: float | None = None  # of the latest execute
+        self.last_step_s: float | None = None  # of the latest step call; 0: it only submitted
         self.requests: dict[str, Request] = {}  # the scheduler's, bound by sim_core
+        self._stage_free_at = [0.0] * pipeline_depth
+        self._in_flight: deque[tuple[ScheduledBatch, float]] = deque()  # with when each is out
 
     def allocate_kv_cache(self, pool_size: int) -> None:
         """No tensors: the KV cache manager's block accounting is all there is."""
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        self.last_step_s = self.step_time.predict_raw(batch.shape())
-        self.elapsed_s += self.last_step_s
+        self.submit(batch)
+        return self.collect()
+
+    def submit(self, batch: ScheduledBatch) -> None:
+        stage_s = self.step_time.predict_raw(batch.shape()) / self.pipeline_depth
+        at = self.elapsed_s
+        for stage, free_at in enumerate(self._stage_free_at):
+            at = max(at, free_at) + stage_s
+            self._stage_free_at[stage] = at
+        self._in_flight.append((batch, at))
+        self.last_step_s = self.last_step_s or 0.0
+
+    def collect(self) -> RunnerOutput:
+        """The oldest batch's tokens, once the clock reaches its end."""
+        batch, out_at = self._in_flight.popleft()
+        waited = max(0.0, out_at - self.elapsed_s)
+        self.elapsed_s += waited
+        self.last_step_s = (self.last_step_s or 0.0) + waited
         tokens = [
             output_token(row.request_id, len(self.requests[row.request_id].output_token_ids))
             for row in batch.sampling_rows
         ]
-        return RunnerOutput(SampledTokens(tokens, [None] * len(tokens)), model_s=self.last_step_s)
+        return RunnerOutput(SampledTokens(tokens, [None] * len(tokens)), model_s=waited)
 
     def clock(self) -> float:
         return self.elapsed_s
@@ -75,7 +99,7 @@ class SimExecutor:
 def sim_core(config: ReplicaConfig, step_time: StepTime) -> EngineCore:
     """The engine's own EngineCore (scheduler, KV cache manager, its step and update) over a
     SimExecutor; a TBT target plans with `step_time` itself."""
-    executor = SimExecutor(step_time)
+    executor = SimExecutor(step_time, config.pipeline_parallel_size)
     core = EngineCore(config, executor, config.num_kv_blocks, None, step_time=step_time, clock=executor.clock)
     executor.requests = core.scheduler.requests
     return core

@@ -34,9 +34,10 @@ from replica_engine.scheduler.step_time_model import StepTime, StepTimeModel
 # serve_config.yaml's engine settings the simulator models (ReplicaConfig's fields), and the ones
 # that change nothing it simulates.
 REPLICA_FIELDS = ("max_num_batched_tokens", "max_num_seqs", "block_size", "scheduling_policy",
-                  "enable_prefix_caching", "tbt_slo_s")  # fmt: skip
+                  "enable_prefix_caching", "tbt_slo_s", "pipeline_parallel_size")  # fmt: skip
 ENGINE_MODELED = {*REPLICA_FIELDS, "num_kv_blocks", "kv_cache_bytes", "dtype", "tensor_parallel_size"}
-ENGINE_IGNORED = {"attention_backend", "seed", "max_model_len", "device"}
+# Where the workers run changes nothing the simulator models (their transfers are not modeled).
+ENGINE_IGNORED = {"attention_backend", "seed", "max_model_len", "device", "distributed_executor_backend"}
 # ingress_replicas: one is the simulator's one router; more are refused
 APP_MODELED = {
     "model",
@@ -47,6 +48,7 @@ APP_MODELED = {
     "ingress_replicas",
 }
 APP_IGNORED = {"served_model_name", "num_gpus", "num_cpus", "resources", "cpu_threads", "max_queued_requests",
+               "placement_strategy",
                "sampling_defaults", "ingress_max_ongoing_requests", "request_timeout_s", "api_key_env",
                "api_key_file", "max_request_body_bytes",
                # autoscaling's: only read with num_replicas "auto", which is refused

@@ -20,6 +20,7 @@ from replica_engine.scheduler import SCHEDULING_POLICIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKEND_NAMES = ("auto", *ATTENTION_BACKENDS)
+EXECUTOR_BACKENDS = ("mp", "ray")  # parallel workers: processes of the replica, or Ray actors
 GiB = 1 << 30
 
 # Defaults per device. Serving keeps steps short so time between tokens stays low; offline
@@ -131,8 +132,18 @@ class EngineConfig:
         default=1,
         metadata=_doc(
             "Stages one replica's layers are split over, each a worker process of its own "
-            "passing the hidden states on; one batch in the pipeline at a time for now (memory, "
-            "not yet throughput). Not yet combined with `tensor_parallel_size`"
+            "passing the hidden states on; as many batches in the pipeline at once as there are "
+            "stages (a request in one sits out scheduling until its token is known). Not yet "
+            "combined with `tensor_parallel_size`"
+        ),
+    )
+    distributed_executor_backend: str = field(
+        default="mp",
+        metadata=_doc(
+            "Where parallel workers run: `mp`, child processes of the replica on its node; `ray`, "
+            "Ray actors in the bundles of the replica's placement group after its own (any node: "
+            "the app's `placement_strategy`), or in a group of their own in a plain Ray driver. "
+            "`ray` needs `core_process: false` (the executor calls Ray from the replica's process)"
         ),
     )
     cuda_graphs: bool | None = field(
@@ -204,6 +215,16 @@ class EngineConfig:
         for flag in ("enable_prefix_caching", "core_process"):
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidRequestError(flag, f"must be true or false, got {getattr(self, flag)!r}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise InvalidRequestError(
+                "distributed_executor_backend",
+                f"must be one of {EXECUTOR_BACKENDS}, got {self.distributed_executor_backend!r}",
+            )
+        if self.distributed_executor_backend == "ray" and self.core_process:
+            raise InvalidRequestError(
+                "distributed_executor_backend",
+                "ray needs core_process: false (Ray's API is the replica's process's, not the core's)",
+            )
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise InvalidRequestError(
                 "dtype", f"must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}"

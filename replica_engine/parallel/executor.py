@@ -5,24 +5,19 @@ generators) and the penalty counts; the workers get each step's rows without the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import socket
-import subprocess
 import weakref
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import NoReturn
 
 import torch
 
 from replica_engine.batch_sampler import BatchSampler, StepLogits
-from replica_engine.child_process import Channel, start_child
 from replica_engine.config import EngineConfig
 from replica_engine.executor import RunnerOutput
 from replica_engine.parallel.worker import (
     READ_CLOCK,
-    STOP,
     AllocateKVCache,
     Release,
     RunStep,
@@ -31,10 +26,9 @@ from replica_engine.parallel.worker import (
     WorkerFailed,
     WorkerReady,
 )
+from replica_engine.parallel.worker_links import WorkerGoneError, WorkerLink, start_processes, stop_all
 from replica_engine.persistent_batch import PersistentBatch
 from replica_engine.scheduler.plan import ScheduledBatch, ScheduledRow
-
-SHUTDOWN_TIMEOUT_S = 10
 
 
 class WorkerDiedError(RuntimeError):
@@ -43,19 +37,24 @@ class WorkerDiedError(RuntimeError):
 
 class ParallelExecutor:
     def __init__(self, config: EngineConfig, vocab_size: int) -> None:
-        """`config` resolved. Starts the workers and waits until each has its share loaded."""
+        """`config` resolved. Starts the workers (processes here, or Ray actors) and waits until
+        each has its share loaded."""
         size = config.num_workers
-        address = f"tcp://127.0.0.1:{_free_port()}"
-        threads = max(1, torch.get_num_threads() // size)
-        self._workers: list[tuple[subprocess.Popen, Channel]] = []
+        if config.distributed_executor_backend == "ray":
+            from replica_engine.parallel.ray_workers import start_actors  # Ray only when asked
+
+            started = start_actors(size)
+        else:
+            started = start_processes(size, torch.get_num_threads())
+        self._workers = started.links
         self._dead: str | None = None  # why, once a worker is gone
         # Workers stop with the executor, even one never closed (a dropped LLM, a test's engine).
-        weakref.finalize(self, _stop, self._workers)
+        self._finalizer = weakref.finalize(self, _stop, self._workers, started.release)
         try:
-            for rank in range(size):
-                process, conn = start_child("replica_engine.parallel.worker")
-                self._workers.append((process, conn))
-                conn.send(WorkerArgs(config, rank, address, threads))
+            for rank, link in enumerate(self._workers):
+                link.send(
+                    WorkerArgs(config, rank, started.address, started.num_threads, started.gpu_of_rank(rank))
+                )
             readies = self._replies()
         except BaseException:
             self.close()
@@ -112,44 +111,39 @@ class ParallelExecutor:
         return [clock.busy_s for clock in clocks if isinstance(clock, StageClock)]
 
     def close(self) -> None:
-        _stop(self._workers)
-
-    def _died(self, rank: int, process: subprocess.Popen) -> NoReturn:
-        self._dead = f"parallel worker {rank} exited (code {process.poll()})"
-        raise WorkerDiedError(self._dead)
+        self._finalizer()
 
     def _broadcast(self, message: object) -> None:
         if self._dead is not None:  # the others' replies are out of step now: nothing runs again
             raise WorkerDiedError(self._dead)
-        for rank, (process, conn) in enumerate(self._workers):
+        for rank, link in enumerate(self._workers):
             try:
-                conn.send(message)
-            except OSError:
-                self._died(rank, process)
+                link.send(message)
+            except WorkerGoneError as error:
+                raise self._died(rank, error) from error
 
     def _replies(self) -> list[object]:
         """Every worker's reply, in rank order; the first failure raised once all have answered."""
         replies = []
-        for rank, (process, conn) in enumerate(self._workers):
+        for rank, link in enumerate(self._workers):
             try:
-                replies.append(conn.recv())
-            except (EOFError, OSError):
-                self._died(rank, process)
+                replies.append(link.recv())
+            except WorkerGoneError as error:
+                raise self._died(rank, error) from error
         for reply in replies:
             if isinstance(reply, WorkerFailed):
                 raise reply.error
         return replies
 
+    def _died(self, rank: int, error: WorkerGoneError) -> WorkerDiedError:
+        self._dead = f"parallel worker {rank} {error}"
+        return WorkerDiedError(self._dead)
 
-def _stop(workers: list[tuple[subprocess.Popen, Channel]]) -> None:
-    for process, conn in workers:
-        with contextlib.suppress(OSError):  # already gone
-            conn.send(STOP)
-        try:
-            process.wait(timeout=SHUTDOWN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-    workers.clear()
+
+def _stop(workers: list[WorkerLink], release: Callable[[], None] | None) -> None:
+    stop_all(workers)
+    if release is not None:
+        release()
 
 
 def _for_workers(batch: ScheduledBatch) -> ScheduledBatch:
@@ -163,9 +157,3 @@ def _for_workers(batch: ScheduledBatch) -> ScheduledBatch:
         )
 
     return dataclasses.replace(batch, rows=tuple(strip(row) for row in batch.rows))
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

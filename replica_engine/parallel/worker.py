@@ -1,9 +1,10 @@
 """One parallel worker: a process holding its share of the model (its heads, or its pipeline
 stage's layers) and that share's KV cache, started by parallel/executor.py as
-`python -m replica_engine.parallel.worker FD`. It joins the replica's process group, says how
-many KV blocks fit, then runs every step it is sent. All workers run each step (their
-collectives keep them in lock step); only the last sends the step's logits back. A collective
-that waits on a dead worker gives up after COLLECTIVE_TIMEOUT_S, so no worker hangs for ever."""
+`python -m replica_engine.parallel.worker FD` (or as a Ray actor: parallel/ray_workers.py). It
+joins the replica's process group, says how many KV blocks fit, then runs every step it is sent.
+All workers run each step (their collectives keep them in lock step); only the last sends the
+step's logits back. A collective that waits on a dead worker gives up after
+COLLECTIVE_TIMEOUT_S, so no worker hangs for ever."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from common.model_source import resolve_model
+from replica_engine.batch_sampler import StepLogits
 from replica_engine.child_process import Channel
 from replica_engine.config import EngineConfig
 from replica_engine.model_runner import ModelRunner, load_runner
@@ -36,6 +38,7 @@ class WorkerArgs:
     rank: int
     address: str  # the process group's rendezvous, tcp://host:port
     num_threads: int
+    gpu: int  # which of the GPUs this worker sees is its own (on a GPU)
 
     @property
     def place(self) -> WorkerPlace:
@@ -79,8 +82,8 @@ READ_CLOCK = "read clock"
 def build_runner(args: WorkerArgs) -> ModelRunner:
     config, place = args.config, args.place
     on_gpu = config.torch_device.type == "cuda"
-    if on_gpu:  # the replica sees one GPU per worker (deployments/app.py): this worker's is its rank's
-        torch.cuda.set_device(args.rank)
+    if on_gpu:
+        torch.cuda.set_device(args.gpu)
     dist.init_process_group(
         "nccl" if on_gpu else "gloo",
         init_method=args.address,
@@ -95,9 +98,54 @@ def build_runner(args: WorkerArgs) -> ModelRunner:
     return load_runner(source, load_config(source), own_config, place)
 
 
-def _waited_s(runner: ModelRunner) -> float:
-    stage = runner.model.stage
-    return stage.waited_s if stage is not None else 0.0
+class Worker:
+    """One worker's share of the model and what it does with each message, whatever carries them
+    (a socket from the executor: main below; Ray's actor calls: parallel/ray_workers.py)."""
+
+    def __init__(self, args: WorkerArgs) -> None:
+        torch.set_num_threads(args.num_threads)
+        self.args = args
+        self.runner = build_runner(args)
+        self.busy_s = 0.0  # computing steps, waits on another stage left out
+
+    def handle(self, message: object) -> object:
+        """The reply to one message; a failure is a WorkerFailed reply (the step fails in the
+        executor; the worker lives on)."""
+        try:
+            if isinstance(message, AllocateKVCache):
+                self.runner.allocate_kv_cache(message.pool_size)
+            elif isinstance(message, Release):
+                self.runner.release(message.request_ids)
+            elif message == READ_CLOCK:
+                return StageClock(self.busy_s)
+            else:
+                assert isinstance(message, RunStep)
+                return self._run(message.batch)
+        except Exception as error:
+            return WorkerFailed(RuntimeError(f"parallel worker {self.args.rank}: {error!r}"))
+        return None
+
+    def _run(self, batch: ScheduledBatch) -> StepLogits | None:
+        started, waited = time.perf_counter(), self._waited_s()
+        step = self.runner.forward(batch)
+        self.busy_s += time.perf_counter() - started - (self._waited_s() - waited)
+        return step if self.args.place.holds_logits else None
+
+    def _waited_s(self) -> float:
+        stage = self.runner.model.stage
+        return stage.waited_s if stage is not None else 0.0
+
+    @staticmethod
+    def stop() -> None:
+        dist.destroy_process_group()
+
+
+def start_worker(args: WorkerArgs) -> tuple[Worker | None, WorkerReady | WorkerFailed]:
+    try:
+        worker = Worker(args)
+    except BaseException as error:
+        return None, WorkerFailed(RuntimeError(f"parallel worker {args.rank}: {error!r}"))
+    return worker, WorkerReady(worker.runner.num_kv_blocks())
 
 
 def main(fd: int) -> None:
@@ -108,39 +156,19 @@ def main(fd: int) -> None:
     conn = Channel(fd)
     args = conn.recv()
     assert isinstance(args, WorkerArgs)
-    torch.set_num_threads(args.num_threads)
-    try:
-        runner = build_runner(args)
-        conn.send(WorkerReady(runner.num_kv_blocks()))
-    except BaseException as error:
-        conn.send(WorkerFailed(RuntimeError(f"parallel worker {args.rank}: {error!r}")))
+    worker, ready = start_worker(args)
+    conn.send(ready)
+    if worker is None:
         return
-    busy_s = 0.0
     while True:
         try:
             message = conn.recv()
         except (EOFError, OSError):  # the executor is gone
             return
         if message == STOP:
-            dist.destroy_process_group()
+            worker.stop()
             return
-        try:
-            reply: object = None
-            if isinstance(message, AllocateKVCache):
-                runner.allocate_kv_cache(message.pool_size)
-            elif isinstance(message, Release):
-                runner.release(message.request_ids)
-            elif message == READ_CLOCK:
-                reply = StageClock(busy_s)
-            else:
-                assert isinstance(message, RunStep)
-                started, waited = time.perf_counter(), _waited_s(runner)
-                step = runner.forward(message.batch)
-                busy_s += time.perf_counter() - started - (_waited_s(runner) - waited)
-                reply = step if args.place.holds_logits else None
-        except Exception as error:  # the step fails in the executor; the worker lives on
-            reply = WorkerFailed(RuntimeError(f"parallel worker {args.rank}: {error!r}"))
-        conn.send(reply)
+        conn.send(worker.handle(message))
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ def test_a_dead_worker_fails_the_request_and_no_one_hangs():
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     assert len(split_llm.generate([[1, 2, 3]], params)[0].token_ids) == 4
     executor = split_llm.engine.core.runner
-    worker = executor._workers[1][0]
+    worker = executor._workers[1].process
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait()
     for _ in range(2):  # and each later step at once: the survivor's replies are out of step
@@ -143,6 +143,6 @@ def test_a_dead_worker_fails_the_request_and_no_one_hangs():
             split_llm.generate([[1, 2, 3]], params)
     with pytest.raises(WorkerDiedError, match="worker 1 exited"):
         executor.execute(ScheduledBatch(()))
-    processes = [process for process, _ in executor._workers]
+    processes = [link.process for link in executor._workers]
     executor.close()  # the survivor, stuck in a collective with the dead one, is stopped
     assert all(process.poll() is not None for process in processes)

@@ -36,13 +36,26 @@ def test_bad_args_name_the_field(args: dict, field: str):
 def test_a_tensor_parallel_replica_reserves_a_bundle_per_worker_on_one_node():
     args = AppArgs(model="dummy:tiny-llama", num_cpus=0.5, num_gpus=1, engine={"tensor_parallel_size": 2})
     build_app(args)
-    assert replica_placement(args, 2) == {
+    assert replica_placement(args, args.engine_config()) == {
         # the replica's actor sees both GPUs: its workers are its child processes
         "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 2, "resources": {}},
         "placement_group_bundles": [{"CPU": 0.5, "GPU": 2}, {"CPU": 0.5}],
         "placement_group_strategy": "STRICT_PACK",
     }
-    assert "placement_group_bundles" not in replica_placement(args, 1)
+    one = AppArgs(model="dummy:tiny-llama", num_cpus=0.5)
+    assert "placement_group_bundles" not in replica_placement(one, one.engine_config())
+
+
+def test_workers_as_ray_actors_get_bundles_of_their_own_placed_by_the_strategy():
+    engine = {"pipeline_parallel_size": 2, "distributed_executor_backend": "ray"}
+    args = AppArgs(model="dummy:tiny-llama", num_gpus=1, placement_strategy="SPREAD", engine=engine)
+    build_app(args)
+    assert replica_placement(args, args.engine_config()) == {
+        # the replica's actor needs no GPU: each worker's bundle holds its own
+        "ray_actor_options": {"num_cpus": 1, "num_gpus": 0, "resources": {}},
+        "placement_group_bundles": [{"CPU": 1}, {"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}],
+        "placement_group_strategy": "SPREAD",
+    }
 
 
 @pytest.mark.parametrize(
@@ -50,6 +63,20 @@ def test_a_tensor_parallel_replica_reserves_a_bundle_per_worker_on_one_node():
     [
         ({"engine": {"tensor_parallel_size": 2}}, "tensor_parallel_size"),  # SmolLM2's 9 heads
         ({"model": "dummy:tiny-llama", "num_cpus": 0, "engine": {"tensor_parallel_size": 2}}, "num_cpus"),
+        (  # worker processes cannot leave the replica's node
+            {
+                "model": "dummy:tiny-llama",
+                "placement_strategy": "SPREAD",
+                "engine": {"pipeline_parallel_size": 2},
+            },
+            "placement_strategy",
+        ),
+        ({"placement_strategy": "ANYWHERE"}, "placement_strategy"),
+        ({"engine": {"distributed_executor_backend": "threads"}}, "distributed_executor_backend"),
+        (
+            {"engine": {"distributed_executor_backend": "ray", "core_process": True}},
+            "distributed_executor_backend: ray needs core_process: false",
+        ),
     ],
 )
 def test_bad_tensor_parallel_settings_fail_the_deploy(args: dict, field: str):

@@ -34,6 +34,24 @@ def test_a_two_request_timeline_computed_by_hand():
     assert b.timing().ttft_s == pytest.approx(0.053)
 
 
+def test_a_two_stage_pipeline_timeline_computed_by_hand():
+    # Two stages, each half a step's time; a 32-token budget holds one prompt a batch. A (32, 3
+    # out) and B (16, 2) at 0. Stage 0 | stage 1, in ms:
+    # batch 1 {A's prompt} (42 / 2 = 21 a stage): 0-21 | 21-42 -> A's 1st token at 42.
+    # batch 2 {B's prompt} (26 / 2 = 13): 21-34 | 42-55 -> B's 1st at 55 (A sat out: in flight).
+    # batch 3 {A} (5 a stage): 42-47 | 55-60 -> A's 2nd at 60; batch 4 {B}: 55-60 | 60-65 -> B's
+    # 2nd at 65; batch 5 {A}: 60-65 | 65-70 -> A's 3rd at 70. One stage: A's at 42, 68, 78.
+    requests = [
+        SimRequest("A", 0.0, tuple(range(1, 33)), max_tokens=3),
+        SimRequest("B", 0.0, tuple(range(100, 116)), max_tokens=2),
+    ]
+    config = ReplicaConfig(num_kv_blocks=16, max_num_batched_tokens=32, pipeline_parallel_size=2)
+    fleet = Fleet(FleetConfig(1, config), STEP_TIME, make_router("round_robin", 0))
+    a, b = fleet.run(requests)
+    assert a.token_times == pytest.approx([0.042, 0.060, 0.070])
+    assert b.token_times == pytest.approx([0.055, 0.065])
+
+
 def test_a_request_that_can_never_fit_the_pool_is_refused_by_name():
     replica = SimReplica("r", ReplicaConfig(num_kv_blocks=2), STEP_TIME, EventLoop(), lambda *_: None)
     with pytest.raises(ValueError, match=r"'big'.*3 KV blocks.*has 2"):
