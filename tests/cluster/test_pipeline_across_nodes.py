@@ -1,98 +1,103 @@
-"""Pipeline stages on other nodes (`distributed_executor_backend: ray`) on Ray's multi-node test
-cluster (`ray.cluster_utils.Cluster`: a head and two worker nodes, each its own raylet). The
-replica is stood in for by an actor in bundle 0 of a STRICT_SPREAD placement group that captures
-its children, as Serve places a replica in the group the app asks for; its engine starts one
-stage worker in each further bundle, so the three sit on three nodes. Then one worker's node is
-lost (every process of it SIGKILLed). Serve's replacement of a replica whose engine stopped is
-tested through Serve elsewhere (tests/serve); here, that the engine stops, promptly and saying
-why, instead of hanging in a collective. The model is `dummy:tiny-llama`, against itself unsplit."""
+"""A pipeline-parallel replica across nodes, through Serve, on Ray's multi-node test cluster
+(harness/multinode_cluster.py: a head and two worker nodes, each its own raylet and Serve proxy).
+serve_config.yaml's app with two pipeline stages as Ray actors (`distributed_executor_backend:
+ray`) and a SPREAD placement group: the replica's bundle on a worker node (it needs a slot), a
+stage in each of the others. Then a stage's node is lost (every process of it SIGKILLed): the
+replica's engine stops at its next step, its health check fails, and Serve replaces it; the
+replacement answers as the model does, and nothing is held after. `dummy:tiny-llama`, its greedy
+outputs known offline."""
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
-from ray.util.placement_group import placement_group, placement_group_table
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from harness.serve_cluster import TEST_CLUSTER_ENV
-from replica_engine import LLM, SamplingParams
+from harness import metrics_scrape, multinode_cluster, soak_load
+from harness.multinode_cluster import SLOT, WORKER_SLOTS, MultiNodeCluster
+from harness.serve_cluster import shipped_app_config, with_app_args
 
 pytestmark = pytest.mark.own_ray_cluster
-SETTINGS = {
-    "model": "dummy:tiny-llama",
-    "dtype": "float32",
-    "num_kv_blocks": 64,
-    "max_num_batched_tokens": 16,
+APP = "stallfree"
+MODEL = "dummy:tiny-llama"
+APP_ARGS = {
+    "model": MODEL,
+    "num_replicas": 1,
+    "num_cpus": 1,
+    "cpu_threads": 1,
+    "resources": {SLOT: 1},  # the replica's own bundle: on a worker node
+    "placement_strategy": "SPREAD",
+    "ingress_replicas": 1 + len(WORKER_SLOTS),
+    "engine": {
+        "pipeline_parallel_size": 2,
+        "distributed_executor_backend": "ray",
+        "num_kv_blocks": 64,
+        "dtype": "float32",
+    },
 }
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 40))]
-PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-STOPPED_S = 120.0  # the engine stops after the node's loss: a hang detector, sized for 2 loaded cores
+# Hang detectors on state, sized for 2 loaded cores (Ray declares a lost node dead in ~13 s;
+# Serve health-checks a replica every 10 s).
+REPLACED_S = 300.0
+REQUEST_S = 60.0
 
 
-class StandInReplica:
-    def __init__(self) -> None:
-        self.llm = LLM(**SETTINGS, pipeline_parallel_size=2, distributed_executor_backend="ray")
+def requests(seed: int) -> list[soak_load.SoakRequest]:
+    workload = soak_load.soak_workload(4, 512, 0.0, seed=seed, prompt_range=(8, 40), output_range=(8, 16))
+    return soak_load.with_expected_outputs(workload, MODEL)  # greedy, offline
 
-    def generate(self) -> list[list[int]]:
-        return [output.token_ids for output in self.llm.generate(PROMPTS, PARAMS)]
 
-    def try_generate(self) -> str:
-        """What a request after the loss meets: the error, by name and message."""
-        try:
-            self.llm.generate(PROMPTS, PARAMS)
-        except Exception as error:
-            return f"{type(error).__name__}: {error}"
-        return "answered"
+def outcomes(cluster: MultiNodeCluster, batch: list[soak_load.SoakRequest]) -> list[str]:
+    url = f"{cluster.head.http_url}/v1/completions"
+    _, results = asyncio.run(asyncio.wait_for(soak_load.run_load(url, batch, concurrency=4), REQUEST_S))
+    return [soak_load.outcome(r, res) for r, res in zip(batch, results, strict=True)]
 
-    def blocks_free(self) -> bool:
-        manager = self.llm.engine.core.kv_cache_manager
-        return manager.num_free_blocks == manager.num_blocks
+
+def alive_on(cluster: MultiNodeCluster, class_name: str) -> list[str]:
+    """The node of every live actor of this class, from Ray's state API on the head's dashboard."""
+    from ray.util.state import list_actors
+
+    actors = list_actors(cluster.dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000)
+    return [a.node_id for a in actors if a.class_name.split(":")[-1] == class_name]
 
 
 @pytest.fixture
-def cluster(monkeypatch: pytest.MonkeyPatch):
-    for key, value in TEST_CLUSTER_ENV.items():
-        monkeypatch.setenv(key, value)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
-    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+def cluster(tmp_path):
+    config = shipped_app_config()
+    app = config["applications"][0]
+    app["args"] = with_app_args(app["args"], APP_ARGS)
+    cluster = multinode_cluster.start(config, tmp_path, WORKER_SLOTS)
     try:
-        yield cluster, nodes
+        cluster.wait_ready()
+        yield cluster
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        multinode_cluster.stop(cluster)
 
 
-def test_stages_on_other_nodes_answer_as_one_model_and_a_lost_node_stops_the_engine(cluster):
-    cluster, nodes = cluster
-    group = placement_group([{"CPU": 1}] * 3, strategy="STRICT_SPREAD")
-    ray.get(group.ready(), timeout=60)
-    replica = (
-        ray.remote(StandInReplica)
-        .options(
-            num_cpus=1,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                group, 0, placement_group_capture_child_tasks=True
-            ),
-        )
-        .remote()
-    )
-    whole = [output.token_ids for output in LLM(**SETTINGS).generate(PROMPTS, PARAMS)]
-    assert ray.get(replica.generate.remote(), timeout=STOPPED_S) == whole
-    # The replica and each stage on a node of its own.
-    bundle_nodes = placement_group_table(group)["bundles_to_node_id"]
-    assert len(set(bundle_nodes.values())) == 3
-    lost = next(node for node in nodes if node.node_id in {bundle_nodes[1], bundle_nodes[2]})
-    assert lost.node_id != bundle_nodes[0]
-    cluster.remove_node(lost, allow_graceful=False)
-    started = time.monotonic()
-    outcome = ray.get(replica.try_generate.remote(), timeout=STOPPED_S)  # the step in flight fails
-    print(f"after the loss, in {time.monotonic() - started:.1f} s: {outcome}")
-    assert outcome != "answered"
-    # Every later request fails at once, naming the worker; the failed ones hold no KV block.
-    outcome = ray.get(replica.try_generate.remote(), timeout=30)
-    assert outcome.startswith("WorkerDiedError: parallel worker") and "Ray actor died" in outcome, outcome
-    assert ray.get(replica.blocks_free.remote(), timeout=30)
+def test_a_replica_whose_stages_span_nodes_answers_and_is_replaced_when_a_stage_node_is_lost(cluster):
+    batch = requests(seed=1)
+    assert outcomes(cluster, batch) == ["completed"] * len(batch)
+    stages, (replica,) = alive_on(cluster, "RayWorker"), alive_on(cluster, "EngineReplica")
+    assert len(set(stages)) == 2, stages  # one stage a node
+    lost = next(node for node in cluster.workers if node.node_id in stages and node.node_id != replica)
+    cluster.remove_worker(lost)
+    # Until Serve has replaced the replica, a request fails (503 from the stopped engine, or its
+    # connection to the lost replica breaks); none hangs, and none gets a wrong answer.
+    started, seen = time.monotonic(), set()
+    while True:
+        seen |= set(results := outcomes(cluster, requests(seed=2)))
+        assert "wrong_output" not in results, results
+        if results == ["completed"] * len(results):
+            break
+        assert time.monotonic() - started < REPLACED_S, f"not replaced in {REPLACED_S} s: {seen}"
+        time.sleep(1)
+    print(f"replaced in {time.monotonic() - started:.0f} s; meanwhile {sorted(seen)}")
+    stages = alive_on(cluster, "RayWorker")
+    assert len(stages) == 2 and lost.node_id not in stages, stages
+    # Nothing held after: every replica the surviving nodes report (the replacement; the stopped
+    # one's series until Ray's agent drops them) runs, queues and holds nothing once idle.
+    for node in [cluster.head, *cluster.workers]:
+        if metrics_scrape.replicas_reporting(node, APP):
+            drain_s, held = metrics_scrape.wait_drained(node, APP)
+            assert math.isfinite(drain_s), held
