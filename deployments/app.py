@@ -6,6 +6,7 @@ validates them into AppArgs because the builder's parameter is a pydantic model.
 import dataclasses
 from typing import Any, Literal
 
+import ray
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
     PrefixCacheAffinityRouter,
@@ -16,6 +17,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 from common.model_source import resolve_model, served_model_name
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import Ingress, IngressSettings
+from deployments.placement_fit import check_fits, cluster_nodes
 from replica_engine import DEFAULT_MODEL, EngineConfig, SamplingParams
 from replica_engine.models.loader import load_config
 from router.autoscaling import KVPressurePolicy
@@ -253,9 +255,17 @@ def replica_placement(args: AppArgs, config: EngineConfig) -> dict[str, Any]:
 
 def build_app(args: AppArgs) -> Application:
     engine_config = args.engine_config()
+    placement = replica_placement(args, engine_config)
+    if "placement_group_bundles" in placement and ray.is_initialized():  # where Serve builds the app
+        check_fits(
+            placement["placement_group_bundles"],
+            args.placement_strategy,
+            cluster_nodes(),
+            "engine.tensor_parallel_size x pipeline_parallel_size (a bundle each, of num_cpus and num_gpus)",
+        )
     model_name = args.served_model_name or served_model_name(args.model)
     replica = EngineReplica.options(
-        **replica_placement(args, engine_config),
+        **placement,
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
         **_autoscaling(args),

@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from deployments.app import AppArgs, build_app, replica_placement
+from deployments.placement_fit import check_fits
 from harness.serve_cluster import REPO
 
 
@@ -82,3 +83,25 @@ def test_workers_as_ray_actors_get_bundles_of_their_own_placed_by_the_strategy()
 def test_bad_tensor_parallel_settings_fail_the_deploy(args: dict, field: str):
     with pytest.raises(ValueError, match=field):
         build_app(AppArgs.model_validate(args))
+
+
+TWO_NODES = [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}]
+
+
+@pytest.mark.parametrize(
+    ("bundles", "strategy", "fits"),
+    [
+        ([{"CPU": 1}, {"CPU": 1}], "STRICT_PACK", True),
+        ([{"CPU": 1}, {"CPU": 1}, {"CPU": 1}], "STRICT_PACK", False),  # no node has 3 CPUs
+        ([{"CPU": 1}, {"CPU": 1}, {"CPU": 1}], "PACK", True),  # two nodes have
+        ([{"CPU": 1}, {"CPU": 1}, {"CPU": 1}], "STRICT_SPREAD", False),  # a node each: 2 nodes
+        ([{"CPU": 1}, {"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}], "SPREAD", True),
+        ([{"CPU": 0.5, "GPU": 1}] * 3, "SPREAD", False),  # 3 GPUs asked of 2
+    ],
+)
+def test_a_placement_group_the_cluster_cannot_hold_fails_the_deploy_by_name(bundles, strategy, fits):
+    if fits:
+        check_fits(bundles, strategy, TWO_NODES, "tensor_parallel_size")
+    else:
+        with pytest.raises(ValueError, match=rf"tensor_parallel_size: .*placement_strategy {strategy}"):
+            check_fits(bundles, strategy, TWO_NODES, "tensor_parallel_size")

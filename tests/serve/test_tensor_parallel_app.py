@@ -40,3 +40,11 @@ def test_a_three_worker_replica_answers_as_the_whole_model(split_app: openai.Ope
     )
     wait_for(lambda: engine_stats(APP).kv_cache_usage == 0, "every KV block is free")
     assert engine_stats(APP).num_running == 0
+
+
+def test_more_workers_than_the_cluster_can_place_fail_the_deploy_naming_the_settings(
+    serve_cluster: ServeCluster,
+):
+    args = AppArgs(num_cpus=64, engine={"dtype": "float32", "tensor_parallel_size": 3})
+    with pytest.raises(ValueError, match=r"tensor_parallel_size x pipeline_parallel_size.*STRICT_PACK"):
+        build_app(args)
