@@ -180,7 +180,7 @@ def wait_for(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.5)
 
 
-STOP_GRACE_S = 20
+STOP_GRACE_S = 5
 
 
 def stop(cluster: ServeCluster) -> None:

@@ -36,7 +36,6 @@ def test_bad_args_name_the_field(args: dict, field: str):
 
 def test_a_tensor_parallel_replica_reserves_a_bundle_per_worker_on_one_node():
     args = AppArgs(model="dummy:tiny-llama", num_cpus=0.5, num_gpus=1, engine={"tensor_parallel_size": 2})
-    build_app(args)
     assert replica_placement(args, args.engine_config()) == {
         # the replica's actor sees both GPUs: its workers are its child processes
         "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 2, "resources": {}},
@@ -50,7 +49,6 @@ def test_a_tensor_parallel_replica_reserves_a_bundle_per_worker_on_one_node():
 def test_workers_as_ray_actors_get_bundles_of_their_own_placed_by_the_strategy():
     engine = {"pipeline_parallel_size": 2, "distributed_executor_backend": "ray"}
     args = AppArgs(model="dummy:tiny-llama", num_gpus=1, placement_strategy="SPREAD", engine=engine)
-    build_app(args)
     assert replica_placement(args, args.engine_config()) == {
         # the replica's actor needs no GPU: each worker's bundle holds its own
         "ray_actor_options": {"num_cpus": 1, "num_gpus": 0, "resources": {}},
