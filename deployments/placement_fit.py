@@ -15,7 +15,10 @@ def check_fits(bundles: Sequence[Resources], strategy: str, nodes: Sequence[Reso
     STRICT_PACK needs one node for every bundle, STRICT_SPREAD a node for each, PACK and SPREAD
     any node for each (first fit, largest bundle first)."""
     if strategy == "STRICT_PACK":
-        total = {key: sum(b.get(key, 0.0) for b in bundles) for b in bundles for key in b}
+        total: dict[str, float] = {}
+        for bundle in bundles:
+            for key, amount in bundle.items():
+                total[key] = total.get(key, 0.0) + amount
         if not any(_holds(node, total) for node in nodes):
             raise ValueError(f"{what}: no node holds {_show(total)} (placement_strategy STRICT_PACK)")
         return

@@ -54,6 +54,10 @@ class WorkerReady:
 class WorkerFailed:
     error: BaseException
 
+    @classmethod
+    def of(cls, rank: int, error: BaseException) -> WorkerFailed:
+        return cls(RuntimeError(f"parallel worker {rank}: {error!r}"))
+
 
 @dataclass(frozen=True)
 class AllocateKVCache:
@@ -122,7 +126,7 @@ class Worker:
                 assert isinstance(message, RunStep)
                 return self._run(message.batch)
         except Exception as error:
-            return WorkerFailed(RuntimeError(f"parallel worker {self.args.rank}: {error!r}"))
+            return WorkerFailed.of(self.args.rank, error)
         return None
 
     def _run(self, batch: ScheduledBatch) -> StepLogits | None:
@@ -144,7 +148,7 @@ def start_worker(args: WorkerArgs) -> tuple[Worker | None, WorkerReady | WorkerF
     try:
         worker = Worker(args)
     except BaseException as error:
-        return None, WorkerFailed(RuntimeError(f"parallel worker {args.rank}: {error!r}"))
+        return None, WorkerFailed.of(args.rank, error)
     return worker, WorkerReady(worker.runner.num_kv_blocks())
 
 

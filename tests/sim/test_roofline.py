@@ -1,6 +1,7 @@
 """The GPU roofline the simulator uses where no GPU can run: hand-computed times for Llama-3-8B."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -36,18 +37,24 @@ def test_a_small_decode_reads_the_weights_and_a_full_prompt_chunk_is_bound_by_co
     assert h100.predict(chunk) == h100.predict_raw(chunk)
 
 
+def llama3_8b_config(tmp_path: Path, **engine: object) -> Path:
+    """serve_config.yaml with Llama-3-8B's shape, an 8,192-token budget and `engine` over it."""
+    config = yaml.safe_load(SHIPPED.read_text())
+    args = config["applications"][0]["args"]
+    args["model"] = "dummy:llama3-8b"
+    args["engine"].update(max_num_batched_tokens=8192, **engine)
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def test_an_unknown_accelerator_is_refused_by_name():
     with pytest.raises(ValueError, match="accelerator: 'tpu-v9'"):
         RooflineStepTime.named("tpu-v9", LLAMA3_8B)
 
 
 def test_the_sizing_command_sizes_a_gpu_fleet_from_the_configs_model(tmp_path, capsys):
-    config = yaml.safe_load(SHIPPED.read_text())
-    args = config["applications"][0]["args"]
-    args["model"] = "dummy:llama3-8b"
-    args["engine"].update(kv_cache_bytes=50 * 10**9, max_num_batched_tokens=8192, max_num_seqs=256)
-    serve_config = tmp_path / "serve_config.yaml"
-    serve_config.write_text(yaml.safe_dump(config))
+    serve_config = llama3_8b_config(tmp_path, kv_cache_bytes=50 * 10**9, max_num_seqs=256)
     request = {"output_tokens": 100, "prompt_tokens": 2000}
     # 30 requests/s: 60,000 prompt tokens/s, where one replica's steps compute ~36,000 (8,192 in 0.23 s)
     trace = write_lines(tmp_path, *(json.dumps({"arrival_s": i / 30, **request}) for i in range(300)))
@@ -70,12 +77,7 @@ def test_two_gpus_halve_the_work_and_add_two_all_reduces_a_layer():
 
 
 def test_the_sizing_command_sizes_tensor_parallel_replicas(tmp_path, capsys):
-    config = yaml.safe_load(SHIPPED.read_text())
-    args = config["applications"][0]["args"]
-    args["model"] = "dummy:llama3-8b"
-    args["engine"].update(kv_cache_bytes=100 * 10**9, max_num_batched_tokens=8192, tensor_parallel_size=2)
-    serve_config = tmp_path / "serve_config.yaml"
-    serve_config.write_text(yaml.safe_dump(config))
+    serve_config = llama3_8b_config(tmp_path, kv_cache_bytes=100 * 10**9, tensor_parallel_size=2)
     trace = write_lines(
         tmp_path,
         *(json.dumps({"arrival_s": i / 10, "output_tokens": 50, "prompt_tokens": 500}) for i in range(50)),
