@@ -1,8 +1,8 @@
-"""The CPU kernels of cpu_ops.cpp, cpu_pointwise.cpp, cpu_prefill_attention.cpp and
-cpu_packed_linear.cpp, built on first
-use for this machine (-march=native) by torch's C++ extension loader and cached in a directory
-named by the sources' hash under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so
-two checkouts with other sources never rebuild over each other. Where they cannot be built (no
+"""The CPU kernels of cpu_ops.cpp, cpu_pointwise.cpp, cpu_prefill_attention.cpp,
+cpu_packed_linear.cpp and cpu_quantized_linear.cpp, built on first use for this machine
+(-march=native) by torch's C++ extension loader and cached in a directory named by the sources'
+hash under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so two
+checkouts with other sources never rebuild over each other. Where they cannot be built (no
 compiler, no AVX-512), callers fall back to torch's own ops.
 
 One build at a time, under an flock the kernel drops if the building process dies: torch's own
@@ -23,11 +23,19 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from replica_engine.kernels.quantized_weight import QuantizedWeight, dequantize
+
 logger = logging.getLogger(__name__)
 KERNEL_DIR = Path(__file__).parent
 SOURCES = [
     str(KERNEL_DIR / name)
-    for name in ("cpu_ops.cpp", "cpu_pointwise.cpp", "cpu_prefill_attention.cpp", "cpu_packed_linear.cpp")
+    for name in (
+        "cpu_ops.cpp",
+        "cpu_pointwise.cpp",
+        "cpu_prefill_attention.cpp",
+        "cpu_packed_linear.cpp",
+        "cpu_quantized_linear.cpp",
+    )
 ]
 HEADERS = ("simd.h", "cpu_pointwise.h", "cpu_attention.h", "cpu_linear.h", "parallel.h")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -111,12 +119,23 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     return PackedWeight(ops.pack_linear_weight(weight.detach().contiguous()), weight.shape[0])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, float32_out: bool = False) -> torch.Tensor:
-    """x @ weight.T (no bias): the packed kernel for a packed weight, torch's F.linear otherwise."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | PackedWeight | QuantizedWeight, float32_out: bool = False
+) -> torch.Tensor:
+    """x @ weight.T (no bias): the packed kernel for a packed weight, the quantized kernel for a
+    quantized one (or, where the kernels are not built, its weight dequantized for this call),
+    torch's F.linear otherwise."""
     if isinstance(weight, PackedWeight):
         ops = cpu_ops()
         assert ops is not None, "a weight is only packed where the kernels are built"
         return ops.packed_linear(x.contiguous(), weight.data, weight.out_features, float32_out)
+    if isinstance(weight, QuantizedWeight):
+        ops = _ops_for(x)
+        if ops is not None:
+            w = weight
+            args = (w.codes, w.scales, w.out_features, w.bits, w.group, float32_out)
+            return ops.quantized_linear(x.contiguous(), *args)
+        weight = dequantize(weight).to(x.dtype)
     out = F.linear(x, weight)
     return out.float() if float32_out else out
 

@@ -1,0 +1,225 @@
+// Linear layers over weights kept quantized (GGUF's Q4_0/Q4_1/Q4_K/Q8_0/Q6_K, or int8), as
+// llama.cpp multiplies them: each row of x is quantized to int8 per 32 k (one float scale each),
+// and the CPU's u8 x s8 dot product (AVX512-VNNI: 4 products summed per 32-bit lane) meets the
+// weights' unsigned codes without ever widening them to floats. A weight is code * d + m per
+// (column, group of k); per group, sum(w * x) = d * dx * sum(code * xq) + m * dx * sum(xq).
+//
+// Layout (quantized_weight.py packs it): the same 16-column blocks as the packed float kernel.
+// For block b and group g, codes hold the group's k values in quads (4 consecutive k per 32-bit
+// lane, one lane per column): 8-bit codes one 64-byte vector per quad; 4-bit codes one vector per
+// two quads, quad v in the low nibbles and quad v + 4 in the high ones (kGroup 32 only). Scales:
+// 16 d then 16 m, float16, per block and group.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <cstring>
+#include <vector>
+
+#include "cpu_linear.h"
+#include "parallel.h"
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kCols = 16;
+constexpr int64_t kActGroup = 32;  // activations: one int8 scale per 32 k
+constexpr int64_t kSumGroup = 16;  // and the sum of their codes per 16 k (the smallest weight group)
+
+// x's rows as int8, a scale per 32 k, and scale * sum(codes) per 16 k.
+struct QuantizedRows {
+  std::vector<int8_t> codes;
+  std::vector<float> scales, scaled_sums;
+};
+
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
+  QuantizedRows rows{std::vector<int8_t>(M * K), std::vector<float>(M * K / kActGroup),
+                     std::vector<float>(M * K / kSumGroup)};
+  parallel_chunks(M, 16, [&](int64_t first, int64_t last) {
+  for (int64_t m = first; m < last; ++m) {
+    for (int64_t g = 0; g < K / kActGroup; ++g) {
+      const int64_t k0 = m * K + g * kActGroup;
+      const __m512 a = load16(x + k0), b = load16(x + k0 + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float scale = amax / 127.f, inverse = amax > 0 ? 127.f / amax : 0.f;
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inverse)));
+      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inverse)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(rows.codes.data() + k0), _mm512_cvtepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(rows.codes.data() + k0 + 16), _mm512_cvtepi32_epi8(qb));
+      rows.scales[k0 / kActGroup] = scale;
+      rows.scaled_sums[k0 / kSumGroup] = scale * _mm512_reduce_add_epi32(qa);
+      rows.scaled_sums[k0 / kSumGroup + 1] = scale * _mm512_reduce_add_epi32(qb);
+    }
+  }
+  });
+  return rows;
+}
+
+// acc + the u8 x s8 products of each lane's 4 bytes, summed (no saturation).
+inline __m512i dot_u8_s8(__m512i acc, __m512i u8, __m512i s8) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(acc, u8, s8);
+#else  // widen to 16 bits (codes reach 255: maddubs would saturate), multiply-add pairs, add pairs
+  const __m512i ones = _mm512_set1_epi16(1);
+  const __m512i low_mask = _mm512_set1_epi16(0x00ff);
+  const __m512i u_even = _mm512_and_si512(u8, low_mask), u_odd = _mm512_srli_epi16(u8, 8);
+  const __m512i s_even = _mm512_srai_epi16(_mm512_slli_epi16(s8, 8), 8), s_odd = _mm512_srai_epi16(s8, 8);
+  const __m512i even = _mm512_madd_epi16(_mm512_mullo_epi16(u_even, s_even), ones);
+  const __m512i odd = _mm512_madd_epi16(_mm512_mullo_epi16(u_odd, s_odd), ones);
+  return _mm512_add_epi32(acc, _mm512_add_epi32(even, odd));
+#endif
+}
+
+template <int kBits, int64_t kGroup>
+struct Format {
+  static_assert((kBits == 8 && (kGroup == 16 || kGroup == 32)) || (kBits == 4 && kGroup == 32));
+  static constexpr int64_t kGroupBytes = kGroup * kCols * kBits / 8;  // one block's codes per group
+};
+
+// y[m0 : m0 + kM, the kNB blocks from block0] for one run of rows and column blocks.
+template <int kBits, int64_t kGroup, int64_t kM, int64_t kNB, typename Out>
+void micro_kernel(const QuantizedRows& x, const uint8_t* codes, const at::Half* scales, Out* y, int64_t m0,
+                  int64_t K, int64_t N, int64_t block0) {
+  using F = Format<kBits, kGroup>;
+  const int64_t groups = K / kGroup;
+  __m512 acc[kM][kNB];
+  for (int64_t m = 0; m < kM; ++m)
+    for (int64_t j = 0; j < kNB; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dots[kM][kNB];
+    for (int64_t m = 0; m < kM; ++m)
+      for (int64_t j = 0; j < kNB; ++j) dots[m][j] = _mm512_setzero_si512();
+    const auto quad = [&](int64_t q, const __m512i (&w)[kNB]) {
+      for (int64_t m = 0; m < kM; ++m) {
+        int32_t four;
+        std::memcpy(&four, x.codes.data() + (m0 + m) * K + g * kGroup + 4 * q, sizeof(four));
+        const __m512i xv = _mm512_set1_epi32(four);
+        for (int64_t j = 0; j < kNB; ++j) dots[m][j] = dot_u8_s8(dots[m][j], w[j], xv);
+      }
+    };
+    const uint8_t* group_codes[kNB];
+    for (int64_t j = 0; j < kNB; ++j) group_codes[j] = codes + ((block0 + j) * groups + g) * F::kGroupBytes;
+    if constexpr (kBits == 8) {
+      for (int64_t q = 0; q < kGroup / 4; ++q) {
+        __m512i w[kNB];
+        for (int64_t j = 0; j < kNB; ++j) w[j] = _mm512_loadu_si512(group_codes[j] + q * 64);
+        quad(q, w);
+      }
+    } else {
+      const __m512i nibble = _mm512_set1_epi8(0x0f);
+      for (int64_t v = 0; v < 4; ++v) {
+        __m512i low[kNB], high[kNB];
+        for (int64_t j = 0; j < kNB; ++j) {
+          const __m512i raw = _mm512_loadu_si512(group_codes[j] + v * 64);
+          low[j] = _mm512_and_si512(raw, nibble);
+          high[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        }
+        quad(v, low);
+        quad(v + 4, high);
+      }
+    }
+    for (int64_t j = 0; j < kNB; ++j) {
+      const at::Half* s = scales + ((block0 + j) * groups + g) * 2 * kCols;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+      const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kCols)));
+      for (int64_t m = 0; m < kM; ++m) {
+        const int64_t row = m0 + m, k0 = g * kGroup;
+        const float dx = x.scales[(row * K + k0) / kActGroup];
+        float sx = 0;
+        for (int64_t h = 0; h < kGroup / kSumGroup; ++h) sx += x.scaled_sums[(row * K + k0) / kSumGroup + h];
+        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[m][j]), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[m][j]);
+        acc[m][j] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx), acc[m][j]);
+      }
+    }
+  }
+  for (int64_t j = 0; j < kNB; ++j) {
+    const int64_t col = (block0 + j) * kCols, valid = std::min(kCols, N - col);
+    for (int64_t m = 0; m < kM; ++m) {
+      Out* dst = y + (m0 + m) * N + col;
+      if (valid == kCols) {
+        store16(dst, acc[m][j]);
+      } else {  // the last block of an N that is not a multiple of 16
+        alignas(64) Out tmp[kCols];
+        store16(tmp, acc[m][j]);
+        std::memcpy(dst, tmp, valid * sizeof(Out));
+      }
+    }
+  }
+}
+
+// Every row against kNB blocks: 4 rows at a time, then the rest.
+template <int kBits, int64_t kGroup, int64_t kNB, typename Out>
+void rows_for_blocks(const QuantizedRows& x, const uint8_t* codes, const at::Half* scales, Out* y, int64_t M,
+                     int64_t K, int64_t N, int64_t block0) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) micro_kernel<kBits, kGroup, 4, kNB>(x, codes, scales, y, m, K, N, block0);
+  switch (M - m) {
+    case 3: micro_kernel<kBits, kGroup, 3, kNB>(x, codes, scales, y, m, K, N, block0); break;
+    case 2: micro_kernel<kBits, kGroup, 2, kNB>(x, codes, scales, y, m, K, N, block0); break;
+    case 1: micro_kernel<kBits, kGroup, 1, kNB>(x, codes, scales, y, m, K, N, block0); break;
+    default: break;
+  }
+}
+
+// Threads take runs of 4 column blocks in turn. One or two rows (decode) meet 4 blocks per call:
+// enough independent dot-product chains to hide their latency; more rows meet 2 at a time, so
+// the accumulators stay in registers.
+template <int kBits, int64_t kGroup, typename Out>
+void quantized_linear_rows(const QuantizedRows& x, const uint8_t* codes, const at::Half* scales, Out* y,
+                           int64_t M, int64_t K, int64_t N) {
+  constexpr int64_t kRun = 4;
+  const int64_t blocks = (N + kCols - 1) / kCols, runs = (blocks + kRun - 1) / kRun;
+  parallel_chunks(runs, 1, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const int64_t block0 = r * kRun, nb = std::min(kRun, blocks - block0);
+      if (nb == kRun && M == 1) {
+        micro_kernel<kBits, kGroup, 1, 4>(x, codes, scales, y, 0, K, N, block0);
+      } else if (nb == kRun && M == 2) {
+        micro_kernel<kBits, kGroup, 2, 4>(x, codes, scales, y, 0, K, N, block0);
+      } else {
+        for (int64_t b = block0; b < block0 + nb; b += 2) {
+          if (b + 2 <= block0 + nb) rows_for_blocks<kBits, kGroup, 2>(x, codes, scales, y, M, K, N, b);
+          else rows_for_blocks<kBits, kGroup, 1>(x, codes, scales, y, M, K, N, b);
+        }
+      }
+    }
+  });
+}
+
+template <typename Out>
+void dispatch_format(int64_t bits, int64_t group, const QuantizedRows& x, const uint8_t* codes,
+                     const at::Half* scales, Out* y, int64_t M, int64_t K, int64_t N) {
+  if (bits == 4 && group == 32) quantized_linear_rows<4, 32>(x, codes, scales, y, M, K, N);
+  else if (bits == 8 && group == 32) quantized_linear_rows<8, 32>(x, codes, scales, y, M, K, N);
+  else if (bits == 8 && group == 16) quantized_linear_rows<8, 16>(x, codes, scales, y, M, K, N);
+  else TORCH_CHECK(false, "quantized_linear: no kernel for ", bits, "-bit codes in groups of ", group);
+}
+
+}  // namespace
+
+torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                               int64_t N, int64_t bits, int64_t group, bool float32_out) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.is_contiguous() && scales.is_contiguous(),
+              "quantized_linear: layout");
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && scales.scalar_type() == torch::kFloat16,
+              "quantized_linear: uint8 codes and float16 scales");
+  const int64_t M = x.size(0), K = x.size(1), blocks = (N + kCols - 1) / kCols;
+  TORCH_CHECK(K % kActGroup == 0 && K % group == 0, "quantized_linear: K must be a multiple of 32");
+  TORCH_CHECK(codes.numel() == blocks * K * kCols * bits / 8 && scales.numel() == blocks * (K / group) * 2 * kCols,
+              "quantized_linear: codes and scales do not match x's K and N");
+  QuantizedRows rows;
+  if (x.scalar_type() == torch::kFloat32) {
+    rows = quantize_rows(x.data_ptr<float>(), M, K);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "quantized_linear: x float32 or bfloat16");
+    rows = quantize_rows(x.data_ptr<at::BFloat16>(), M, K);
+  }
+  const auto out_dtype = float32_out ? torch::kFloat32 : x.scalar_type();
+  auto y = torch::empty({M, N}, x.options().dtype(out_dtype));
+  const auto* c = codes.data_ptr<uint8_t>();
+  const auto* s = scales.data_ptr<at::Half>();
+  if (out_dtype == torch::kFloat32) dispatch_format(bits, group, rows, c, s, y.data_ptr<float>(), M, K, N);
+  else dispatch_format(bits, group, rows, c, s, y.data_ptr<at::BFloat16>(), M, K, N);
+  return y;
+}
