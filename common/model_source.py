@@ -29,6 +29,7 @@ class ModelSource:
     name: str  # what users call it (the served model name)
     hf_dir: Path | None  # Hugging Face directory with config, safetensors, tokenizer
     dummy_shape: str | None = None  # random weights of this shape instead
+    gguf_path: Path | None = None  # the GGUF file hf_dir was converted from (its quantized blocks)
 
     @property
     def has_tokenizer(self) -> bool:
@@ -62,16 +63,15 @@ def served_model_name(model: str) -> str:
 
 def resolve_model(model: str) -> ModelSource:
     name = served_model_name(model)
-    if model == DEFAULT_MODEL:
-        return ModelSource(name, convert_gguf(embedded_gguf_path()))
+    gguf = gguf_file(model)
+    if gguf is not None:
+        return ModelSource(name, convert_gguf(gguf), gguf_path=gguf)
     if model.startswith(DUMMY_PREFIX):
         shape = model[len(DUMMY_PREFIX) :]
         if shape not in DUMMY_SHAPES:
             raise InvalidRequestError("model", f"unknown dummy shape {shape!r}; have {sorted(DUMMY_SHAPES)}")
         return ModelSource(name, None, dummy_shape=shape)
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(name, convert_gguf(path))
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource(name, path)
     raise InvalidRequestError(
@@ -79,6 +79,14 @@ def resolve_model(model: str) -> ModelSource:
         f"{model!r} is neither {DEFAULT_MODEL!r}, a `dummy:<shape>`, a .gguf file, "
         "nor a directory with config.json",
     )
+
+
+def gguf_file(model: str) -> Path | None:
+    """The GGUF file a model is read from (the embedded default's, or a .gguf path), or None."""
+    if model == DEFAULT_MODEL:
+        return embedded_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def convert_gguf(gguf_path: Path) -> Path:

@@ -11,7 +11,7 @@ import torch
 from transformers import PretrainedConfig
 
 from common.errors import InvalidRequestError
-from common.model_source import DEFAULT_MODEL, context_length
+from common.model_source import DEFAULT_MODEL, context_length, gguf_file
 from replica_engine.attention import ATTENTION_BACKENDS
 from replica_engine.kernels.cpu import cpu_ops
 from replica_engine.parallel.pipeline_parallel import check_layers
@@ -20,6 +20,7 @@ from replica_engine.scheduler import SCHEDULING_POLICIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKEND_NAMES = ("auto", *ATTENTION_BACKENDS)
+QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 EXECUTOR_BACKENDS = ("mp", "ray")  # parallel workers: processes of the replica, or Ray actors
 GiB = 1 << 30
 
@@ -73,6 +74,18 @@ class EngineConfig:
             "else float32. `float32` is what the exactness tests run (greedy output equals "
             "transformers'); `bfloat16` halves the bytes a decode step reads (what it changes in "
             "outputs: `python -m bench.dtype_agreement`); `float16`"
+        ),
+    )
+    quantization: str = field(
+        default="auto",
+        metadata=_doc(
+            "How linear weights are held on a CPU. `gguf`: a GGUF model's quantized blocks as they "
+            "are in the file (Q4_0, Q4_1, Q4_K, Q8_0, Q6_K; other types stay dequantized), "
+            "multiplied by int8 activations; `int8`: any model's weights as int8 with one scale "
+            "per output channel; `none`: float weights in `dtype`. `auto`: `gguf` for a GGUF model "
+            "(the embedded default included) where the CPU kernels build, else `none`. A GPU "
+            "takes `none` only (no GPU kernel yet); `gguf` is not yet split over "
+            "`tensor_parallel_size`"
         ),
     )
     max_num_batched_tokens: int | None = field(
@@ -229,6 +242,10 @@ class EngineConfig:
             raise InvalidRequestError(
                 "dtype", f"must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}"
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(
+                "quantization", f"must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKEND_NAMES:
             raise InvalidRequestError(
                 "attention_backend",
@@ -274,6 +291,7 @@ class EngineConfig:
             self,
             device=device,
             dtype=self._dtype(on_gpu),
+            quantization=self._quantization(on_gpu),
             max_num_batched_tokens=self.max_num_batched_tokens
             or defaults["offline_max_num_batched_tokens" if self.offline else "max_num_batched_tokens"],
             max_num_seqs=self.max_num_seqs or defaults["max_num_seqs"],
@@ -291,6 +309,25 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if on_gpu or cpu_has_native_bf16() else "float32"
+
+    def _quantization(self, on_gpu: bool) -> str:
+        """auto: a GGUF model's own blocks where the CPU kernels build; explicit settings are
+        checked against the device, the model and the parallel layout."""
+        from_gguf = gguf_file(self.model) is not None
+        if self.quantization == "auto":
+            native = from_gguf and not on_gpu and self.tensor_parallel_size == 1 and cpu_ops() is not None
+            return "gguf" if native else "none"
+        if self.quantization != "none" and on_gpu:
+            raise InvalidRequestError(
+                "quantization", f"{self.quantization!r} has no GPU kernel yet: use 'none' on a GPU"
+            )
+        if self.quantization == "gguf" and not from_gguf:
+            raise InvalidRequestError("quantization", f"'gguf' needs a .gguf model, got {self.model!r}")
+        if self.quantization == "gguf" and self.tensor_parallel_size > 1:
+            raise InvalidRequestError(
+                "quantization", "'gguf' is not yet split over tensor_parallel_size > 1: use 'int8' or 'none'"
+            )
+        return self.quantization
 
     def _attention_backend(self, on_gpu: bool) -> str:
         """auto: our Triton kernels on a GPU (when triton imports); on a CPU our CPU kernels where

@@ -189,5 +189,6 @@ def load_runner(
         config.max_model_len,
         config.seed,
         place,
+        config.quantization,
     )
     return ModelRunner(model, config)

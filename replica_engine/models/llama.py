@@ -14,6 +14,7 @@ from torch import nn
 from replica_engine.attention.base import AttentionBackend, AttentionMetadata
 from replica_engine.kernels import cpu as cpu_kernels
 from replica_engine.kernels import pointwise
+from replica_engine.kernels.quantized_weight import QuantizedWeight, dequantize_rows
 from replica_engine.models.rotary import RotaryEmbedding, apply_rotary
 
 CosSin = tuple[torch.Tensor, torch.Tensor]  # every token's rotary cos and sin, [T, 1, head_dim]
@@ -38,11 +39,12 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear, through the CPU's packed kernel once `pack_for_cpu` has replaced its weight.
-    Row-parallel under tensor parallelism (`sum_across_workers`): each worker holds a slice of
-    the input features, and the partial products are summed over the workers before the bias."""
+    """nn.Linear, through a CPU kernel once its weight is held in that kernel's layout: packed
+    by `pack_for_cpu`, or quantized (`hold`). Row-parallel under tensor parallelism
+    (`sum_across_workers`): each worker holds a slice of the input features, and the partial
+    products are summed over the workers before the bias."""
 
-    packed: cpu_kernels.PackedWeight | None = None
+    packed: cpu_kernels.PackedWeight | QuantizedWeight | None = None
     sum_across_workers = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,8 +53,16 @@ class Linear(nn.Linear):
             dist.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
+    def hold(self, weight: QuantizedWeight) -> None:
+        """Serve from a quantized weight; the float one is freed."""
+        assert (weight.out_features, weight.in_features) == (self.out_features, self.in_features)
+        self.packed, self.weight = weight, None
+
     def pack_for_cpu(self) -> None:
-        """Repack the weight for the CPU kernel where it applies; the packed copy replaces it."""
+        """Repack the weight for the CPU kernel where it applies (a quantized weight is already
+        in its kernel's layout); the packed copy replaces it."""
+        if self.packed is not None:
+            return
         self.packed = cpu_kernels.pack_weight(self.weight)
         if self.packed is not None:
             self.weight = None
@@ -184,7 +194,9 @@ class LlamaForCausalLM(nn.Module):
         # Under tensor parallelism: the vocabulary rows this worker holds (embeddings and LM head).
         self.vocab_shard: tuple[int, int] | None = None
         self.stage: PipelineStage | None = None  # under pipeline parallelism: model.layers are its own
-        self.packed_embeddings: cpu_kernels.PackedWeight | None = None  # pack_for_cpu's, when tied
+        # The logits' copy of tied embeddings: packed (pack_for_cpu), or quantized (hold_embeddings).
+        self.packed_embeddings: cpu_kernels.PackedWeight | QuantizedWeight | None = None
+        self.quantized_embeddings: QuantizedWeight | None = None  # looked up in place of embed_tokens
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -223,6 +235,9 @@ class LlamaForCausalLM(nn.Module):
         return both[0], both[1]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized_embeddings is not None:
+            dtype = self.model.norm.weight.dtype
+            return dequantize_rows(self.quantized_embeddings, input_ids).to(dtype)
         if self.vocab_shard is None:
             return self.model.embed_tokens(input_ids)
         start, end = self.vocab_shard  # rows of ids outside the shard are zero here, summed below
@@ -239,10 +254,18 @@ class LlamaForCausalLM(nn.Module):
         dist.all_gather(shards, logits.contiguous())
         return torch.cat(shards, dim=-1)
 
-    def _logits_weight(self) -> torch.Tensor | cpu_kernels.PackedWeight:
+    def _logits_weight(self) -> torch.Tensor | cpu_kernels.PackedWeight | QuantizedWeight:
         if self.tie_word_embeddings:
             return self.packed_embeddings or self.model.embed_tokens.weight
         return self.lm_head.packed or self.lm_head.weight
+
+    def hold_embeddings(self, weight: QuantizedWeight) -> None:
+        """Look tokens up in a quantized embedding (and, when tied, compute the logits with it);
+        the float one is freed."""
+        self.quantized_embeddings = weight
+        if self.tie_word_embeddings:
+            self.packed_embeddings = weight
+        self.model.embed_tokens.weight = None
 
     @torch.no_grad()
     def pack_for_cpu(self) -> None:
@@ -251,5 +274,5 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.packed_embeddings is None:
             self.packed_embeddings = cpu_kernels.pack_weight(self.model.embed_tokens.weight)

@@ -22,7 +22,9 @@ from transformers import (
 
 from common.model_source import ModelSource, model_config_dict
 from replica_engine.attention.base import AttentionBackend
-from replica_engine.models.llama import LlamaForCausalLM, MergedLinear
+from replica_engine.kernels.quantized_weight import quantize_int8
+from replica_engine.models.gguf_weights import hold_gguf_weights
+from replica_engine.models.llama import Linear, LlamaForCausalLM, MergedLinear
 from replica_engine.parallel.pipeline_parallel import keep_stage
 from replica_engine.parallel.place import WHOLE_MODEL, WorkerPlace
 from replica_engine.parallel.tensor_parallel import shard_model
@@ -80,17 +82,24 @@ def load_model(
     max_position: int,
     seed: int = 0,
     place: WorkerPlace = WHOLE_MODEL,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     """The model whole, or one parallel worker's share of it (loaded whole, then cut: every
-    worker draws the same dummy weights from the same seed)."""
+    worker draws the same dummy weights from the same seed). `quantization` as EngineConfig's,
+    resolved: `gguf` swaps in the file's quantized blocks, `int8` quantizes what is kept."""
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(config, backend, max_position)
     if source.dummy_shape is not None:
         _fill_dummy(model, seed)
     else:
         _load_safetensors(model, source.hf_dir)
+    if quantization == "gguf":
+        assert source.gguf_path is not None, "config.resolve allows gguf for GGUF models only"
+        hold_gguf_weights(model, source.gguf_path)
     shard_model(model, place.rank, place.tensor_parallel_size)
     keep_stage(model, place.rank, place.pipeline_parallel_size)
+    if quantization == "int8":
+        _quantize_int8(model)
     _pack(model)
     return model.eval()
 
@@ -103,6 +112,17 @@ def _pack(model: LlamaForCausalLM) -> None:
     started = time.perf_counter()
     model.pack_for_cpu()
     logger.info("linear weights packed for the CPU kernel in %.2f s", time.perf_counter() - started)
+
+
+@torch.no_grad()
+def _quantize_int8(model: LlamaForCausalLM) -> None:
+    """Every linear layer (and the embeddings, unless split over workers) as int8 with one scale
+    per output channel, where its input features come in groups of 32."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.in_features % 32 == 0:
+            module.hold(quantize_int8(module.weight))
+    if model.vocab_shard is None and model.config.hidden_size % 32 == 0:
+        model.hold_embeddings(quantize_int8(model.model.embed_tokens.weight))
 
 
 def _stop_token_ids(hf_dir: Path, tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
