@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from replica_engine import LLMEngine, SamplingParams
+from replica_engine.kernels.quantized_weight import QuantizedWeight
 from replica_engine.scheduler.plan import StepSummary
 
 
@@ -23,26 +24,33 @@ class StepWork:
 
 
 def step_work(engine: LLMEngine, rows: list[tuple[int, int]], num_sampled: int) -> StepWork:
-    """Weights read once, the KV cache of every request's context, and the FLOPs of the linear
+    """Weights read once (as held: quantized ones in their own bytes), the KV cache of every request's context, and the FLOPs of the linear
     layers, attention (QK^T and PV) and the logits of the sampled rows. `rows`: per request, its
     query tokens this step and its context after them."""
     model = engine.core.runner.model
     layers = model.model.layers
     attention = layers[0].self_attn
     itemsize = engine.config.torch_dtype.itemsize
-    linear_params = sum(
-        m.in_features * m.out_features for m in layers.modules() if isinstance(m, torch.nn.Linear)
-    )
-    vocab_params = model.model.embed_tokens.weight.numel()  # the logits' matrix, tied or not
+    linears = [m for m in layers.modules() if isinstance(m, torch.nn.Linear)]
+    linear_params = sum(m.in_features * m.out_features for m in linears)
+    vocab_params = model.config.vocab_size * model.config.hidden_size  # the logits' matrix, tied or not
+    logits_weight = model._logits_weight()
+    weight_bytes = sum(_bytes(m.packed, m.in_features * m.out_features, itemsize) for m in linears)
+    weight_bytes += _bytes(logits_weight, vocab_params, itemsize)
     kv_per_token = len(layers) * 2 * attention.num_kv_heads * attention.head_dim * itemsize
     attention_flops = sum(
         4 * q * (ctx - q / 2) * attention.num_heads * attention.head_dim * len(layers) for q, ctx in rows
     )
     num_tokens = sum(q for q, _ in rows)
     return StepWork(
-        bytes_read=(linear_params + vocab_params) * itemsize + kv_per_token * sum(ctx for _, ctx in rows),
+        bytes_read=weight_bytes + kv_per_token * sum(ctx for _, ctx in rows),
         flops=2 * num_tokens * linear_params + 2 * num_sampled * vocab_params + attention_flops,
     )
+
+
+def _bytes(weight: object, params: int, itemsize: int) -> int:
+    """What a matmul reads of a weight: a quantized one's codes and scales, else every value."""
+    return weight.nbytes if isinstance(weight, QuantizedWeight) else params * itemsize
 
 
 @dataclass(frozen=True)

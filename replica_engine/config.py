@@ -246,6 +246,10 @@ class EngineConfig:
             raise InvalidRequestError(
                 "quantization", f"must be one of {QUANTIZATIONS}, got {self.quantization!r}"
             )
+        if self.quantization in ("gguf", "int8") and self.device.startswith("cuda"):
+            raise InvalidRequestError(
+                "quantization", f"{self.quantization!r} has no GPU kernel yet: use 'none' on a GPU"
+            )
         if self.attention_backend not in ATTENTION_BACKEND_NAMES:
             raise InvalidRequestError(
                 "attention_backend",
@@ -317,7 +321,7 @@ class EngineConfig:
         if self.quantization == "auto":
             native = from_gguf and not on_gpu and self.tensor_parallel_size == 1 and cpu_ops() is not None
             return "gguf" if native else "none"
-        if self.quantization != "none" and on_gpu:
+        if self.quantization != "none" and on_gpu:  # device auto, on a GPU machine
             raise InvalidRequestError(
                 "quantization", f"{self.quantization!r} has no GPU kernel yet: use 'none' on a GPU"
             )

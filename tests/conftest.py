@@ -39,9 +39,10 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def llm() -> LLM:
-    """The default engine in float32 (the exactness guard: `auto` is bf16 on CPUs with native bf16),
+    """The default engine in float32 on the dequantized weights (the exactness guard: `auto` is
+    bf16 on CPUs with native bf16, and serves the GGUF's own blocks through int8 activations),
     default budget. Tests must leave it with no requests."""
-    return LLM(dtype="float32")
+    return LLM(dtype="float32", quantization="none")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,223 @@
+"""Weights kept quantized (issue 39): the kernel against dequantize-then-matmul, GGUF's blocks
+against gguf-py's own dequantization and the embedded file's converted weights, the engine's
+outputs and perplexity against the dequantized path, and the settings that refuse."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+from safetensors import safe_open
+
+from bench.text_prompts import text_prompts
+from common.errors import InvalidRequestError
+from common.model_source import embedded_gguf_path
+from replica_engine import LLM, EngineConfig, SamplingParams
+from replica_engine.kernels import cpu as cpu_kernels
+from replica_engine.kernels.quantized_weight import (
+    FORMATS,
+    QuantizedWeight,
+    dequantize,
+    pack_quantized,
+    quantize_int8,
+)
+from replica_engine.models.gguf_blocks import DECODERS
+from replica_engine.models.gguf_weights import rotary_rows
+
+pytestmark = pytest.mark.skipif(cpu_kernels.cpu_ops() is None, reason="the CPU kernels need AVX-512")
+
+# (N, K): SmolLM2's fused qkv, o_proj, gate_up, down_proj and logits; then odd sizes.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (37, 64), (1, 32), (17, 96)]
+ROWS = [1, 2, 3, 4, 5, 8, 33]
+
+
+def _random_weight(bits: int, group: int, n: int, k: int, seed: int) -> QuantizedWeight:
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=generator)
+    d = torch.rand(n, k // group, generator=generator) * 0.02
+    m = -torch.rand(n, k // group, generator=generator) * 0.1
+    return pack_quantized(codes, d, m, bits, group)
+
+
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: int8 per 32 values, one scale each (max |x| / 127)."""
+    groups = x.float().view(x.shape[0], -1, 32)
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    return (torch.where(scale > 0, groups / scale, 0).round() * scale).view(x.shape)
+
+
+@pytest.mark.parametrize("bits,group", FORMATS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_kernel_matches_dequantize_then_matmul(bits, group, n, k):
+    weight = _random_weight(bits, group, n, k, seed=n + k)
+    dense = dequantize(weight)
+    for rows in ROWS if n < 10000 else [1, 8]:
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        expected = _int8_rows(x) @ dense.T
+        scale = expected.abs().max()
+        out = cpu_kernels.linear(x, weight)
+        assert out.shape == (rows, n) and out.dtype == torch.float32
+        assert (out - expected).abs().max() <= 1e-5 * scale, (rows, "float32")
+        out_bf16 = cpu_kernels.linear(x.bfloat16(), weight)
+        assert out_bf16.dtype == torch.bfloat16
+        expected_bf16 = _int8_rows(x.bfloat16()) @ dense.T
+        assert (out_bf16.float() - expected_bf16).abs().max() <= 1e-2 * scale, (rows, "bfloat16")
+        # against x itself, the int8 rounding of the activations is all that is lost
+        assert (out - x @ dense.T).abs().max() <= 2e-2 * scale
+
+
+def test_without_the_kernels_a_quantized_weight_is_dequantized_for_torch(monkeypatch):
+    weight = _random_weight(4, 32, 40, 64, seed=1)
+    x = torch.randn(3, 64)
+    monkeypatch.setattr(cpu_kernels, "cpu_ops", lambda: None)
+    torch.testing.assert_close(cpu_kernels.linear(x, weight), x @ dequantize(weight).T)
+
+
+def test_int8_keeps_each_column_within_half_a_step():
+    w = torch.randn(50, 96) * torch.logspace(-3, 1, 50)[:, None]  # columns of very different size
+    quantized = quantize_int8(w)
+    step = (w.abs().amax(dim=1, keepdim=True) / 127).half().float()
+    assert ((dequantize(quantized) - w).abs() <= step / 2 + 1e-7).all()
+
+
+# Bytes per block and the offsets of the block's float16 scales (random bytes there are set to
+# real numbers: a random float16 may be inf or NaN).
+BLOCKS = {"Q4_0": (18, [0]), "Q4_1": (20, [0, 2]), "Q8_0": (34, [0]), "Q4_K": (144, [0, 2]), "Q6_K": (210, [208])}
+
+
+@pytest.mark.parametrize("type_name", list(BLOCKS))
+def test_gguf_blocks_decode_as_gguf_py_dequantizes_them(type_name):
+    block_bytes, half_offsets = BLOCKS[type_name]
+    per_block = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]
+    rng = np.random.default_rng(0)
+    n, k = 24, 2 * 256
+    raw = rng.integers(0, 256, (n, k // per_block, block_bytes), dtype=np.uint8)
+    for offset in half_offsets:
+        halves = (rng.standard_normal((n, k // per_block)) * 0.01).astype(np.float16)
+        raw[..., offset : offset + 2] = halves[..., None].view(np.uint8)
+    data = raw.reshape(n, -1)
+    expected = torch.from_numpy(gguf_dequantize(data, GGMLQuantizationType[type_name]))
+    block = DECODERS[type_name](torch.from_numpy(data))
+    values = block.codes.float() * block.d.repeat_interleave(block.group, 1)
+    values += block.m.repeat_interleave(block.group, 1)
+    assert torch.equal(values, expected)  # read exactly as the file means them
+    # Packed: the K-quants' sub-block scales (d * a 6- or 8-bit scale) are rounded to float16.
+    exact = type_name in ("Q4_0", "Q4_1", "Q8_0")
+    tolerance = 0 if exact else 1e-3 * expected.abs().max()
+    assert (dequantize(block.packed()) - expected).abs().max() <= tolerance
+
+
+def test_the_embedded_files_blocks_are_its_converted_weights(model_dir):
+    """Q4_1 layers (q and k put back in Hugging Face's rotary order) and the Q8_0 embedding,
+    packed, dequantize to exactly what transformers' converter wrote."""
+    tensors = {t.name: t for t in GGUFReader(str(embedded_gguf_path())).tensors}
+    cases = [
+        ("blk.5.attn_q.weight", "model.layers.5.self_attn.q_proj.weight", 9),
+        ("blk.5.attn_k.weight", "model.layers.5.self_attn.k_proj.weight", 3),
+        ("blk.5.attn_v.weight", "model.layers.5.self_attn.v_proj.weight", None),
+        ("blk.5.ffn_down.weight", "model.layers.5.mlp.down_proj.weight", None),
+        ("token_embd.weight", "model.embed_tokens.weight", None),
+    ]
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as converted:
+        for gguf_name, hf_name, heads in cases:
+            tensor = tensors[gguf_name]
+            block = DECODERS[tensor.tensor_type.name](torch.from_numpy(tensor.data.copy()))
+            if heads is not None:
+                block = block.rows(rotary_rows(block.codes.shape[0], heads))
+            weight = block.packed()
+            expected = converted.get_tensor(hf_name)
+            assert torch.equal(dequantize(weight), expected), gguf_name
+            x = torch.randn(3, expected.shape[1])
+            out = cpu_kernels.linear(x, weight)
+            assert (out - _int8_rows(x) @ expected.T).abs().max() <= 1e-5 * out.abs().max()
+
+
+@pytest.fixture(scope="module")
+def native_llm() -> LLM:
+    return LLM(dtype="float32", quantization="gguf")
+
+
+def test_auto_serves_the_embedded_model_from_its_own_blocks(native_llm):
+    llm = LLM()  # every default
+    assert llm.engine.config.quantization == "gguf"
+    model = llm.engine.core.runner.model
+    held = [m.packed for m in model.modules() if hasattr(m, "packed") and m.packed is not None]
+    assert held and all(isinstance(w, QuantizedWeight) for w in held)
+    assert model.model.embed_tokens.weight is None  # looked up from the quantized rows
+    # Resident weights about the file's size: no float copy beside the blocks.
+    quantized = sum(w.nbytes for w in held) + model.quantized_embeddings.nbytes
+    floats = sum(p.numel() * p.element_size() for p in model.parameters())
+    file_bytes = embedded_gguf_path().stat().st_size
+    assert 0.9 * file_bytes <= quantized + floats <= 1.1 * file_bytes
+
+
+def test_native_greedy_outputs_follow_the_dequantized_path_up_to_near_ties(native_llm, llm):
+    """Int8 activations move logits by a little: a prompt may part from the dequantized path's
+    continuation, only where that path's two best tokens were close."""
+    from tests.engine.test_exactness import MAX_TOKENS, PROMPTS
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
+    ours, reference = native_llm.generate(PROMPTS, params), llm.generate(PROMPTS, params)
+    gaps = []
+    for mine, theirs in zip(ours, reference, strict=True):
+        position = next((i for i, (a, b) in enumerate(zip(mine.token_ids, theirs.token_ids)) if a != b), None)
+        if position is not None:
+            (_, best), (_, second) = theirs.logprobs[position].top[:2]
+            gaps.append(best - second)
+    print("divergences' top-2 logprob gaps:", gaps)
+    assert len(gaps) <= len(PROMPTS) // 2
+    assert all(gap < 1.0 for gap in gaps), gaps
+    manager = native_llm.engine.core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def _perplexity(llm: LLM, windows: list[list[int]]) -> float:
+    outs = llm.generate(windows, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    return math.exp(-statistics.mean(lp.logprob for out in outs for lp in out.prompt_logprobs or []))
+
+
+def test_perplexity_of_int8_and_of_the_files_blocks_against_float32(native_llm, llm):
+    windows = text_prompts(llm.tokenizer, [256] * 6, seed=0)
+    reference = _perplexity(llm, windows)
+    int8 = _perplexity(LLM(dtype="float32", quantization="int8"), windows)
+    assert abs(int8 / reference - 1) <= 0.02, (int8, reference)
+    assert abs(_perplexity(native_llm, windows) / reference - 1) <= 0.02
+
+
+def test_int8_serves_a_model_without_a_gguf_file():
+    settings = dict(model="dummy:tiny-llama", dtype="float32", kv_cache_bytes=16 << 20, max_model_len=256)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
+    llm = LLM(**settings, quantization="int8")
+    assert isinstance(llm.engine.core.runner.model.model.layers[0].mlp.down_proj.packed, QuantizedWeight)
+    [out] = llm.generate([[5, 6, 7, 8]], params)
+    assert len(out.token_ids) == 4
+
+
+@pytest.mark.parametrize(
+    "settings,named",
+    [
+        ({"quantization": "fp4"}, "quantization"),
+        ({"quantization": "int8", "device": "cuda"}, "quantization"),
+        ({"quantization": "gguf", "device": "cuda:0"}, "quantization"),
+    ],
+)
+def test_bad_quantization_settings_are_refused_by_name(settings, named):
+    with pytest.raises(InvalidRequestError) as error:
+        EngineConfig(**settings)
+    assert error.value.param == named
+
+
+def test_gguf_needs_a_gguf_model_and_one_worker():
+    from transformers import LlamaConfig
+
+    model_config = LlamaConfig(max_position_embeddings=64, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(InvalidRequestError, match="needs a .gguf model"):
+        EngineConfig(model="dummy:tiny-llama", quantization="gguf").resolve(model_config)
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_size"):
+        EngineConfig(quantization="gguf", tensor_parallel_size=2).resolve(model_config)
+    assert EngineConfig(tensor_parallel_size=2).resolve(model_config).quantization == "none"
