@@ -5,17 +5,19 @@ measured in the same run.
    a copy, weight-streaming GEMVs in each dtype through torch and the engine's kernel) and the
    best matmul rate of each dtype (square sizes and the shapes a step runs). This machine is
    shared: each method is the best of 10 runs.
-2. Steps of the real SmolLM2 through LLMEngine, per dtype: decode at batch 1/8/16/32/64 with ~260
+2. Steps of the real SmolLM2 through LLMEngine, per variant (float32 and bfloat16 on the GGUF's
+   weights dequantized, `quantization: none`; and q4_1, the file's own Q4_1/Q8_0 blocks with
+   bfloat16 activations, what the default serves since issue 39): decode at batch 1/8/16/32/64 with ~260
    tokens of context per request, one 512-token prefill step, and the mixed steps a 256-token
    budget makes under load (16 decodes + a 240-token prompt chunk; 64 + 192). Each: median step time, the
    part spent in the model's forward and sampling (as the runner reports it in each step's
    summary, read by a step listener; the rest is overhead: scheduling, the batch's inputs,
    applying outputs), and the floor: the bytes a step must read (weights, plus the KV cache it
    attends over) at the read bandwidth, or its FLOPs at the dtype's matmul rate, whichever is
-   larger.
+   larger. A quantized step's bytes are the blocks it reads, its matmul rate the int8 one.
 
-Goals (issues 13, 23 and 36): decode and mixed steps <= 1.5x their floor at every batch; prefill
-<= 1.5x the dtype's matmul floor; step overhead <= 5% of a bf16 decode step at batch 64.
+Goals (issues 13, 23, 36 and 39): decode and mixed steps <= 1.5x their floor at every batch;
+prefill <= 1.5x the matmul floor; step overhead <= 5% of a bf16 decode step at batch 64.
 
 Then, unless --parts says otherwise, bench.dtype_agreement (bf16 vs fp32 outputs) and
 bench.cpu_serving (issue 23's HTTP workload, side by side with the installed peers): about 35
@@ -27,11 +29,11 @@ import argparse
 import statistics
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.driver import BenchmarkRun
-from bench.floors import DTYPES, measure_floors
+from bench.floors import measure_floors
 from bench.step_timing import (
     ModelTime,
     StepResult,
@@ -53,21 +55,38 @@ PREFILL_TOKENS = 512
 PARTS = ("steps", "agreement", "serving")
 
 
-def _rates(floors: dict, dtype: str) -> tuple[float, float]:
-    return floors["read_gb_per_s"] * 1e9, floors[f"matmul_{dtype}_gflop_per_s"] * 1e9
+@dataclass(frozen=True)
+class Variant:
+    name: str  # the result rows' `dtype` column
+    dtype: str
+    quantization: str
+    rate: str  # its matmul floor in `floors`
+
+    def config(self, **settings: object) -> EngineConfig:
+        return EngineConfig(dtype=self.dtype, quantization=self.quantization, **settings)
 
 
-def measure_steps(dtype: str, floors: dict, decode_steps: int) -> list[StepResult]:
+VARIANTS = (
+    Variant("float32", "float32", "none", "matmul_float32_gflop_per_s"),
+    Variant("bfloat16", "bfloat16", "none", "matmul_bfloat16_gflop_per_s"),
+    Variant("q4_1", "bfloat16", "gguf", "matmul_int8_gop_per_s"),
+)
+
+
+def _rates(floors: dict, variant: Variant) -> tuple[float, float]:
+    return floors["read_gb_per_s"] * 1e9, floors[variant.rate] * 1e9
+
+
+def measure_steps(variant: Variant, floors: dict, decode_steps: int) -> list[StepResult]:
     engine = LLMEngine(
-        EngineConfig(dtype=dtype, max_num_batched_tokens=64 * CONTEXT, max_num_seqs=128, num_kv_blocks=2048)
+        variant.config(max_num_batched_tokens=64 * CONTEXT, max_num_seqs=128, num_kv_blocks=2048)
     )
+    dtype, rates = variant.name, _rates(floors, variant)
     model_time = ModelTime(engine)
     results = []
     for batch in DECODE_BATCHES:
         timing, work = time_decode_steps(engine, model_time, batch, CONTEXT, decode_steps)
-        results.append(
-            step_result(dtype, f"decode-b{batch}", timing, work, _rates(floors, dtype), True, GOAL_RATIO)
-        )
+        results.append(step_result(dtype, f"decode-b{batch}", timing, work, rates, True, GOAL_RATIO))
     prefill_params = SamplingParams(max_tokens=1, temperature=0)
     timings = []
     for i in range(3):  # one prompt at a time: each step computes exactly 512 prompt tokens
@@ -76,15 +95,14 @@ def measure_steps(dtype: str, floors: dict, decode_steps: int) -> list[StepResul
     timing = (statistics.median(t[0] for t in timings), statistics.median(t[1] for t in timings))
     work = step_work(engine, [(PREFILL_TOKENS, PREFILL_TOKENS)], num_sampled=1)
     case = f"prefill-{PREFILL_TOKENS}"
-    results.append(step_result(dtype, case, timing, work, _rates(floors, dtype), False, GOAL_RATIO))
+    results.append(step_result(dtype, case, timing, work, rates, False, GOAL_RATIO))
     return results
 
 
-def measure_mixed_steps(dtype: str, floors: dict, num_steps: int) -> list[StepResult]:
+def measure_mixed_steps(variant: Variant, floors: dict, num_steps: int) -> list[StepResult]:
     """The steps a 256-token budget makes under load: decodes beside a long prompt's chunk."""
     budget = sum(MIXED_STEPS[0])
-    config = EngineConfig(
-        dtype=dtype,
+    config = variant.config(
         max_num_batched_tokens=budget,
         max_num_seqs=128,
         num_kv_blocks=2048,
@@ -97,7 +115,8 @@ def measure_mixed_steps(dtype: str, floors: dict, num_steps: int) -> list[StepRe
         assert decodes + chunk == budget
         timing, work = time_mixed_steps(engine, model_time, decodes, chunk, CONTEXT, num_steps)
         case = f"mixed-{decodes}+{chunk}"
-        results.append(step_result(dtype, case, timing, work, _rates(floors, dtype), True, GOAL_RATIO))
+        rates = _rates(floors, variant)
+        results.append(step_result(variant.name, case, timing, work, rates, True, GOAL_RATIO))
     return results
 
 
@@ -133,14 +152,14 @@ def run_steps(decode_steps: int, output: Path) -> None:
         )
     results = [
         result
-        for dtype in DTYPES
+        for variant in VARIANTS
         for result in [
-            *measure_steps(dtype, floors, decode_steps),
-            *measure_mixed_steps(dtype, floors, decode_steps),
+            *measure_steps(variant, floors, decode_steps),
+            *measure_mixed_steps(variant, floors, decode_steps),
         ]
     ]
     columns = f"{'step ms':>10}{'model ms':>10}{'overhead ms':>13}{'floor ms':>10}"
-    print(f"{'dtype':10}{'case':14}{columns}  bound   ratio")
+    print(f"{'variant':10}{'case':14}{columns}  bound   ratio")
     for r in results:
         verdict = "" if r.goal_met else f"  MISS (goal <= {GOAL_RATIO}x)"
         print(

@@ -1,5 +1,6 @@
 """What bf16 trades against fp32: the same held prompts (real English text, fixed seed), greedy, in
-both dtypes; how often the outputs agree, and how far they agree when they do not.
+both dtypes (on the weights dequantized: `quantization: none`); how often the outputs agree, and
+how far they agree when they do not.
 
     python -m bench.dtype_agreement [--num-prompts 64] [--max-tokens 64]
 
@@ -37,7 +38,7 @@ def measure(num_prompts: int, max_tokens: int, seed: int) -> dict:
     prompts: list[list[int]] = []
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for dtype in ("float32", "bfloat16"):
-        llm = LLM(dtype=dtype, num_kv_blocks=1024)
+        llm = LLM(dtype=dtype, quantization="none", num_kv_blocks=1024)
         prompts = prompts or held_prompts(llm.tokenizer, num_prompts, seed)
         outputs[dtype] = [o.token_ids for o in llm.generate(prompts, params)]
         answers[dtype] = llm.chat(QUESTION, SamplingParams(max_tokens=32, temperature=0))[0].text

@@ -6,7 +6,9 @@ and a plain sum, a copy and a weight-streaming GEMV do not reach the same bandwi
   a GEMV over a weight matrix far larger than the caches, in each dtype, through torch's linear
   and through the engine's own CPU kernel where it builds (the read pattern of a decode step).
 - Matmul rate per dtype: square sizes 1024/2048/4096 and the shapes a SmolLM2 step runs (256
-  and 512 rows against its projections and its logits).
+  and 512 rows against its projections and its logits). For weights kept quantized (issue 39),
+  the int8 rate: the quantized kernel (int8 activations against 4- and 8-bit codes) on the step
+  shapes, the one method this machine has for it (torch has no CPU int8 matmul of this kind).
 Each method is the best of `repeats` runs; each floor is the best method."""
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from replica_engine.kernels import cpu as cpu_kernels
+from replica_engine.kernels.quantized_weight import QuantizedWeight, pack_quantized
 
 DTYPES = ("float32", "bfloat16")
 SQUARE_SIZES = (1024, 2048, 4096)
@@ -61,7 +64,19 @@ def bandwidths(repeats: int) -> dict[str, float]:
             rates[f"gemv_engine_kernel_{dtype}"] = weight_bytes / best_time(
                 lambda w=packed, x=x: cpu_kernels.linear(x, w), repeats
             )
+    if cpu_kernels.cpu_ops() is not None:  # 4-bit codes: each byte holds two weights
+        quantized, x = random_quantized(2 * GEMV_WEIGHT_BYTES // 4096, 4096, 4), torch.randn(1, 4096)
+        rates["gemv_engine_kernel_q4"] = quantized.nbytes / best_time(
+            lambda: cpu_kernels.linear(x, quantized), repeats
+        )
     return {method: rate / 1e9 for method, rate in rates.items()}
+
+
+def random_quantized(n: int, k: int, bits: int) -> QuantizedWeight:
+    """Random codes of `bits` in groups of 32, with scales: what the quantized kernel reads."""
+    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
+    d, m = torch.rand(n, k // 32) * 0.01, -torch.rand(n, k // 32) * 0.05
+    return pack_quantized(codes, d, m, bits, 32)
 
 
 def matmul_rates(dtype: str, repeats: int) -> dict[str, float]:
@@ -81,9 +96,23 @@ def matmul_rates(dtype: str, repeats: int) -> dict[str, float]:
     return rates
 
 
+def int8_matmul_rates(repeats: int) -> dict[str, float]:
+    """GOP/s by shape and code width: int8 activations against quantized weights."""
+    rates = {}
+    for rows, k, n in STEP_SHAPES:
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        for bits in (4, 8):
+            weight = random_quantized(n, k, bits)
+            seconds = best_time(lambda x=x, w=weight: cpu_kernels.linear(x, w), repeats)
+            rates[f"{rows}x{k}x{n}_q{bits}"] = 2 * rows * k * n / seconds / 1e9
+    return rates
+
+
 def measure_floors(repeats: int = 10) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """The floors (the best of each kind) and every method's figure behind them."""
     methods = {"read_gb_per_s": bandwidths(repeats)}
     for dtype in DTYPES:
         methods[f"matmul_{dtype}_gflop_per_s"] = matmul_rates(dtype, repeats)
+    if cpu_kernels.cpu_ops() is not None:
+        methods["matmul_int8_gop_per_s"] = int8_matmul_rates(repeats)
     return {kind: max(by_method.values()) for kind, by_method in methods.items()}, methods

@@ -24,9 +24,10 @@ class StepWork:
 
 
 def step_work(engine: LLMEngine, rows: list[tuple[int, int]], num_sampled: int) -> StepWork:
-    """Weights read once (as held: quantized ones in their own bytes), the KV cache of every request's context, and the FLOPs of the linear
-    layers, attention (QK^T and PV) and the logits of the sampled rows. `rows`: per request, its
-    query tokens this step and its context after them."""
+    """Weights read once (as held: quantized ones in their own bytes), the KV cache of every
+    request's context, and the FLOPs of the linear layers, attention (QK^T and PV) and the logits
+    of the sampled rows. `rows`: per request, its query tokens this step and its context after
+    them."""
     model = engine.core.runner.model
     layers = model.model.layers
     attention = layers[0].self_attn

@@ -11,6 +11,18 @@ from dataclasses import dataclass
 import torch
 
 TIE_TOLERANCE = 1e-4
+# Short and long, prose, lists and code: what the exactness tests and bench.quantization ask.
+EXACTNESS_PROMPTS = [
+    "The capital of France is",
+    "Hello",
+    "1, 2, 3, 4,",
+    "def fibonacci(n):",
+    "List the planets of the solar system:",
+    "Once upon a time in a land far away, there lived a king who had three daughters. The eldest was",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "Water boils at 100 degrees Celsius at sea level. At the top of Mount Everest, water boils at "
+    "a lower temperature because the air pressure is lower. Explain why, in simple terms:",
+]
 
 
 def _device(hf_model) -> torch.device:

@@ -39,9 +39,15 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def llm() -> LLM:
-    """The default engine in float32 on the dequantized weights (the exactness guard: `auto` is
-    bf16 on CPUs with native bf16, and serves the GGUF's own blocks through int8 activations),
-    default budget. Tests must leave it with no requests."""
+    """The default engine in float32 (`auto` is bf16 on CPUs with native bf16), default budget.
+    Tests must leave it with no requests."""
+    return LLM(dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def exact_llm() -> LLM:
+    """The default engine in float32 on the GGUF's weights dequantized: what the exactness tests
+    hold against transformers (the default, the file's own blocks, multiplies int8 activations)."""
     return LLM(dtype="float32", quantization="none")
 
 

@@ -9,10 +9,10 @@ import logging
 from pathlib import Path
 
 import torch
-from gguf import GGUFReader, ReaderTensor
 
 from replica_engine.kernels.quantized_weight import pack_quantized
 from replica_engine.models.gguf_blocks import DECODERS, BlockCodes
+from replica_engine.models.gguf_file import GgufTensor, read_tensors
 from replica_engine.models.llama import Linear, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -36,11 +36,10 @@ def rotary_rows(num_rows: int, num_heads: int) -> torch.Tensor:
     return torch.arange(num_rows).view(num_heads, half, 2).transpose(1, 2).reshape(-1)
 
 
-def _decode(tensor: ReaderTensor, rows: torch.Tensor | None = None) -> BlockCodes | None:
-    name = tensor.tensor_type.name
-    if name not in DECODERS:
+def _decode(tensor: GgufTensor, rows: torch.Tensor | None = None) -> BlockCodes | None:
+    if tensor.type_name not in DECODERS:
         return None
-    block = DECODERS[name](torch.from_numpy(tensor.data.copy()))
+    block = DECODERS[tensor.type_name](torch.from_numpy(tensor.data.copy()))
     return block if rows is None else block.rows(rows)
 
 
@@ -63,14 +62,14 @@ def _hold(module: Linear, blocks: list[BlockCodes]) -> None:
 def hold_gguf_weights(model: LlamaForCausalLM, gguf_path: Path) -> None:
     """Every linear layer and the embeddings from the file's quantized blocks, where a kernel
     has their type; the model's float copies of them are freed."""
-    tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    tensors = read_tensors(gguf_path)
     config, kept = model.config, []
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     for index, layer in enumerate(model.model.layers):
         shards: dict[str, list[BlockCodes | None]] = {}
         for suffix, (module_name, _) in LAYER_TENSORS.items():
             tensor = tensors[f"blk.{index}.{suffix}.weight"]
-            rows = rotary_rows(int(tensor.shape[1]), heads[suffix]) if suffix in heads else None
+            rows = rotary_rows(tensor.shape[0], heads[suffix]) if suffix in heads else None
             shards.setdefault(module_name, []).append(_decode(tensor, rows))
         for module_name, blocks in shards.items():
             if all(b is not None for b in blocks):

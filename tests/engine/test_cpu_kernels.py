@@ -50,12 +50,12 @@ def test_what_cannot_be_packed_stays_with_torch():
     torch.testing.assert_close(cpu_kernels.linear(x, weight), F.linear(x, weight))  # unpacked: torch's
 
 
-def test_a_loaded_model_runs_on_packed_weights(llm):
+def test_a_loaded_model_runs_on_packed_weights(exact_llm):
     """Loading on the CPU packs every linear layer (its weight is gone: one copy in memory) and
     the tied embeddings get a packed copy for the logits."""
     from replica_engine.models.llama import Linear
 
-    model = llm.engine.core.runner.model
+    model = exact_llm.engine.core.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None and m.weight is None for m in linears)
     assert model.tie_word_embeddings and model.packed_embeddings is not None

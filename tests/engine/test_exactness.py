@@ -5,20 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from harness.hf_reference import EXACTNESS_PROMPTS as PROMPTS
 from harness.hf_reference import assert_matches_up_to_ties, hf_greedy
 from replica_engine import LLM, SamplingParams
 
-PROMPTS = [
-    "The capital of France is",
-    "Hello",
-    "1, 2, 3, 4,",
-    "def fibonacci(n):",
-    "List the planets of the solar system:",
-    "Once upon a time in a land far away, there lived a king who had three daughters. The eldest was",
-    "The quick brown fox jumps over the lazy dog. " * 6,
-    "Water boils at 100 degrees Celsius at sea level. At the top of Mount Everest, water boils at "
-    "a lower temperature because the air pressure is lower. Explain why, in simple terms:",
-]
 MAX_TOKENS = 24
 
 CONFIGS = {
@@ -37,7 +27,7 @@ def hf_outputs(hf_model, tokenizer) -> list[list[int]]:
 
 @pytest.mark.parametrize("config_name", list(CONFIGS))
 def test_greedy_outputs_match_transformers(config_name, hf_model, tokenizer, hf_outputs):
-    llm = LLM(dtype="float32", **CONFIGS[config_name])
+    llm = LLM(dtype="float32", quantization="none", **CONFIGS[config_name])
     steps = []
     llm.engine.step_listeners.append(steps.append)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))

@@ -34,9 +34,9 @@ def assert_same_up_to_near_ties(split, whole) -> None:
             assert abs(mine.logprob - reference.logprob) <= LOGPROB_TOLERANCE
 
 
-def test_three_workers_answer_as_one_model_with_chunked_prompts_and_preemption(llm):
+def test_three_workers_answer_as_one_model_with_chunked_prompts_and_preemption(exact_llm):
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=2, prompt_logprobs=1)
-    whole = llm.generate(PROMPTS, params)
+    whole = exact_llm.generate(PROMPTS, params)
     # An 8-token budget chunks every prompt; 5 blocks of 16 tokens for 3 requests preempts.
     split_llm = LLM(dtype="float32", tensor_parallel_size=3, max_num_batched_tokens=8, num_kv_blocks=5)
     split = split_llm.generate(PROMPTS, params)

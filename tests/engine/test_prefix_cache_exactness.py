@@ -51,7 +51,7 @@ def _check(hf_model, reference, llm: LLM, batch: list[list[int]], label: str) ->
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
 def test_repeats_shared_prefixes_and_conversations(enable_prefix_caching, prompts, hf_model, reference):
-    llm = LLM(dtype="float32", enable_prefix_caching=enable_prefix_caching)
+    llm = LLM(dtype="float32", quantization="none", enable_prefix_caching=enable_prefix_caching)
     label = f"caching {'on' if enable_prefix_caching else 'off'}"
 
     first, second = (_check(hf_model, reference, llm, [prompts["twice"]], label)[0] for _ in range(2))
@@ -82,7 +82,8 @@ def test_a_tiny_pool_evicts_cached_blocks_and_preempts_without_changing_outputs(
         prefix + tokenizer.encode(f" Question {i}: what did the keeper see on night {i}?") for i in range(6)
     ]
     others = [story_ids(tokenizer, 80, offset=200 + 100 * i)[::-1] for i in range(2)]
-    llm = LLM(dtype="float32", num_kv_blocks=10)  # 160 tokens for 7 prompts of ~80 tokens
+    # 160 tokens for 7 prompts of ~80 tokens
+    llm = LLM(dtype="float32", quantization="none", num_kv_blocks=10)
     _check(hf_model, reference, llm, shared[:1], "tiny pool")
     outputs = _check(hf_model, reference, llm, shared[1:4] + others + shared[4:], "tiny pool")
     cached = [output.num_cached_tokens for output in outputs]
@@ -93,7 +94,7 @@ def test_a_tiny_pool_evicts_cached_blocks_and_preempts_without_changing_outputs(
 
 
 def test_blocks_filled_mid_prefill_are_found_by_the_next_request(prompts, hf_model, reference):
-    llm = LLM(dtype="float32", max_num_batched_tokens=16)
+    llm = LLM(dtype="float32", quantization="none", max_num_batched_tokens=16)
     _check(hf_model, reference, llm, [prompts["shared_0"]], "budget 16")
     (later,) = _check(hf_model, reference, llm, [prompts["shared_1"]], "budget 16")
     assert later.num_cached_tokens == 592

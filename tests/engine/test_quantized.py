@@ -17,6 +17,7 @@ from safetensors import safe_open
 from bench.text_prompts import text_prompts
 from common.errors import InvalidRequestError
 from common.model_source import embedded_gguf_path
+from harness.hf_reference import EXACTNESS_PROMPTS
 from replica_engine import LLM, EngineConfig, SamplingParams
 from replica_engine.kernels import cpu as cpu_kernels
 from replica_engine.kernels.quantized_weight import (
@@ -27,6 +28,7 @@ from replica_engine.kernels.quantized_weight import (
     quantize_int8,
 )
 from replica_engine.models.gguf_blocks import DECODERS
+from replica_engine.models.gguf_file import read_tensors
 from replica_engine.models.gguf_weights import rotary_rows
 
 pytestmark = pytest.mark.skipif(cpu_kernels.cpu_ops() is None, reason="the CPU kernels need AVX-512")
@@ -87,7 +89,13 @@ def test_int8_keeps_each_column_within_half_a_step():
 
 # Bytes per block and the offsets of the block's float16 scales (random bytes there are set to
 # real numbers: a random float16 may be inf or NaN).
-BLOCKS = {"Q4_0": (18, [0]), "Q4_1": (20, [0, 2]), "Q8_0": (34, [0]), "Q4_K": (144, [0, 2]), "Q6_K": (210, [208])}
+BLOCKS = {
+    "Q4_0": (18, [0]),
+    "Q4_1": (20, [0, 2]),
+    "Q8_0": (34, [0]),
+    "Q4_K": (144, [0, 2]),
+    "Q6_K": (210, [208]),
+}
 
 
 @pytest.mark.parametrize("type_name", list(BLOCKS))
@@ -112,10 +120,20 @@ def test_gguf_blocks_decode_as_gguf_py_dequantizes_them(type_name):
     assert (dequantize(block.packed()) - expected).abs().max() <= tolerance
 
 
+def test_our_gguf_index_finds_every_tensor_where_gguf_py_does():
+    ours = read_tensors(embedded_gguf_path())
+    theirs = GGUFReader(str(embedded_gguf_path())).tensors
+    assert len(ours) == len(theirs) == 272
+    for tensor in theirs:
+        mine = ours[tensor.name]
+        assert mine.type_name == tensor.tensor_type.name
+        assert np.array_equal(mine.data.reshape(-1), np.asarray(tensor.data).view(np.uint8).reshape(-1))
+
+
 def test_the_embedded_files_blocks_are_its_converted_weights(model_dir):
     """Q4_1 layers (q and k put back in Hugging Face's rotary order) and the Q8_0 embedding,
     packed, dequantize to exactly what transformers' converter wrote."""
-    tensors = {t.name: t for t in GGUFReader(str(embedded_gguf_path())).tensors}
+    tensors = read_tensors(embedded_gguf_path())
     cases = [
         ("blk.5.attn_q.weight", "model.layers.5.self_attn.q_proj.weight", 9),
         ("blk.5.attn_k.weight", "model.layers.5.self_attn.k_proj.weight", 3),
@@ -126,7 +144,7 @@ def test_the_embedded_files_blocks_are_its_converted_weights(model_dir):
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as converted:
         for gguf_name, hf_name, heads in cases:
             tensor = tensors[gguf_name]
-            block = DECODERS[tensor.tensor_type.name](torch.from_numpy(tensor.data.copy()))
+            block = DECODERS[tensor.type_name](torch.from_numpy(tensor.data.copy()))
             if heads is not None:
                 block = block.rows(rotary_rows(block.codes.shape[0], heads))
             weight = block.packed()
@@ -137,14 +155,8 @@ def test_the_embedded_files_blocks_are_its_converted_weights(model_dir):
             assert (out - _int8_rows(x) @ expected.T).abs().max() <= 1e-5 * out.abs().max()
 
 
-@pytest.fixture(scope="module")
-def native_llm() -> LLM:
-    return LLM(dtype="float32", quantization="gguf")
-
-
-def test_auto_serves_the_embedded_model_from_its_own_blocks(native_llm):
-    llm = LLM()  # every default
-    assert llm.engine.config.quantization == "gguf"
+def test_auto_serves_the_embedded_model_from_its_own_blocks(llm):
+    assert llm.engine.config.quantization == "gguf"  # every default but dtype
     model = llm.engine.core.runner.model
     held = [m.packed for m in model.modules() if hasattr(m, "packed") and m.packed is not None]
     assert held and all(isinstance(w, QuantizedWeight) for w in held)
@@ -156,23 +168,22 @@ def test_auto_serves_the_embedded_model_from_its_own_blocks(native_llm):
     assert 0.9 * file_bytes <= quantized + floats <= 1.1 * file_bytes
 
 
-def test_native_greedy_outputs_follow_the_dequantized_path_up_to_near_ties(native_llm, llm):
+def test_native_greedy_outputs_follow_the_dequantized_path_up_to_near_ties(llm, exact_llm):
     """Int8 activations move logits by a little: a prompt may part from the dequantized path's
     continuation, only where that path's two best tokens were close."""
-    from tests.engine.test_exactness import MAX_TOKENS, PROMPTS
-
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
-    ours, reference = native_llm.generate(PROMPTS, params), llm.generate(PROMPTS, params)
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=2)
+    ours, reference = llm.generate(EXACTNESS_PROMPTS, params), exact_llm.generate(EXACTNESS_PROMPTS, params)
     gaps = []
     for mine, theirs in zip(ours, reference, strict=True):
-        position = next((i for i, (a, b) in enumerate(zip(mine.token_ids, theirs.token_ids)) if a != b), None)
+        pairs = enumerate(zip(mine.token_ids, theirs.token_ids, strict=False))
+        position = next((i for i, (a, b) in pairs if a != b), None)
         if position is not None:
             (_, best), (_, second) = theirs.logprobs[position].top[:2]
             gaps.append(best - second)
     print("divergences' top-2 logprob gaps:", gaps)
-    assert len(gaps) <= len(PROMPTS) // 2
+    assert len(gaps) <= len(EXACTNESS_PROMPTS) // 2
     assert all(gap < 1.0 for gap in gaps), gaps
-    manager = native_llm.engine.core.kv_cache_manager
+    manager = llm.engine.core.kv_cache_manager
     assert manager.num_free_blocks == manager.num_blocks
 
 
@@ -181,12 +192,12 @@ def _perplexity(llm: LLM, windows: list[list[int]]) -> float:
     return math.exp(-statistics.mean(lp.logprob for out in outs for lp in out.prompt_logprobs or []))
 
 
-def test_perplexity_of_int8_and_of_the_files_blocks_against_float32(native_llm, llm):
+def test_perplexity_of_int8_and_of_the_files_blocks_against_float32(llm, exact_llm):
     windows = text_prompts(llm.tokenizer, [256] * 6, seed=0)
-    reference = _perplexity(llm, windows)
+    reference = _perplexity(exact_llm, windows)
     int8 = _perplexity(LLM(dtype="float32", quantization="int8"), windows)
     assert abs(int8 / reference - 1) <= 0.02, (int8, reference)
-    assert abs(_perplexity(native_llm, windows) / reference - 1) <= 0.02
+    assert abs(_perplexity(llm, windows) / reference - 1) <= 0.02
 
 
 def test_int8_serves_a_model_without_a_gguf_file():
@@ -216,7 +227,7 @@ def test_gguf_needs_a_gguf_model_and_one_worker():
     from transformers import LlamaConfig
 
     model_config = LlamaConfig(max_position_embeddings=64, num_attention_heads=4, num_key_value_heads=2)
-    with pytest.raises(InvalidRequestError, match="needs a .gguf model"):
+    with pytest.raises(InvalidRequestError, match=r"needs a \.gguf model"):
         EngineConfig(model="dummy:tiny-llama", quantization="gguf").resolve(model_config)
     with pytest.raises(InvalidRequestError, match="tensor_parallel_size"):
         EngineConfig(quantization="gguf", tensor_parallel_size=2).resolve(model_config)

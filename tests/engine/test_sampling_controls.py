@@ -40,9 +40,9 @@ def test_plain_requests_get_their_own_tokens_beside_constrained_logprob_and_pena
     json.loads(mixed[4].text)  # and the constrained one is JSON
 
 
-def test_greedy_logprobs_equal_transformers_log_softmax(llm: LLM, hf_model, tokenizer):
+def test_greedy_logprobs_equal_transformers_log_softmax(exact_llm: LLM, hf_model, tokenizer):
     prompt = "The capital of France is"
-    out = llm.generate(
+    out = exact_llm.generate(
         [prompt], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, prompt_logprobs=2)
     )[0]
     prompt_ids = tokenizer(prompt).input_ids

@@ -27,8 +27,8 @@ def split_app(serve_cluster: ServeCluster):
     serve.delete(APP)
 
 
-def test_a_three_worker_replica_answers_as_the_whole_model(split_app: openai.OpenAI, llm):
-    expected = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0))]
+def test_a_three_worker_replica_answers_as_the_whole_model(split_app: openai.OpenAI, exact_llm):
+    expected = [o.text for o in exact_llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0))]
     answers = [
         split_app.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
         for prompt in PROMPTS
