@@ -14,7 +14,7 @@ measured in the same run.
    summary, read by a step listener; the rest is overhead: scheduling, the batch's inputs,
    applying outputs), and the floor: the bytes a step must read (weights, plus the KV cache it
    attends over) at the read bandwidth, or its FLOPs at the dtype's matmul rate, whichever is
-   larger. A quantized step's bytes are the blocks it reads, its matmul rate the int8 one.
+   larger. A quantized step's bytes are the blocks it reads, its matmul rate the quantized kernel's.
 
 Goals (issues 13, 23, 36 and 39): decode and mixed steps <= 1.5x their floor at every batch;
 prefill <= 1.5x the matmul floor; step overhead <= 5% of a bf16 decode step at batch 64.
@@ -69,7 +69,7 @@ class Variant:
 VARIANTS = (
     Variant("float32", "float32", "none", "matmul_float32_gflop_per_s"),
     Variant("bfloat16", "bfloat16", "none", "matmul_bfloat16_gflop_per_s"),
-    Variant("q4_1", "bfloat16", "gguf", "matmul_int8_gop_per_s"),
+    Variant("q4_1", "bfloat16", "gguf", "matmul_quantized_gop_per_s"),
 )
 
 

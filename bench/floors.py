@@ -7,8 +7,8 @@ and a plain sum, a copy and a weight-streaming GEMV do not reach the same bandwi
   and through the engine's own CPU kernel where it builds (the read pattern of a decode step).
 - Matmul rate per dtype: square sizes 1024/2048/4096 and the shapes a SmolLM2 step runs (256
   and 512 rows against its projections and its logits). For weights kept quantized (issue 39),
-  the int8 rate: the quantized kernel (int8 activations against 4- and 8-bit codes) on the step
-  shapes, the one method this machine has for it (torch has no CPU int8 matmul of this kind).
+  the quantized kernel's rate (int16 activations against 4- and 8-bit codes) on the step shapes,
+  the one method this machine has for it (torch has no CPU matmul of this kind).
 Each method is the best of `repeats` runs; each floor is the best method."""
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ def matmul_rates(dtype: str, repeats: int) -> dict[str, float]:
     return rates
 
 
-def int8_matmul_rates(repeats: int) -> dict[str, float]:
-    """GOP/s by shape and code width: int8 activations against quantized weights."""
+def quantized_matmul_rates(repeats: int) -> dict[str, float]:
+    """GOP/s by shape and code width: int16 activations against quantized weights."""
     rates = {}
     for rows, k, n in STEP_SHAPES:
         x = torch.randn(rows, k).to(torch.bfloat16)
@@ -114,5 +114,5 @@ def measure_floors(repeats: int = 10) -> tuple[dict[str, float], dict[str, dict[
     for dtype in DTYPES:
         methods[f"matmul_{dtype}_gflop_per_s"] = matmul_rates(dtype, repeats)
     if cpu_kernels.cpu_ops() is not None:
-        methods["matmul_int8_gop_per_s"] = int8_matmul_rates(repeats)
+        methods["matmul_quantized_gop_per_s"] = quantized_matmul_rates(repeats)
     return {kind: max(by_method.values()) for kind, by_method in methods.items()}, methods

@@ -47,7 +47,7 @@ def llm() -> LLM:
 @pytest.fixture(scope="session")
 def exact_llm() -> LLM:
     """The default engine in float32 on the GGUF's weights dequantized: what the exactness tests
-    hold against transformers (the default, the file's own blocks, multiplies int8 activations)."""
+    hold against transformers (the default, the file's own blocks, rounds activations to int16)."""
     return LLM(dtype="float32", quantization="none")
 
 

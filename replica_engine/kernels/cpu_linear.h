@@ -11,6 +11,6 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight);
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, bool float32_out);
 
 // x [M, K] @ W.T for W kept quantized (cpu_quantized_linear.cpp's layout: uint8 codes, float16
-// scales; `bits` 4 or 8 per code, `group` 16 or 32 k per scale); x is quantized to int8 per 32 k.
+// scales; `bits` 4 or 8 per code, `group` 16 or 32 k per scale); x is quantized to int16 per 32 k.
 torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                                int64_t N, int64_t bits, int64_t group, bool float32_out);

@@ -1,14 +1,18 @@
-// Linear layers over weights kept quantized (GGUF's Q4_0/Q4_1/Q4_K/Q8_0/Q6_K, or int8), as
-// llama.cpp multiplies them: each row of x is quantized to int8 per 32 k (one float scale each),
-// and the CPU's u8 x s8 dot product (AVX512-VNNI: 4 products summed per 32-bit lane) meets the
-// weights' unsigned codes without ever widening them to floats. A weight is code * d + m per
-// (column, group of k); per group, sum(w * x) = d * dx * sum(code * xq) + m * dx * sum(xq).
+// Linear layers over weights kept quantized (GGUF's Q4_0/Q4_1/Q4_K/Q8_0/Q6_K, or int8): the
+// codes are widened to 16-bit integers in registers and meet x, quantized to int16 per 32 k (one
+// float scale each), in the CPU's int16 dot product (AVX512-VNNI: 2 products summed per 32-bit
+// lane). A weight is code * d + m per (column, group of k); per group,
+// sum(w * x) = d * dx * sum(code * xq) + m * dx * sum(xq).
+// Why int16 and not llama.cpp's int8 activations (twice the products per instruction): int8
+// rounding moved near-tied logits enough to change greedy answers of the embedded model
+// (llama.cpp's Q4_1 answers "What is the capital of France?" with "L'Etoile, ..." as our int8
+// path did); at 16 bits outputs follow the dequantized weights' in float.
 //
 // Layout (quantized_weight.py packs it): the same 16-column blocks as the packed float kernel.
-// For block b and group g, codes hold the group's k values in quads (4 consecutive k per 32-bit
-// lane, one lane per column): 8-bit codes one 64-byte vector per quad; 4-bit codes one vector per
-// two quads, quad v in the low nibbles and quad v + 4 in the high ones (kGroup 32 only). Scales:
-// 16 d then 16 m, float16, per block and group.
+// For block b and group g, codes hold the group's k values in pairs (2 consecutive k per column,
+// 32 bytes for the 16 columns): 8-bit codes one 32-byte run per pair; 4-bit codes one run per
+// two pairs, pair p in the low nibbles and pair p + 8 in the high ones (kGroup 32 only).
+// Scales: 16 d then 16 m, float16, per block and group.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -23,18 +27,19 @@
 namespace {
 
 constexpr int64_t kCols = 16;
-constexpr int64_t kActGroup = 32;  // activations: one int8 scale per 32 k
+constexpr int64_t kActGroup = 32;  // activations: one int16 scale per 32 k
 constexpr int64_t kSumGroup = 16;  // and the sum of their codes per 16 k (the smallest weight group)
+constexpr float kActMax = 32767.f;
 
-// x's rows as int8, a scale per 32 k, and scale * sum(codes) per 16 k.
+// x's rows as int16, a scale per 32 k, and scale * sum(codes) per 16 k.
 struct QuantizedRows {
-  std::vector<int8_t> codes;
+  std::vector<int16_t> codes;
   std::vector<float> scales, scaled_sums;
 };
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
-  QuantizedRows rows{std::vector<int8_t>(M * K), std::vector<float>(M * K / kActGroup),
+  QuantizedRows rows{std::vector<int16_t>(M * K), std::vector<float>(M * K / kActGroup),
                      std::vector<float>(M * K / kSumGroup)};
   parallel_chunks(M, 16, [&](int64_t first, int64_t last) {
   for (int64_t m = first; m < last; ++m) {
@@ -42,11 +47,11 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
       const int64_t k0 = m * K + g * kActGroup;
       const __m512 a = load16(x + k0), b = load16(x + k0 + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const float scale = amax / 127.f, inverse = amax > 0 ? 127.f / amax : 0.f;
+      const float scale = amax / kActMax, inverse = amax > 0 ? kActMax / amax : 0.f;
       const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inverse)));
       const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inverse)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(rows.codes.data() + k0), _mm512_cvtepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(rows.codes.data() + k0 + 16), _mm512_cvtepi32_epi8(qb));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows.codes.data() + k0), _mm512_cvtepi32_epi16(qa));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows.codes.data() + k0 + 16), _mm512_cvtepi32_epi16(qb));
       rows.scales[k0 / kActGroup] = scale;
       rows.scaled_sums[k0 / kSumGroup] = scale * _mm512_reduce_add_epi32(qa);
       rows.scaled_sums[k0 / kSumGroup + 1] = scale * _mm512_reduce_add_epi32(qb);
@@ -56,18 +61,13 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
   return rows;
 }
 
-// acc + the u8 x s8 products of each lane's 4 bytes, summed (no saturation).
-inline __m512i dot_u8_s8(__m512i acc, __m512i u8, __m512i s8) {
+// acc + the products of each 32-bit lane's two int16 pairs, summed (codes <= 255 times |x| <=
+// 32767, 32 of them per group: far from overflow).
+inline __m512i dot_i16(__m512i acc, __m512i a, __m512i b) {
 #ifdef __AVX512VNNI__
-  return _mm512_dpbusd_epi32(acc, u8, s8);
-#else  // widen to 16 bits (codes reach 255: maddubs would saturate), multiply-add pairs, add pairs
-  const __m512i ones = _mm512_set1_epi16(1);
-  const __m512i low_mask = _mm512_set1_epi16(0x00ff);
-  const __m512i u_even = _mm512_and_si512(u8, low_mask), u_odd = _mm512_srli_epi16(u8, 8);
-  const __m512i s_even = _mm512_srai_epi16(_mm512_slli_epi16(s8, 8), 8), s_odd = _mm512_srai_epi16(s8, 8);
-  const __m512i even = _mm512_madd_epi16(_mm512_mullo_epi16(u_even, s_even), ones);
-  const __m512i odd = _mm512_madd_epi16(_mm512_mullo_epi16(u_odd, s_odd), ones);
-  return _mm512_add_epi32(acc, _mm512_add_epi32(even, odd));
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
 }
 
@@ -90,33 +90,34 @@ void micro_kernel(const QuantizedRows& x, const uint8_t* codes, const at::Half* 
     __m512i dots[kM][kNB];
     for (int64_t m = 0; m < kM; ++m)
       for (int64_t j = 0; j < kNB; ++j) dots[m][j] = _mm512_setzero_si512();
-    const auto quad = [&](int64_t q, const __m512i (&w)[kNB]) {
+    const auto pair = [&](int64_t p, const __m512i (&w)[kNB]) {
       for (int64_t m = 0; m < kM; ++m) {
-        int32_t four;
-        std::memcpy(&four, x.codes.data() + (m0 + m) * K + g * kGroup + 4 * q, sizeof(four));
-        const __m512i xv = _mm512_set1_epi32(four);
-        for (int64_t j = 0; j < kNB; ++j) dots[m][j] = dot_u8_s8(dots[m][j], w[j], xv);
+        int32_t two;
+        std::memcpy(&two, x.codes.data() + (m0 + m) * K + g * kGroup + 2 * p, sizeof(two));
+        const __m512i xv = _mm512_set1_epi32(two);
+        for (int64_t j = 0; j < kNB; ++j) dots[m][j] = dot_i16(dots[m][j], w[j], xv);
       }
     };
     const uint8_t* group_codes[kNB];
     for (int64_t j = 0; j < kNB; ++j) group_codes[j] = codes + ((block0 + j) * groups + g) * F::kGroupBytes;
+    const auto load32 = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
     if constexpr (kBits == 8) {
-      for (int64_t q = 0; q < kGroup / 4; ++q) {
+      for (int64_t p = 0; p < kGroup / 2; ++p) {
         __m512i w[kNB];
-        for (int64_t j = 0; j < kNB; ++j) w[j] = _mm512_loadu_si512(group_codes[j] + q * 64);
-        quad(q, w);
+        for (int64_t j = 0; j < kNB; ++j) w[j] = _mm512_cvtepu8_epi16(load32(group_codes[j] + p * 32));
+        pair(p, w);
       }
     } else {
-      const __m512i nibble = _mm512_set1_epi8(0x0f);
-      for (int64_t v = 0; v < 4; ++v) {
+      const __m256i nibble = _mm256_set1_epi8(0x0f);
+      for (int64_t v = 0; v < 8; ++v) {
         __m512i low[kNB], high[kNB];
         for (int64_t j = 0; j < kNB; ++j) {
-          const __m512i raw = _mm512_loadu_si512(group_codes[j] + v * 64);
-          low[j] = _mm512_and_si512(raw, nibble);
-          high[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+          const __m256i raw = load32(group_codes[j] + v * 32);
+          low[j] = _mm512_cvtepu8_epi16(_mm256_and_si256(raw, nibble));
+          high[j] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble));
         }
-        quad(v, low);
-        quad(v + 4, high);
+        pair(v, low);
+        pair(v + 8, high);
       }
     }
     for (int64_t j = 0; j < kNB; ++j) {

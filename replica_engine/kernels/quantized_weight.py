@@ -4,8 +4,8 @@ of 16 or 32 input features. One layout covers GGUF's Q4_0 (m = -8d), Q4_1, Q4_K 
 scales), Q8_0 (code = q + 128, m = -128d), Q6_K (groups of 16, m = -32d) and our int8
 weight-only quantization (per-column symmetric scales: the same d in every group).
 
-Codes sit in 16-column blocks: per block and group, quads of 4 consecutive k per column lane (4-bit:
-quad v in the low nibbles, quad v + 4 in the high ones). `dequantize_rows` reads the layout back
+Codes sit in 16-column blocks: per block and group, pairs of consecutive k, 32 bytes per pair
+(column by column; 4-bit: pair p in the low nibbles, pair p + 8 in the high ones). `dequantize_rows` reads the layout back
 with torch ops: the embedding lookup of a quantized tied embedding, the reference the kernel is
 tested against, and the path where the kernels cannot be built."""
 
@@ -46,10 +46,10 @@ def pack_quantized(
     blocks = -(-n // COLUMNS)
     pad = blocks * COLUMNS - n
     codes = torch.nn.functional.pad(codes, (0, 0, 0, pad)).to(torch.uint8)
-    quads = codes.view(blocks, COLUMNS, k // group, group // 4, 4).permute(0, 2, 3, 1, 4)
-    if bits == 4:  # quads 0-3 in the low nibbles, 4-7 in the high ones
-        quads = quads[:, :, :4] | (quads[:, :, 4:] << 4)
-    packed = quads.reshape(blocks, k // group, -1).contiguous()
+    pairs = codes.view(blocks, COLUMNS, k // group, group // 2, 2).permute(0, 2, 3, 1, 4)
+    if bits == 4:  # pairs 0-7 in the low nibbles, 8-15 in the high ones
+        pairs = pairs[:, :, :8] | (pairs[:, :, 8:] << 4)
+    packed = pairs.reshape(blocks, k // group, -1).contiguous()
 
     def by_block(s: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.pad(s.float(), (0, 0, 0, pad)).view(blocks, COLUMNS, -1).transpose(1, 2)
@@ -73,13 +73,13 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
     count, group = rows.numel(), weight.group
     raw = weight.codes[rows // COLUMNS]  # [R, groups, bytes]
     if weight.bits == 8:
-        quads = raw.view(count, -1, group // 4, COLUMNS, 4)
+        pairs = raw.view(count, -1, group // 2, COLUMNS, 2)
     else:
-        nibbles = raw.view(count, -1, 4, COLUMNS, 4)
-        quads = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=2)
+        nibbles = raw.view(count, -1, 8, COLUMNS, 2)
+        pairs = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=2)
     picked = torch.arange(count, device=rows.device)
     lane = rows % COLUMNS
-    codes = quads.permute(0, 3, 1, 2, 4)[picked, lane].reshape(count, -1, group)  # [R, groups, group]
+    codes = pairs.permute(0, 3, 1, 2, 4)[picked, lane].reshape(count, -1, group)  # [R, groups, group]
     scales = weight.scales[rows // COLUMNS].permute(0, 3, 1, 2)[picked, lane].float()  # [R, groups, 2]
     return (codes.float() * scales[..., :1] + scales[..., 1:]).reshape(count, weight.in_features)
 

@@ -65,12 +65,18 @@ def test_qwen3_shape_on_two_workers_matches_one():
 def staged_llm() -> LLM:
     """Two stages. A 16-token budget chunks every prompt; 4 blocks of 16 tokens for 3 requests
     preempts."""
-    return LLM(dtype="float32", pipeline_parallel_size=2, max_num_batched_tokens=16, num_kv_blocks=4)
+    return LLM(
+        dtype="float32",
+        quantization="none",
+        pipeline_parallel_size=2,
+        max_num_batched_tokens=16,
+        num_kv_blocks=4,
+    )
 
 
-def test_two_pipeline_stages_answer_as_one_model_with_chunked_prompts_and_preemption(llm, staged_llm):
+def test_two_pipeline_stages_answer_as_one_model_with_chunked_prompts_and_preemption(exact_llm, staged_llm):
     params = SamplingParams(max_tokens=16, temperature=0, logprobs=2)
-    whole = llm.generate(PROMPTS, params)
+    whole = exact_llm.generate(PROMPTS, params)
     staged = staged_llm.generate(PROMPTS, params)
     assert_same_up_to_near_ties(staged, whole)  # chunks change the order of attention's sums
     assert staged_llm.engine.stats().num_preemptions > 0
@@ -78,7 +84,7 @@ def test_two_pipeline_stages_answer_as_one_model_with_chunked_prompts_and_preemp
     assert manager.num_free_blocks == manager.num_blocks
 
 
-def test_two_batches_are_in_the_pipeline_at_once_and_an_abort_there_loses_nothing(llm, staged_llm):
+def test_two_batches_are_in_the_pipeline_at_once_and_an_abort_there_loses_nothing(exact_llm, staged_llm):
     engine, core = staged_llm.engine, staged_llm.engine.core
     params = SamplingParams(max_tokens=3, temperature=0)
     busy_before = core.runner.stage_busy_s()

@@ -46,10 +46,10 @@ def _random_weight(bits: int, group: int, n: int, k: int, seed: int) -> Quantize
     return pack_quantized(codes, d, m, bits, group)
 
 
-def _int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel sees it: int8 per 32 values, one scale each (max |x| / 127)."""
+def _int16_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: int16 per 32 values, one scale each (max |x| / 32767)."""
     groups = x.float().view(x.shape[0], -1, 32)
-    scale = groups.abs().amax(-1, keepdim=True) / 127
+    scale = groups.abs().amax(-1, keepdim=True) / 32767
     return (torch.where(scale > 0, groups / scale, 0).round() * scale).view(x.shape)
 
 
@@ -60,17 +60,18 @@ def test_kernel_matches_dequantize_then_matmul(bits, group, n, k):
     dense = dequantize(weight)
     for rows in ROWS if n < 10000 else [1, 8]:
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-        expected = _int8_rows(x) @ dense.T
+        expected = _int16_rows(x) @ dense.T
         scale = expected.abs().max()
         out = cpu_kernels.linear(x, weight)
         assert out.shape == (rows, n) and out.dtype == torch.float32
-        assert (out - expected).abs().max() <= 1e-5 * scale, (rows, "float32")
+        # an x exactly between two int16 codes may round either way: one code of difference
+        assert (out - expected).abs().max() <= 5e-5 * scale, (rows, "float32")
         out_bf16 = cpu_kernels.linear(x.bfloat16(), weight)
         assert out_bf16.dtype == torch.bfloat16
-        expected_bf16 = _int8_rows(x.bfloat16()) @ dense.T
+        expected_bf16 = _int16_rows(x.bfloat16()) @ dense.T
         assert (out_bf16.float() - expected_bf16).abs().max() <= 1e-2 * scale, (rows, "bfloat16")
-        # against x itself, the int8 rounding of the activations is all that is lost
-        assert (out - x @ dense.T).abs().max() <= 2e-2 * scale
+        # against x itself, the int16 rounding of the activations is all that is lost
+        assert (out - x @ dense.T).abs().max() <= 1e-4 * scale
 
 
 def test_without_the_kernels_a_quantized_weight_is_dequantized_for_torch(monkeypatch):
@@ -152,7 +153,7 @@ def test_the_embedded_files_blocks_are_its_converted_weights(model_dir):
             assert torch.equal(dequantize(weight), expected), gguf_name
             x = torch.randn(3, expected.shape[1])
             out = cpu_kernels.linear(x, weight)
-            assert (out - _int8_rows(x) @ expected.T).abs().max() <= 1e-5 * out.abs().max()
+            assert (out - _int16_rows(x) @ expected.T).abs().max() <= 1e-5 * out.abs().max()
 
 
 def test_auto_serves_the_embedded_model_from_its_own_blocks(llm):
@@ -169,8 +170,8 @@ def test_auto_serves_the_embedded_model_from_its_own_blocks(llm):
 
 
 def test_native_greedy_outputs_follow_the_dequantized_path_up_to_near_ties(llm, exact_llm):
-    """Int8 activations move logits by a little: a prompt may part from the dequantized path's
-    continuation, only where that path's two best tokens were close."""
+    """Int16 activations move logits by ~1e-4: a prompt may part from the dequantized path's
+    continuation only at a near-tie of that path's two best tokens."""
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=2)
     ours, reference = llm.generate(EXACTNESS_PROMPTS, params), exact_llm.generate(EXACTNESS_PROMPTS, params)
     gaps = []
@@ -181,8 +182,7 @@ def test_native_greedy_outputs_follow_the_dequantized_path_up_to_near_ties(llm, 
             (_, best), (_, second) = theirs.logprobs[position].top[:2]
             gaps.append(best - second)
     print("divergences' top-2 logprob gaps:", gaps)
-    assert len(gaps) <= len(EXACTNESS_PROMPTS) // 2
-    assert all(gap < 1.0 for gap in gaps), gaps
+    assert all(gap < 1e-2 for gap in gaps), gaps
     manager = llm.engine.core.kv_cache_manager
     assert manager.num_free_blocks == manager.num_blocks
 
@@ -197,7 +197,7 @@ def test_perplexity_of_int8_and_of_the_files_blocks_against_float32(llm, exact_l
     reference = _perplexity(exact_llm, windows)
     int8 = _perplexity(LLM(dtype="float32", quantization="int8"), windows)
     assert abs(int8 / reference - 1) <= 0.02, (int8, reference)
-    assert abs(_perplexity(llm, windows) / reference - 1) <= 0.02
+    assert abs(_perplexity(llm, windows) / reference - 1) <= 0.005
 
 
 def test_int8_serves_a_model_without_a_gguf_file():
