@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         parted = divergences(llm, reference_greedy)
         del llm
         rows.append({"variant": name, "dtype": dtype, "quantization": quantization, "perplexity": value,
-                     "vs_dequantized": ratio, "greedy_divergences": parted})  # fmt: skip
+                     "vs_dequantized": ratio, "greedy_differing": len(parted),
+                     "greedy_divergences": parted})  # fmt: skip
         within = abs(ratio) <= GOAL_PERPLEXITY_RATIO
         goals_met[f"{name}: perplexity within {GOAL_PERPLEXITY_RATIO:.0%}"] = within
         gaps = ", ".join(f"{d['top2_logprob_gap']:.3f}" for d in parted)

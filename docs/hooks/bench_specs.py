@@ -74,6 +74,7 @@ ENGINE_SPECS: dict[str, BenchSpec] = {
                     Col("read bandwidth (GB/s)", "floors/read_gb_per_s", "num"),
                     Col("fp32 matmul GFLOP/s", "floors/matmul_float32_gflop_per_s"),
                     Col("bf16 matmul GFLOP/s", "floors/matmul_bfloat16_gflop_per_s"),
+                    Col("quantized matmul GOP/s", "floors/matmul_quantized_gop_per_s"),
                 ),
             ),
             Rows(
@@ -169,6 +170,29 @@ ENGINE_SPECS: dict[str, BenchSpec] = {
                 "chat_answers",
                 ("dtype",),
                 (Col("answer", "", "str"),),
+            ),
+        ),
+    ),
+    "quantization": BenchSpec(
+        "benchmarks/quantization.md",
+        "What the GGUF's own blocks and int8 change against the dequantized weights",
+        (
+            Values(
+                "reference",
+                "The reference: the weights dequantized, float32:",
+                (Col("perplexity", "reference/perplexity", "num"),),
+            ),
+            Rows(
+                "variants",
+                "Each variant in the same run:",
+                "variants",
+                (),
+                (
+                    Col("variant", "variant", "str"),
+                    Col("perplexity", "perplexity", "num"),
+                    Col("against the reference", "vs_dequantized", "pct"),
+                    Col("greedy prompts differing (of 8)", "greedy_differing", "int"),
+                ),
             ),
         ),
     ),

@@ -5,9 +5,10 @@ scales), Q8_0 (code = q + 128, m = -128d), Q6_K (groups of 16, m = -32d) and our
 weight-only quantization (per-column symmetric scales: the same d in every group).
 
 Codes sit in 16-column blocks: per block and group, pairs of consecutive k, 32 bytes per pair
-(column by column; 4-bit: pair p in the low nibbles, pair p + 8 in the high ones). `dequantize_rows` reads the layout back
-with torch ops: the embedding lookup of a quantized tied embedding, the reference the kernel is
-tested against, and the path where the kernels cannot be built."""
+(column by column; 4-bit: pair p in the low nibbles, pair p + 8 in the high ones).
+`dequantize_rows` reads the layout back with torch ops: the embedding lookup of a quantized tied
+embedding, the reference the kernel is tested against, and the path where the kernels cannot be
+built."""
 
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ def test_two_batches_are_in_the_pipeline_at_once_and_an_abort_there_loses_nothin
     # answers as the whole model does.
     again = staged_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, logprobs=2))
     assert_same_up_to_near_ties(
-        again, llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, logprobs=2))
+        again, exact_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, logprobs=2))
     )
     busy_after = core.runner.stage_busy_s()
     assert len(busy_after) == 2
