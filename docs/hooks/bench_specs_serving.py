@@ -21,7 +21,7 @@ _SERVING = (
         "c1/tbt_p50_s",
         "ms",
         best="min",
-        goal="c=1 TBT p50 <= llama.cpp Q4_1's",
+        goal="c=1 TBT p50 <= 0.9x llama.cpp Q4_1's",
         goal_row="stallfree",
     ),
     Col(
