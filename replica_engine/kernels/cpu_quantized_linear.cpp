@@ -136,16 +136,7 @@ void micro_kernel(const QuantizedRows& x, const uint8_t* codes, const at::Half* 
   }
   for (int64_t j = 0; j < kNB; ++j) {
     const int64_t col = (block0 + j) * kCols, valid = std::min(kCols, N - col);
-    for (int64_t m = 0; m < kM; ++m) {
-      Out* dst = y + (m0 + m) * N + col;
-      if (valid == kCols) {
-        store16(dst, acc[m][j]);
-      } else {  // the last block of an N that is not a multiple of 16
-        alignas(64) Out tmp[kCols];
-        store16(tmp, acc[m][j]);
-        std::memcpy(dst, tmp, valid * sizeof(Out));
-      }
-    }
+    for (int64_t m = 0; m < kM; ++m) store_first(y + (m0 + m) * N + col, acc[m][j], valid);
   }
 }
 

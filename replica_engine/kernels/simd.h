@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -26,6 +27,19 @@ inline void store16(at::BFloat16* p, __m512 v) {
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// The first `valid` of 16 values (all 16: one store; fewer: the last block of an N that is not a
+// multiple of 16).
+template <typename Out>
+inline void store_first(Out* dst, __m512 v, int64_t valid) {
+  if (valid == 16) {
+    store16(dst, v);
+    return;
+  }
+  alignas(64) Out tmp[16];
+  store16(tmp, v);
+  std::memcpy(dst, tmp, valid * sizeof(Out));
 }
 
 // v as the storage type T would hold it (bfloat16 rounding; float32 unchanged).
