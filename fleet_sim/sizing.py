@@ -37,7 +37,16 @@ REPLICA_FIELDS = ("max_num_batched_tokens", "max_num_seqs", "block_size", "sched
                   "enable_prefix_caching", "tbt_slo_s", "pipeline_parallel_size")  # fmt: skip
 ENGINE_MODELED = {*REPLICA_FIELDS, "num_kv_blocks", "kv_cache_bytes", "dtype", "tensor_parallel_size"}
 # Where the workers run changes nothing the simulator models (their transfers are not modeled).
-ENGINE_IGNORED = {"attention_backend", "seed", "max_model_len", "device", "distributed_executor_backend"}
+# quantization changes step times alone, which the step-time model carries (a fit of a run made
+# with it; the roofline is a GPU's, where weights are float); the KV pool is the same.
+ENGINE_IGNORED = {
+    "attention_backend",
+    "seed",
+    "max_model_len",
+    "device",
+    "distributed_executor_backend",
+    "quantization",
+}
 # ingress_replicas: one is the simulator's one router; more are refused
 APP_MODELED = {
     "model",
