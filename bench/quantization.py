@@ -33,6 +33,7 @@ VARIANTS = {
     "dequantized, bfloat16": ("bfloat16", "none"),
 }
 GREEDY_TOKENS = 24
+GREEDY_PARAMS = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, logprobs=2)
 
 
 def perplexity(llm: LLM, windows: list[list[int]]) -> float:
@@ -41,11 +42,10 @@ def perplexity(llm: LLM, windows: list[list[int]]) -> float:
 
 
 def divergences(llm: LLM, reference: list) -> list[dict]:
-    """Prompts whose greedy output differs from the reference's: where, and the reference's top-2
-    logprob gap there."""
-    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, logprobs=2)
+    """Prompts whose greedy output (GREEDY_PARAMS) differs from the reference's: where, and the
+    reference's top-2 logprob gap there."""
     found = []
-    outputs = llm.generate(GREEDY_PROMPTS, params)
+    outputs = llm.generate(GREEDY_PROMPTS, GREEDY_PARAMS)
     for prompt, ours, theirs in zip(GREEDY_PROMPTS, outputs, reference, strict=True):
         pairs = enumerate(zip(ours.token_ids, theirs.token_ids, strict=False))
         position = next((i for i, (a, b) in pairs if a != b), None)
@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     reference_llm = LLM(dtype=dtype, quantization=quantization)
     windows = text_prompts(reference_llm.tokenizer, [args.window] * args.num_windows, seed=0)
     reference = perplexity(reference_llm, windows)
-    greedy_params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, logprobs=2)
-    reference_greedy = reference_llm.generate(GREEDY_PROMPTS, greedy_params)
+    reference_greedy = reference_llm.generate(GREEDY_PROMPTS, GREEDY_PARAMS)
     del reference_llm
     print(f"{'variant':46}{'perplexity':>12}{'vs dequantized':>16}  greedy prompts differing")
     print(f"{'dequantized, float32 (reference)':46}{reference:>12.3f}")

@@ -246,10 +246,7 @@ class EngineConfig:
             raise InvalidRequestError(
                 "quantization", f"must be one of {QUANTIZATIONS}, got {self.quantization!r}"
             )
-        if self.quantization in ("gguf", "int8") and self.device.startswith("cuda"):
-            raise InvalidRequestError(
-                "quantization", f"{self.quantization!r} has no GPU kernel yet: use 'none' on a GPU"
-            )
+        self._check_quantization_device(on_gpu=self.device.startswith("cuda"))
         if self.attention_backend not in ATTENTION_BACKEND_NAMES:
             raise InvalidRequestError(
                 "attention_backend",
@@ -314,6 +311,12 @@ class EngineConfig:
             return self.dtype
         return "bfloat16" if on_gpu or cpu_has_native_bf16() else "float32"
 
+    def _check_quantization_device(self, on_gpu: bool) -> None:
+        if on_gpu and self.quantization in ("gguf", "int8"):
+            raise InvalidRequestError(
+                "quantization", f"{self.quantization!r} has no GPU kernel yet: use 'none' on a GPU"
+            )
+
     def _quantization(self, on_gpu: bool) -> str:
         """auto: a GGUF model's own blocks where the CPU kernels build; explicit settings are
         checked against the device, the model and the parallel layout."""
@@ -321,10 +324,7 @@ class EngineConfig:
         if self.quantization == "auto":
             native = from_gguf and not on_gpu and self.tensor_parallel_size == 1 and cpu_ops() is not None
             return "gguf" if native else "none"
-        if self.quantization != "none" and on_gpu:  # device auto, on a GPU machine
-            raise InvalidRequestError(
-                "quantization", f"{self.quantization!r} has no GPU kernel yet: use 'none' on a GPU"
-            )
+        self._check_quantization_device(on_gpu)  # again: device auto may have found a GPU
         if self.quantization == "gguf" and not from_gguf:
             raise InvalidRequestError("quantization", f"'gguf' needs a .gguf model, got {self.model!r}")
         if self.quantization == "gguf" and self.tensor_parallel_size > 1:

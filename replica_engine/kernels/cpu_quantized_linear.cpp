@@ -42,21 +42,21 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
   QuantizedRows rows{std::vector<int16_t>(M * K), std::vector<float>(M * K / kActGroup),
                      std::vector<float>(M * K / kSumGroup)};
   parallel_chunks(M, 16, [&](int64_t first, int64_t last) {
-  for (int64_t m = first; m < last; ++m) {
-    for (int64_t g = 0; g < K / kActGroup; ++g) {
-      const int64_t k0 = m * K + g * kActGroup;
-      const __m512 a = load16(x + k0), b = load16(x + k0 + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const float scale = amax / kActMax, inverse = amax > 0 ? kActMax / amax : 0.f;
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inverse)));
-      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inverse)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows.codes.data() + k0), _mm512_cvtepi32_epi16(qa));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows.codes.data() + k0 + 16), _mm512_cvtepi32_epi16(qb));
-      rows.scales[k0 / kActGroup] = scale;
-      rows.scaled_sums[k0 / kSumGroup] = scale * _mm512_reduce_add_epi32(qa);
-      rows.scaled_sums[k0 / kSumGroup + 1] = scale * _mm512_reduce_add_epi32(qb);
+    for (int64_t m = first; m < last; ++m) {
+      for (int64_t g = 0; g < K / kActGroup; ++g) {
+        const int64_t k0 = m * K + g * kActGroup;
+        const __m512 a = load16(x + k0), b = load16(x + k0 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float scale = amax / kActMax, inverse = amax > 0 ? kActMax / amax : 0.f;
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inverse)));
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inverse)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows.codes.data() + k0), _mm512_cvtepi32_epi16(qa));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows.codes.data() + k0 + 16), _mm512_cvtepi32_epi16(qb));
+        rows.scales[k0 / kActGroup] = scale;
+        rows.scaled_sums[k0 / kSumGroup] = scale * _mm512_reduce_add_epi32(qa);
+        rows.scaled_sums[k0 / kSumGroup + 1] = scale * _mm512_reduce_add_epi32(qb);
+      }
     }
-  }
   });
   return rows;
 }
@@ -120,17 +120,22 @@ void micro_kernel(const QuantizedRows& x, const uint8_t* codes, const at::Half* 
         pair(v + 8, high);
       }
     }
+    // Each row's scale and scaled code sum over this group, for every block.
+    __m512 dx[kM], sx[kM];
+    for (int64_t m = 0; m < kM; ++m) {
+      const int64_t k0 = (m0 + m) * K + g * kGroup;
+      float sum = 0;
+      for (int64_t h = 0; h < kGroup / kSumGroup; ++h) sum += x.scaled_sums[k0 / kSumGroup + h];
+      dx[m] = _mm512_set1_ps(x.scales[k0 / kActGroup]);
+      sx[m] = _mm512_set1_ps(sum);
+    }
     for (int64_t j = 0; j < kNB; ++j) {
       const at::Half* s = scales + ((block0 + j) * groups + g) * 2 * kCols;
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
       const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kCols)));
       for (int64_t m = 0; m < kM; ++m) {
-        const int64_t row = m0 + m, k0 = g * kGroup;
-        const float dx = x.scales[(row * K + k0) / kActGroup];
-        float sx = 0;
-        for (int64_t h = 0; h < kGroup / kSumGroup; ++h) sx += x.scaled_sums[(row * K + k0) / kSumGroup + h];
-        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[m][j]), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[m][j]);
-        acc[m][j] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx), acc[m][j]);
+        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[m][j]), _mm512_mul_ps(d, dx[m]), acc[m][j]);
+        acc[m][j] = _mm512_fmadd_ps(mins, sx[m], acc[m][j]);
       }
     }
   }

@@ -4,9 +4,6 @@ outputs and perplexity against the dequantized path, and the settings that refus
 
 from __future__ import annotations
 
-import math
-import statistics
-
 import numpy as np
 import pytest
 import torch
@@ -14,6 +11,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 from safetensors import safe_open
 
+from bench.quantization import GREEDY_PARAMS, divergences, perplexity
 from bench.text_prompts import text_prompts
 from common.errors import InvalidRequestError
 from common.model_source import embedded_gguf_path
@@ -172,32 +170,20 @@ def test_auto_serves_the_embedded_model_from_its_own_blocks(llm):
 def test_native_greedy_outputs_follow_the_dequantized_path_up_to_near_ties(llm, exact_llm):
     """Int16 activations move logits by ~1e-4: a prompt may part from the dequantized path's
     continuation only at a near-tie of that path's two best tokens."""
-    params = SamplingParams(max_tokens=24, temperature=0, logprobs=2)
-    ours, reference = llm.generate(EXACTNESS_PROMPTS, params), exact_llm.generate(EXACTNESS_PROMPTS, params)
-    gaps = []
-    for mine, theirs in zip(ours, reference, strict=True):
-        pairs = enumerate(zip(mine.token_ids, theirs.token_ids, strict=False))
-        position = next((i for i, (a, b) in pairs if a != b), None)
-        if position is not None:
-            (_, best), (_, second) = theirs.logprobs[position].top[:2]
-            gaps.append(best - second)
+    reference = exact_llm.generate(EXACTNESS_PROMPTS, GREEDY_PARAMS)
+    gaps = [parted["top2_logprob_gap"] for parted in divergences(llm, reference)]
     print("divergences' top-2 logprob gaps:", gaps)
     assert all(gap < 1e-2 for gap in gaps), gaps
     manager = llm.engine.core.kv_cache_manager
     assert manager.num_free_blocks == manager.num_blocks
 
 
-def _perplexity(llm: LLM, windows: list[list[int]]) -> float:
-    outs = llm.generate(windows, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
-    return math.exp(-statistics.mean(lp.logprob for out in outs for lp in out.prompt_logprobs or []))
-
-
 def test_perplexity_of_int8_and_of_the_files_blocks_against_float32(llm, exact_llm):
     windows = text_prompts(llm.tokenizer, [256] * 6, seed=0)
-    reference = _perplexity(exact_llm, windows)
-    int8 = _perplexity(LLM(dtype="float32", quantization="int8"), windows)
+    reference = perplexity(exact_llm, windows)
+    int8 = perplexity(LLM(dtype="float32", quantization="int8"), windows)
     assert abs(int8 / reference - 1) <= 0.02, (int8, reference)
-    assert abs(_perplexity(llm, windows) / reference - 1) <= 0.005
+    assert abs(perplexity(llm, windows) / reference - 1) <= 0.005
 
 
 def test_int8_serves_a_model_without_a_gguf_file():
