@@ -34,6 +34,64 @@ _MODEL_AND_OVERHEAD = (
 _RUNNER_AND_HOST = (Col("model runner", "runner_ms", "ms_value"), Col("host", "host_ms", "ms_value"))
 
 
+def _gpu_spec(device: str) -> BenchSpec:
+    """bench.gpu's file for one device (the same parts on every device)."""
+    return BenchSpec(
+        "benchmarks/gpu.md",
+        f"bench.gpu on an {device}: exactness, step times against the HBM and FLOP floors, offline",
+        (
+            Rows(
+                "exactness",
+                "Our engine against transformers, greedy (random SmolLM2-shaped checkpoint):",
+                "parts/exactness/against_transformers",
+                (),
+                (
+                    Col("dtype", "dtype", "str"),
+                    Col("CUDA graphs", "cuda_graphs", "yes"),
+                    Col("identical outputs", ("identical", "prompts"), ("int", "int"), sep=" of "),
+                    Col("KV blocks returned", "kv_blocks_returned", "yes"),
+                    Col("passed (divergences only at near-ties)", "passed", "yes"),
+                ),
+            ),
+            Values(
+                "device",
+                "The device, and what this run measured of it (the floors use the spec sheet):",
+                (
+                    Col("device", "parts/steps/device/name", "str"),
+                    Col("copy, bytes read + written (B/s)", "parts/steps/device/measured_bytes_per_s"),
+                    Col("bf16 matmul (FLOP/s)", "parts/steps/device/measured_bf16_flops_per_s"),
+                    Col("spec sheet HBM (B/s)", "parts/steps/device/bytes_per_s"),
+                ),
+            ),
+            _steps(
+                "Llama-3-8B-shaped steps (bf16, 512 tokens of context per decode), in ms:",
+                _MODEL_AND_OVERHEAD,
+                at="parts/steps/steps",
+            ),
+            Rows(
+                "offline",
+                "Offline, 1000 ShareGPT-shaped requests (anchor: vLLM's 6,582.87 output tok/s on an H100):",
+                "parts/offline",
+                ("run",),
+                (
+                    Col(
+                        "output tok/s",
+                        "output_tok_per_s",
+                        best="max",
+                        goal="offline >= 6,600 output tok/s (eager or graphs, the better)",
+                    ),
+                    Col("wall", "wall_s", "s"),
+                    Col("steps", "steps", "int"),
+                    Col("model", "model_s", "s"),
+                    Col("overhead", "overhead_s", "s"),
+                    Col("decode-only steps", ("decode_only_steps", "decode_only_s"), ("int", "s")),
+                    Col("decodes a step", "mean_decodes_per_step"),
+                ),
+            ),
+        ),
+    )
+
+
 ENGINE_SPECS: dict[str, BenchSpec] = {
     "offline_cpu": BenchSpec(
         "benchmarks/offline_cpu.md",
@@ -87,60 +145,8 @@ ENGINE_SPECS: dict[str, BenchSpec] = {
             _steps("Step times in ms and their ratio to this run's floor:", _MODEL_AND_OVERHEAD),
         ),
     ),
-    "gpu_h200": BenchSpec(
-        "benchmarks/gpu.md",
-        "bench.gpu on an H200: exactness, step times against the HBM and FLOP floors, offline",
-        (
-            Rows(
-                "exactness",
-                "Our engine against transformers, greedy (random SmolLM2-shaped checkpoint):",
-                "parts/exactness/against_transformers",
-                (),
-                (
-                    Col("dtype", "dtype", "str"),
-                    Col("CUDA graphs", "cuda_graphs", "yes"),
-                    Col("identical outputs", ("identical", "prompts"), ("int", "int"), sep=" of "),
-                    Col("KV blocks returned", "kv_blocks_returned", "yes"),
-                    Col("passed (divergences only at near-ties)", "passed", "yes"),
-                ),
-            ),
-            Values(
-                "device",
-                "The device, and what this run measured of it (the floors use the spec sheet):",
-                (
-                    Col("device", "parts/steps/device/name", "str"),
-                    Col("copy, bytes read + written (B/s)", "parts/steps/device/measured_bytes_per_s"),
-                    Col("bf16 matmul (FLOP/s)", "parts/steps/device/measured_bf16_flops_per_s"),
-                    Col("spec sheet HBM (B/s)", "parts/steps/device/bytes_per_s"),
-                ),
-            ),
-            _steps(
-                "Llama-3-8B-shaped steps (bf16, 512 tokens of context per decode), in ms:",
-                _MODEL_AND_OVERHEAD,
-                at="parts/steps/steps",
-            ),
-            Rows(
-                "offline",
-                "Offline, 1000 ShareGPT-shaped requests (anchor: vLLM's 6,582.87 output tok/s on an H100):",
-                "parts/offline",
-                ("run",),
-                (
-                    Col(
-                        "output tok/s",
-                        "output_tok_per_s",
-                        best="max",
-                        goal="offline >= 6,600 output tok/s (eager or graphs, the better)",
-                    ),
-                    Col("wall", "wall_s", "s"),
-                    Col("steps", "steps", "int"),
-                    Col("model", "model_s", "s"),
-                    Col("overhead", "overhead_s", "s"),
-                    Col("decode-only steps", ("decode_only_steps", "decode_only_s"), ("int", "s")),
-                    Col("decodes a step", "mean_decodes_per_step"),
-                ),
-            ),
-        ),
-    ),
+    "gpu_h100": _gpu_spec("H100"),
+    "gpu_h200": _gpu_spec("H200"),
     "cpu_steps_torch_ops": BenchSpec(
         "benchmarks/cpu_steps.md",
         "Engine step times with torch's ops alone (an earlier run, its own floors)",
