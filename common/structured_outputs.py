@@ -24,6 +24,8 @@ class StructuredOutputs:
     grammar: str | None = None  # EBNF (GBNF / xgrammar's dialect)
     # strict (OpenAI's json_schema.strict): no properties or items beyond the schema's own
     strict: bool = False
+    # JSON without free whitespace (vLLM's per-request field); None: the server's setting
+    disable_any_whitespace: bool | None = None
     param: str = field(default="structured_outputs", compare=False)  # the request field it came from
 
     def __post_init__(self) -> None:

@@ -82,6 +82,7 @@ class StructuredOutputsRequest(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool | None = None
 
     def structured_outputs(self) -> StructuredOutputs:
         schema = self.json_
@@ -91,6 +92,7 @@ class StructuredOutputsRequest(BaseModel):
             regex=self.regex,
             choice=None if self.choice is None else tuple(self.choice),
             grammar=self.grammar,
+            disable_any_whitespace=self.disable_any_whitespace,
         )
 
 

@@ -46,6 +46,7 @@ ENGINE_IGNORED = {
     "device",
     "distributed_executor_backend",
     "quantization",
+    "disable_any_whitespace",  # structured outputs: what is generated, not how fast
 }
 # ingress_replicas: one is the simulator's one router; more are refused
 APP_MODELED = {

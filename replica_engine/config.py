@@ -175,6 +175,14 @@ class EngineConfig:
             "`static` (request-level batching) are benchmark baselines"
         ),
     )
+    disable_any_whitespace: bool = field(
+        default=False,
+        metadata=_doc(
+            "Structured outputs: JSON without free whitespace (compact, one space after `:` and "
+            "`,`), as vLLM's `disable_any_whitespace`. Default: whitespace allowed, as vLLM; a request "
+            "may ask for either in `structured_outputs.disable_any_whitespace`"
+        ),
+    )
     enable_prefix_caching: bool = field(
         default=True, metadata=_doc("Reuse the K/V of prompt prefixes the engine has already computed")
     )

@@ -61,7 +61,9 @@ def build_inputs(config: EngineConfig, num_kv_blocks: int) -> InputProcessor:
     loaded = load_tokenizer(source)
     tokenizer = loaded.tokenizer
     grammars = (
-        GrammarCompiler.for_tokenizer(tokenizer, model_config.vocab_size, loaded.stop_token_ids)
+        GrammarCompiler.for_tokenizer(
+            tokenizer, model_config.vocab_size, loaded.stop_token_ids, not config.disable_any_whitespace
+        )
         if tokenizer
         else None
     )

@@ -27,20 +27,26 @@ _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[05:41:18] /project/cpp/x.c
 
 
 class GrammarCompiler:
-    def __init__(self, info: xgr.TokenizerInfo) -> None:
+    def __init__(self, info: xgr.TokenizerInfo, any_whitespace: bool = True) -> None:
         global _tokenizer_info
         _tokenizer_info = info
         self.vocab_size = info.vocab_size
+        self.any_whitespace = any_whitespace  # the server's default; a request may override it
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._lock = threading.Lock()  # one compile at a time: a replica's CPU is the step's too
 
     @classmethod
     def for_tokenizer(
-        cls, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: frozenset[int]
+        cls,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_token_ids: frozenset[int],
+        any_whitespace: bool = True,
     ) -> GrammarCompiler:
         """For the model's tokenizer; any of `stop_token_ids` (eos, chat-end) ends a grammar."""
         stop = sorted(stop_token_ids)
-        return cls(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop))
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
+        return cls(info, any_whitespace)
 
     def compile(self, spec: StructuredOutputs) -> RequestGrammar:
         """A fresh matcher for `spec`, or InvalidRequestError naming the request field it came from."""
@@ -57,12 +63,18 @@ class GrammarCompiler:
         return RequestGrammar(compiled, self.vocab_size)
 
     def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
-        # Compact JSON (no free whitespace): a small model given the choice loops on newlines.
+        # Free whitespace by default, as vLLM: compact JSON (no choice of layout) made SmolLM2 run
+        # to the length limit on requests vLLM's default finishes (issue 40).
+        any_whitespace = (
+            self.any_whitespace if spec.disable_any_whitespace is None else not spec.disable_any_whitespace
+        )
         if spec.json is not None:
             schema = spec.json
-            return self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=spec.strict)
+            return self._compiler.compile_json_schema(
+                schema, any_whitespace=any_whitespace, strict_mode=spec.strict
+            )
         if spec.json_object:  # an object, as OpenAI's json_object means (the builtin grammar takes any value)
-            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
         if spec.regex is not None:
             return self._compiler.compile_regex(spec.regex)
         if spec.choice is not None:

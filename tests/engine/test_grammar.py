@@ -141,3 +141,17 @@ def test_a_malformed_spec_is_refused_before_compiling(fields: dict):
     with pytest.raises(InvalidRequestError) as raised:
         StructuredOutputs(**fields, param="response_format")
     assert raised.value.param == "response_format"
+
+
+def test_whitespace_is_free_by_default_and_compact_when_disabled():
+    spaced = '{  "a" : 1 ,   "b": "x" }'  # the vocabulary has no newline: spaces only
+    info = xgr.TokenizerInfo(VOCAB, vocab_size=len(VOCAB), stop_token_ids=[STOP])
+    free, compact = GrammarCompiler(info), GrammarCompiler(info, any_whitespace=False)
+    schema = json.dumps(OBJECT)
+    assert accepts(free, StructuredOutputs(json=schema), spaced)
+    assert accepts(free, StructuredOutputs(json_object=True), spaced)
+    assert not accepts(compact, StructuredOutputs(json=schema), spaced)
+    assert accepts(compact, StructuredOutputs(json=schema), '{"a": 1, "b": "x"}')
+    # a request's own choice wins over the server's, either way
+    assert not accepts(free, StructuredOutputs(json=schema, disable_any_whitespace=True), spaced)
+    assert accepts(compact, StructuredOutputs(json=schema, disable_any_whitespace=False), spaced)
