@@ -4,6 +4,7 @@ does before queueing, in one place, so both refuse the same inputs with the same
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from common.errors import InvalidRequestError
 from common.model_source import ModelSource, context_length, model_config_dict
@@ -19,15 +20,18 @@ class PromptProcessor:
     max_model_len: int  # prompt + output tokens of one request
 
     @classmethod
-    def load(cls, source: ModelSource, max_model_len: int | None = None) -> PromptProcessor:
-        """For a resolved model; `max_model_len` caps the model's own context."""
+    def load(
+        cls, source: ModelSource, max_model_len: int | None = None, chat_template: str | None = None
+    ) -> PromptProcessor:
+        """For a resolved model; `max_model_len` caps the model's own context; `chat_template`
+        (a file or the template) replaces the model's own."""
         config = model_config_dict(source)
         model_max_len = context_length(config)
         if max_model_len is not None and max_model_len > model_max_len:
             raise InvalidRequestError(
                 "max_model_len", f"{max_model_len} exceeds the model's context of {model_max_len} tokens"
             )
-        tokenizer = PromptTokenizer.load(source.hf_dir) if source.has_tokenizer else None
+        tokenizer = PromptTokenizer.load(source.hf_dir, chat_template) if source.has_tokenizer else None
         return cls(tokenizer, config["vocab_size"], max_model_len or model_max_len)
 
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
@@ -53,6 +57,7 @@ class PromptProcessor:
         messages: list[Message],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The model's chat template applied, by default ready for the assistant's turn."""
         if self.tokenizer is None or self.tokenizer.chat_template is None:
@@ -60,13 +65,12 @@ class PromptProcessor:
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages", "must be a non-empty list of {role, content} messages")
         for message in messages:
-            if (
-                not isinstance(message, dict)
-                or not isinstance(message.get("role"), str)
-                or not isinstance(message.get("content"), str)
-            ):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise InvalidRequestError("messages", "each message needs a string 'role' and 'content'")
-        return self.tokenizer.render_chat(messages, add_generation_prompt, continue_final_message)
+            content = message.get("content")
+            if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+                raise InvalidRequestError("messages", "each message needs a string 'role' and 'content'")
+        return self.tokenizer.render_chat(messages, add_generation_prompt, continue_final_message, tools)
 
     def chat_prompt(
         self,
@@ -74,9 +78,10 @@ class PromptProcessor:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,  # the template writes the model's special tokens itself
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
         """The conversation as text (the chat template applied) and as token ids."""
-        text = self.chat_text(messages, add_generation_prompt, continue_final_message)
+        text = self.chat_text(messages, add_generation_prompt, continue_final_message, tools)
         assert self.tokenizer is not None
         return text, self.tokenizer.encode(text, add_special_tokens)
 

@@ -1,6 +1,7 @@
 """What a request constrains its output to (vLLM's `structured_outputs`; OpenAI's `response_format`
-maps onto it): exactly one of a JSON schema, any JSON object, a regex, a choice of strings, or an
-EBNF grammar. Torch-free: the Ingress builds it; the replica compiles it (replica_engine.structured)."""
+maps onto it): exactly one of a JSON schema, any JSON object, a regex, a choice of strings, an
+EBNF grammar, or tool calls (a chat request's `tools`). Torch-free: the Ingress builds it; the
+replica compiles it (replica_engine.structured)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,26 @@ from common.errors import InvalidRequestError
 # Larger specs are refused before anything compiles them: a grammar compiles on a replica's CPU.
 MAX_SPEC_BYTES = 64 << 10
 MAX_CHOICES = 256
+TOOL_CALL_FORMATS = ("hermes", "llama3_json")  # how a model writes a call (the tool_call_parser names)
+TOOL_CHOICE_MODES = ("auto", "required", "named")
+
+
+@dataclass(frozen=True)
+class ToolCallGrammar:
+    """Calls to a request's tools, in the model's own call format. `auto`: free text, and any
+    call the model starts is a valid one; `required`: one call or more (one unless `parallel`);
+    `named`: one call to the only tool listed."""
+
+    format: str  # one of TOOL_CALL_FORMATS
+    tools: str  # JSON: [{"name", "parameters"}], each parameters a JSON schema
+    mode: str  # one of TOOL_CHOICE_MODES
+    parallel: bool = True
+
+    def __post_init__(self) -> None:
+        if self.format not in TOOL_CALL_FORMATS or self.mode not in TOOL_CHOICE_MODES:
+            raise InvalidRequestError(
+                "tool_choice", f"no calls in format {self.format!r}, mode {self.mode!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -22,6 +43,7 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None  # EBNF (GBNF / xgrammar's dialect)
+    tool_calls: ToolCallGrammar | None = None
     # strict (OpenAI's json_schema.strict): no properties or items beyond the schema's own
     strict: bool = False
     # JSON without free whitespace (vLLM's per-request field); None: the server's setting
@@ -30,7 +52,9 @@ class StructuredOutputs:
 
     def __post_init__(self) -> None:
         kinds = [
-            name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None
+            name
+            for name in ("json", "regex", "choice", "grammar", "tool_calls")
+            if getattr(self, name) is not None
         ] + (["json_object"] if self.json_object else [])
         if len(kinds) != 1:
             raise InvalidRequestError(

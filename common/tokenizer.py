@@ -6,6 +6,7 @@ tokens as variables). tests/common/test_common.py checks both against transforme
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -18,7 +19,10 @@ from tokenizers import Tokenizer
 
 from common.errors import InvalidRequestError
 
-Message = dict[str, str]
+Message = dict[str, Any]  # role, content (text, or None beside tool_calls), tool_calls, tool_call_id
+# Ours, for ChatML models whose own template does not render tools.
+CHATML_TOOLS_TEMPLATE = Path(__file__).parent / "chat_templates" / "chatml_tools.jinja"
+_MENTIONS_TOOLS = re.compile(r"\btools\b")
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 # Appended to the message to continue: where it lands in the rendered chat is where the text is cut.
 # Its space tells a template that trims messages (then the text before it is trimmed too) from one
@@ -45,25 +49,45 @@ def _template_environment() -> ImmutableSandboxedEnvironment:
     return environment
 
 
+def template_source(chat_template: str) -> str:
+    """A `chat_template` setting (as vLLM's --chat-template): a file's path, or the template itself."""
+    path = Path(chat_template)
+    if "{" not in chat_template and len(chat_template) < 4096 and path.is_file():
+        return path.read_text()
+    if "{{" in chat_template or "{%" in chat_template:
+        return chat_template
+    raise InvalidRequestError("chat_template", f"{chat_template!r} is neither a file nor a Jinja template")
+
+
 @dataclass(frozen=True)
 class PromptTokenizer:
     tokenizer: Tokenizer
     chat_template: jinja2.Template | None
     special_tokens: dict[str, str]  # bos_token, eos_token, ... as the template names them
+    # What renders tools and tool calls: the chat template when it mentions tools, else ours for a
+    # ChatML model (CHATML_TOOLS_TEMPLATE), else None (requests with tools are refused).
+    tools_template: jinja2.Template | None = None
 
     @classmethod
-    def load(cls, hf_dir: Path) -> PromptTokenizer:
+    def load(cls, hf_dir: Path, chat_template: str | None = None) -> PromptTokenizer:
         """From a Hugging Face directory: tokenizer.json, tokenizer_config.json and the chat
-        template (chat_template.jinja, or tokenizer_config's `chat_template`)."""
+        template (`chat_template` if given, else chat_template.jinja, else tokenizer_config's)."""
         config_path = hf_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         template_path = hf_dir / "chat_template.jinja"
         source = template_path.read_text() if template_path.is_file() else config.get("chat_template")
         if isinstance(source, list):  # named templates: the default one
             source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        if chat_template is not None:
+            source = template_source(chat_template)
         special = {name: _token_text(config[name]) for name in _SPECIAL_TOKENS if config.get(name)}
-        template = _template_environment().from_string(source) if source else None
-        return cls(Tokenizer.from_file(str(hf_dir / "tokenizer.json")), template, special)
+        environment = _template_environment()
+        template = environment.from_string(source) if source else None
+        tools_template = template if source and _MENTIONS_TOOLS.search(source) else None
+        if source and tools_template is None and "<|im_start|>" in source:
+            tools_template = environment.from_string(CHATML_TOOLS_TEMPLATE.read_text())
+        tokenizer = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+        return cls(tokenizer, template, special, tools_template)
 
     @property
     def vocab_size(self) -> int:
@@ -87,11 +111,22 @@ class PromptTokenizer:
         messages: list[Message],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The conversation as the model's chat template writes it: ready for the assistant's turn
         (add_generation_prompt), or left open after the final message for the model to continue it
-        (continue_final_message: a "prefill")."""
-        assert self.chat_template is not None
+        (continue_final_message: a "prefill"). With `tools`, or tool calls in the conversation, the
+        template that renders them."""
+        template = self.chat_template
+        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+            template = self.tools_template
+            if template is None:
+                raise InvalidRequestError(
+                    "tools",
+                    "this model's chat template does not render tools; serve it with a chat_template "
+                    "that does",
+                )
+        assert template is not None
         if continue_final_message:
             if add_generation_prompt:
                 raise InvalidRequestError(
@@ -99,9 +134,9 @@ class PromptTokenizer:
                     "cannot be combined with add_generation_prompt (set it to false)",
                 )
             last = messages[-1]
-            messages = [*messages[:-1], {**last, "content": last["content"] + _CONTINUE_MARKER}]
-        text = self.chat_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            messages = [*messages[:-1], {**last, "content": (last["content"] or "") + _CONTINUE_MARKER}]
+        text = template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens
         )
         if not continue_final_message:
             return text

@@ -15,6 +15,7 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from common.model_source import resolve_model, served_model_name
+from common.tokenizer import template_source
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import Ingress, IngressSettings
 from deployments.placement_fit import check_fits, cluster_nodes
@@ -159,6 +160,28 @@ class AppArgs(BaseModel):
         "(Serve's `http_options.request_timeout_s` still applies if set, with Serve's plain-text 408)",
     )
 
+    chat_template: str | None = Field(
+        default=None,
+        description="A Jinja chat template, or a file holding one, instead of the model's own (vLLM's "
+        "`--chat-template`). Requests with tools use the model's template when it renders tools, "
+        "else, for a ChatML model (the embedded SmolLM2), ours: Hermes-style calls "
+        "(`common/chat_templates/chatml_tools.jinja`)",
+    )
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        default="hermes",
+        description="How tool calls are written and read back (vLLM's `--tool-call-parser`): `hermes`, "
+        '`<tool_call>{"name": ..., "arguments": ...}</tool_call>`; `llama3_json`, Llama 3.1\'s '
+        '`{"name": ..., "parameters": ...}`. The calls are generated under a grammar that holds them '
+        "to the tools' schemas. None: tools are only shown to the model (`tool_choice: none`)",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _readable_template(cls, chat_template: str | None) -> str | None:
+        if chat_template is not None:
+            template_source(chat_template)  # raises InvalidRequestError naming chat_template
+        return chat_template
+
     @field_validator("engine")
     @classmethod
     def _known_knobs(cls, engine: dict[str, Any]) -> dict[str, Any]:
@@ -280,6 +303,8 @@ def build_app(args: AppArgs) -> Application:
         args.api_key_file,
         args.max_request_body_bytes,
         args.request_timeout_s,
+        args.chat_template,
+        args.tool_call_parser,
     )
     ingress = Ingress.options(
         max_ongoing_requests=args.ingress_max_ongoing_requests,

@@ -138,6 +138,8 @@ class IngressSettings:
     api_key_file: str | None = None  # file with one key per line
     max_request_body_bytes: int = 4 << 20
     request_timeout_s: float | None = None  # whole request, streamed or not; then 408 and abort
+    chat_template: str | None = None  # a file or the template: replaces the model's own
+    tool_call_parser: str | None = None  # how calls are read from the text (common.tool_parsers)
 
 
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
@@ -145,7 +147,9 @@ class IngressSettings:
 class Ingress:
     def __init__(self, engine: DeploymentHandle, settings: IngressSettings) -> None:
         self.engine = engine
-        self.prompts = PromptProcessor.load(resolve_model(settings.model), settings.max_model_len)
+        source = resolve_model(settings.model)
+        self.prompts = PromptProcessor.load(source, settings.max_model_len, settings.chat_template)
+        self.tool_call_parser = settings.tool_call_parser
         self.model_name = settings.model_name
         self.sampling_defaults = settings.sampling_defaults
         self.max_body_bytes = settings.max_request_body_bytes
@@ -174,7 +178,9 @@ class Ingress:
     async def completions(self, request: Request) -> Response:
         body = parse_body(CompletionRequest, await self._read_body(request))
         prompts = body.prompts()
-        generate = self._generate_request(body, await self._pool_tokens(), prompts)
+        self._check_model(body.model)
+        sampling = body.sampling(self.sampling_defaults)
+        generate = self._generate_request(body, sampling, await self._pool_tokens(), prompts)
         echoed = None
         if body.echo:
             pairs = zip(prompts, generate.prompt_token_ids, strict=True)
@@ -184,8 +190,14 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await self._read_body(request))
-        generate = self._generate_request(body, await self._pool_tokens(), conversation=body.conversation())
-        return await self._respond(generate, body, CHAT)
+        self._check_model(body.model)
+        conversation, tools = body.conversation(), body.template_tools()
+        sampling = body.sampling(self.sampling_defaults, self.tool_call_parser)
+        pool_tokens = await self._pool_tokens()
+        generate = self._generate_request(body, sampling, pool_tokens, conversation=conversation, tools=tools)
+        # calls are read out of the answer only where the grammar shaped them (tool_choice not none)
+        call_format = self.tool_call_parser if body.tool_mode != "none" else None
+        return await self._respond(generate, body, CHAT, call_format=call_format)
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> tokenize_api.TokenizeResponse:
@@ -233,21 +245,22 @@ class Ingress:
     def _generate_request(
         self,
         body: SamplingRequest,
+        sampling: dict[str, Any],
         kv_pool_tokens: int | None,
         prompts: list[Prompt] | None = None,
         conversation: list[Message] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> GenerateRequest:
-        """The request tokenized and its sampling decided; a bad input is a 400 naming its field
-        (InvalidRequestError's handler), answered before any replica is asked."""
-        self._check_model(body.model)
+        """The request tokenized, its `sampling` (the body's, checked) fitted to each prompt; a
+        bad input is a 400 naming its field (InvalidRequestError's handler), answered before any
+        replica is asked."""
         if conversation is not None:
-            text, ids = self.prompts.chat_prompt(conversation)
+            text, ids = self.prompts.chat_prompt(conversation, tools=tools)
             texts, prompt_token_ids = [text], [ids]
         else:
             # token ids written out: a text-matching router still sees shared prefixes
             texts = [p if isinstance(p, str) else " ".join(map(str, p)) for p in prompts or []]
             prompt_token_ids = [self.prompts.tokenize(p) for p in prompts or []]
-        sampling = body.sampling(self.sampling_defaults)
         params = [self._params(sampling, len(ids), kv_pool_tokens) for ids in prompt_token_ids]
         return GenerateRequest(uuid.uuid4().hex, prompt_token_ids, params, body.n, "\n".join(texts))
 
@@ -279,6 +292,7 @@ class Ingress:
         body: SamplingRequest,
         endpoint: Endpoint,
         echoed: list[EchoedPrompt] | None = None,
+        call_format: str | None = None,
     ) -> Response:
         deadline = None
         if self.request_timeout_s is not None:
@@ -304,6 +318,7 @@ class Ingress:
             self._logprobs_format(endpoint, body.output_logprobs is not None),
             self._logprobs_format(endpoint, body.prompt_logprobs is not None),
             echoed,
+            call_format,
         )
         if body.stream:
             events = self._events(writer, first, replies, replica_call)

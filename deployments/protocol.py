@@ -10,8 +10,18 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from common.errors import InvalidRequestError
 from common.sampling_params import MAX_LOGPROBS
 from common.structured_outputs import StructuredOutputs
+from deployments.chat_tools import (
+    Tool,
+    ToolCall,
+    ToolChoice,
+    check_tool_results,
+    tool_calls_input,
+    tool_grammar,
+    tool_mode,
+)
 
 
 class ApiError(Exception):
@@ -36,7 +46,7 @@ class ApiError(Exception):
 # the answer in a way we do not implement, so the client hears about it.
 _NO_OP_VALUES: dict[str, tuple[object, ...]] = {
     "top_logprobs": (0,),  # completions: `logprobs` is the count there
-    "tools": ([],),
+    "tools": ([],),  # completions (chat has its own)
     "echo": (False,),  # chat (vLLM's chat echo repeats the last message: not implemented)
     "suffix": ("",),
     "best_of": (1,),
@@ -224,12 +234,28 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None: an assistant message with tool_calls
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this answers
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self, index: int) -> dict[str, Any]:
         content = self.content
-        text = content if isinstance(content, str) else "".join(part.text for part in content)
-        return {"role": self.role, "content": text}
+        if content is None and not (self.role == "assistant" and self.tool_calls):
+            raise InvalidRequestError("messages", f"message {index}: content is required")
+        if self.tool_calls and self.role != "assistant":
+            raise InvalidRequestError("messages", f"message {index}: only assistant messages make tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise InvalidRequestError("messages", f"message {index}: a tool message needs its tool_call_id")
+        text = content if isinstance(content, str) or content is None else "".join(p.text for p in content)
+        message: dict[str, Any] = {"role": self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = tool_calls_input(self.tool_calls, index)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -237,6 +263,14 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def tool_mode(self) -> str:
+        """none | auto | required | named."""
+        return tool_mode(self.tools, self.tool_choice)[0]
 
     @property
     def output_logprobs(self) -> int | None:
@@ -248,14 +282,33 @@ class ChatCompletionRequest(SamplingRequest):
             return None
         return self.top_logprobs or 0
 
-    def sampling(self, defaults: dict[str, Any]) -> dict[str, Any]:
+    def sampling(self, defaults: dict[str, Any], call_format: str | None = None) -> dict[str, Any]:
+        """As SamplingRequest's, and calls to the tools constrained to the format the server's
+        tool_call_parser (`call_format`) reads."""
         sampling = super().sampling(defaults)
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins over max_tokens
             sampling["max_tokens"] = self.max_completion_tokens
-        return sampling
+        mode, tools = tool_mode(self.tools, self.tool_choice)
+        if mode == "none":
+            return sampling
+        if sampling.get("structured_outputs") is not None:
+            raise InvalidRequestError(
+                "tool_choice",
+                "tools cannot be combined with response_format or structured_outputs (set it to none)",
+            )
+        if call_format is None:
+            raise InvalidRequestError("tool_choice", f"{mode!r} needs the server's tool_call_parser set")
+        grammar = tool_grammar(mode, tools, call_format, self.parallel_tool_calls)
+        return {**sampling, "structured_outputs": StructuredOutputs(tool_calls=grammar, param="tools")}
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [message.as_template_input() for message in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        messages = [message.as_template_input(i) for i, message in enumerate(self.messages)]
+        check_tool_results(messages)
+        return messages
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template (all of them, whatever tool_choice says, as vLLM)."""
+        return [tool.template_input() for tool in self.tools] if self.tools else None
 
 
 RequestModel = TypeVar("RequestModel", bound=BaseModel)

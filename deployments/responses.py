@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from common.finish_reason import FinishReason
 from common.logprobs import TokenLogprob
 from common.messages import ChoiceDelta
+from common.tool_parsers import StreamedMessage, parse_message
 from deployments.logprobs_format import EchoedPrompt, LogprobsFormat
 
 
@@ -25,14 +26,19 @@ class Endpoint:
     def choice(
         self,
         index: int,
-        text: str,
+        text: str | None,
         finish_reason: FinishReason | None,
         token_ids: list[int] | None,
         logprobs: dict[str, object] | None,
+        tool_calls: list[dict[str, object]] | None = None,
     ) -> dict[str, object]:
         body: dict[str, object] = {"index": index}
         if self.is_chat:
-            body["message"] = {"role": "assistant", "content": text}
+            body["message"] = {
+                "role": "assistant",
+                "content": text,
+                **({"tool_calls": tool_calls} if tool_calls else {}),
+            }
         else:
             body["text"] = text
         return {**body, **_finish_reason(finish_reason), "logprobs": logprobs, **_token_ids(token_ids)}
@@ -52,14 +58,23 @@ class Endpoint:
         first: bool,
         with_token_ids: bool,
         logprobs: dict[str, object] | None,
+        calls: tuple[list[dict[str, object]], FinishReason | None] | None = None,
     ) -> dict[str, object]:
+        """A chunk's choice; `calls`: the tool calls' deltas and the finish reason they make."""
         body: dict[str, object] = {"index": delta.index}
+        finish_reason = delta.finish_reason
         if self.is_chat:
-            body["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+            message: dict[str, object] = {"role": "assistant"} if first else {}
+            if calls is not None and calls[0]:
+                message.update(content=text or None, tool_calls=calls[0])
+            else:
+                message["content"] = text
+            finish_reason = finish_reason if calls is None else calls[1]
+            body["delta"] = message
         else:
             body["text"] = text
         token_ids = _token_ids(delta.token_ids if with_token_ids else None)
-        return {**body, **_finish_reason(delta.finish_reason), "logprobs": logprobs, **token_ids}
+        return {**body, **_finish_reason(finish_reason), "logprobs": logprobs, **token_ids}
 
 
 def _finish_reason(reason: FinishReason | None) -> dict[str, object]:
@@ -115,6 +130,7 @@ class ResponseWriter:
     logprobs: LogprobsFormat | None = None  # set when the request asked for logprobs
     prompt_logprobs: LogprobsFormat | None = None  # set when it asked for vLLM's prompt_logprobs
     echoed: list[EchoedPrompt] | None = None  # completions with echo: each prompt, sent back first
+    call_format: str | None = None  # chat with tools: the tool_call_parser that reads the calls
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _echoed(self, index: int) -> EchoedPrompt | None:
@@ -131,6 +147,29 @@ class ResponseWriter:
             return None
         echoed = self._echoed(index) if first else None
         return self.logprobs.render(index, logprobs, echoed, prompt_logprobs)
+
+    def _answer(
+        self, text: str, finish_reason: FinishReason | None
+    ) -> tuple[str | None, FinishReason | None, list[dict[str, object]] | None]:
+        """A whole choice's text, finish reason and tool calls (read out when the request has tools)."""
+        if self.call_format is None:
+            return text, finish_reason, None
+        message = parse_message(text, self.call_format)
+        if message.tool_calls and finish_reason is FinishReason.STOP:
+            finish_reason = FinishReason.TOOL_CALLS
+        return message.content, finish_reason, message.tool_calls
+
+    def _streamed_calls(
+        self, streams: dict[int, StreamedMessage], delta: ChoiceDelta
+    ) -> tuple[str, tuple[list[dict[str, object]], FinishReason | None]]:
+        """A streamed choice's new text and tool-call deltas (the request has tools)."""
+        assert self.call_format is not None
+        stream = streams.setdefault(delta.index, StreamedMessage(self.call_format))
+        text, calls = stream.feed(delta.text, final=delta.finish_reason is not None)
+        finish_reason = delta.finish_reason
+        if stream.has_calls and finish_reason is FinishReason.STOP:
+            finish_reason = FinishReason.TOOL_CALLS
+        return text, (calls, finish_reason)
 
     def _envelope(self, object_name: str) -> dict[str, object]:
         return {
@@ -156,16 +195,12 @@ class ResponseWriter:
                 if delta.prompt_logprobs is not None:
                     prompt_logprobs[delta.index] = delta.prompt_logprobs
                 finish_reasons[delta.index] = delta.finish_reason
-        choices = [
-            self.endpoint.choice(
-                i,
-                texts[i],
-                finish_reasons[i],
-                token_ids[i] if self.return_token_ids else None,
-                self._logprobs(i, logprobs[i], prompt_logprobs.get(i), first=True),
-            )
-            for i in sorted(texts)
-        ]
+        choices = []
+        for i in sorted(texts):
+            text, finish_reason, calls = self._answer(texts[i], finish_reasons[i])
+            token_ids_i = token_ids[i] if self.return_token_ids else None
+            logprobs_i = self._logprobs(i, logprobs[i], prompt_logprobs.get(i), first=True)
+            choices.append(self.endpoint.choice(i, text, finish_reason, token_ids_i, logprobs_i, calls))
         body = {
             **self._envelope(self.endpoint.object_name),
             "choices": choices,
@@ -184,17 +219,26 @@ class ResponseWriter:
 
     async def events(self, batches: AsyncIterator[list[ChoiceDelta]]) -> AsyncIterator[str]:
         started: set[int] = set()
+        streams: dict[int, StreamedMessage] = {}
         async for batch in batches:
             choices = []
             for delta in batch:
                 self.usage.add(delta)
                 first = delta.index not in started
-                if self.endpoint.sends(delta, first):
+                calls = None
+                if self.call_format is not None:
+                    text, calls = self._streamed_calls(streams, delta)
+                    # with logprobs, every token's chunk goes out, its text held back or not
+                    with_logprobs = self.logprobs is not None and bool(delta.token_ids)
+                    sends = bool(text or calls[0] or delta.finish_reason or first or with_logprobs)
+                else:
                     echoed = self._echoed(delta.index) if first else None
                     text = (echoed.text if echoed else "") + delta.text
+                    sends = self.endpoint.sends(delta, first)
+                if sends:
                     logprobs = self._logprobs(delta.index, delta.logprobs, delta.prompt_logprobs, first)
                     choices.append(
-                        self.endpoint.chunk_choice(delta, text, first, self.return_token_ids, logprobs)
+                        self.endpoint.chunk_choice(delta, text, first, self.return_token_ids, logprobs, calls)
                     )
                     started.add(delta.index)
             if choices:

@@ -15,9 +15,10 @@ import threading
 import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
+from xgrammar.structural_tag import TagsWithSeparatorFormat, TriggeredTagsFormat
 
 from common.errors import InvalidRequestError
-from common.structured_outputs import StructuredOutputs
+from common.structured_outputs import StructuredOutputs, ToolCallGrammar
 from replica_engine.structured.schema_check import check_schema
 
 # The tokenizer of this process's compiler: a RequestGrammar sent to another process (the engine
@@ -52,6 +53,9 @@ class GrammarCompiler:
         """A fresh matcher for `spec`, or InvalidRequestError naming the request field it came from."""
         if spec.json is not None:
             check_schema(json.loads(spec.json), spec.param)
+        if spec.tool_calls is not None:
+            for tool in json.loads(spec.tool_calls.tools):
+                check_schema(tool["parameters"], spec.param)
         try:
             with self._lock:
                 compiled = self._compile(spec)
@@ -75,6 +79,8 @@ class GrammarCompiler:
             )
         if spec.json_object:  # an object, as OpenAI's json_object means (the builtin grammar takes any value)
             return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+        if spec.tool_calls is not None:
+            return self._compiler.compile_structural_tag(_tool_call_tag(spec.tool_calls))
         if spec.regex is not None:
             return self._compiler.compile_regex(spec.regex)
         if spec.choice is not None:
@@ -83,6 +89,45 @@ class GrammarCompiler:
             )
         assert spec.grammar is not None
         return self._compiler.compile_grammar(spec.grammar)
+
+
+# The call formats, as xgrammar's builtin tags write them: hermes is Qwen's
+# `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`; llama3_json is Llama 3.1's
+# `{"name": ..., "parameters": ...}`. Then what goes between calls when they are required.
+_XGRAMMAR_TOOL_FORMATS = {"hermes": "qwen_3", "llama3_json": "llama"}
+_CALL_SEPARATORS = {"hermes": "\n", "llama3_json": "; "}
+
+
+def _tool_call_tag(spec: ToolCallGrammar) -> xgr.StructuralTag:
+    """The structural tag of a request's tool calls: outside a call the text is free (`auto`),
+    inside one the name is a listed tool's and its arguments follow that tool's schema."""
+    tools = [
+        {"type": "function", "function": {"name": tool["name"], "parameters": tool["parameters"]}}
+        for tool in json.loads(spec.tools)
+    ]
+    choice: str | dict[str, object] = spec.mode
+    if spec.mode == "named":
+        choice = {"type": "function", "function": {"name": tools[0]["function"]["name"]}}
+    tag = xgr.get_builtin_structural_tag(
+        _XGRAMMAR_TOOL_FORMATS[spec.format],
+        tools=tools,
+        tool_choice=choice,
+        reasoning="disabled",
+        parallel_tool_calls=spec.parallel,
+    )
+    if spec.mode != "required":
+        return tag
+    # Required: calls and nothing else (xgrammar's builtin lets text follow the first call, and
+    # a small model then talks on to max_tokens).
+    calls = tag.format
+    assert isinstance(calls, TriggeredTagsFormat)
+    only_calls = TagsWithSeparatorFormat(
+        tags=calls.tags,
+        separator=_CALL_SEPARATORS[spec.format],
+        at_least_one=True,
+        stop_after_first=calls.stop_after_first,
+    )
+    return xgr.StructuralTag(format=only_calls)
 
 
 class RequestGrammar:

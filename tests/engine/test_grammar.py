@@ -10,7 +10,7 @@ import pytest
 import xgrammar as xgr
 
 from common.errors import InvalidRequestError
-from common.structured_outputs import StructuredOutputs
+from common.structured_outputs import StructuredOutputs, ToolCallGrammar
 from replica_engine.structured.grammar import GrammarCompiler
 from replica_engine.structured.schema_check import check_schema
 
@@ -155,3 +155,71 @@ def test_whitespace_is_free_by_default_and_compact_when_disabled():
     # a request's own choice wins over the server's, either way
     assert not accepts(free, StructuredOutputs(json=schema, disable_any_whitespace=True), spaced)
     assert accepts(compact, StructuredOutputs(json=schema, disable_any_whitespace=False), spaced)
+
+
+TOOLS = [
+    {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+    {
+        "name": "book",
+        "parameters": {
+            "type": "object",
+            "properties": {"party": {"type": "object", "properties": {"adults": {"type": "integer"}}}},
+            "required": ["party"],
+        },
+    },
+]
+BOOK = '<tool_call>\n{"name": "book", "arguments": {"party": {"adults": 2}}}\n</tool_call>'
+WRONG_TYPE = '<tool_call>\n{"name": "book", "arguments": {"party": {"adults": "two"}}}\n</tool_call>'
+UNKNOWN = '<tool_call>\n{"name": "fly", "arguments": {}}\n</tool_call>'
+LLAMA_BOOK = '{"name": "book", "parameters": {"party": {"adults": 2}}}'
+
+
+@pytest.mark.parametrize(
+    ("mode", "parallel", "text", "accepted"),
+    [
+        ("auto", True, "It is sunny.", True),
+        ("auto", True, f"Booking.{BOOK}", True),
+        ("auto", True, WRONG_TYPE, False),  # once a call starts, it follows its tool's schema
+        ("auto", True, UNKNOWN, False),
+        ("required", True, "It is sunny.", False),
+        ("required", True, BOOK, True),
+        ("required", True, f"{BOOK}\n{BOOK}", True),
+        ("required", False, f"{BOOK}\n{BOOK}", False),
+        ("required", True, f"{BOOK} And more.", False),  # calls and nothing else
+        ("required", True, WRONG_TYPE, False),
+        ("named", True, BOOK, True),
+        ("named", True, f"{BOOK}\n{BOOK}", False),
+    ],
+)
+def test_tool_calls_follow_the_tools_schemas(mode: str, parallel: bool, text: str, accepted: bool):
+    vocab = [*VOCAB[:-1], "\n", "</s>"]
+    compiler = GrammarCompiler(
+        xgr.TokenizerInfo(vocab, vocab_size=len(vocab), stop_token_ids=[len(vocab) - 1])
+    )
+    tools = TOOLS[1:] if mode == "named" else TOOLS
+    spec = StructuredOutputs(
+        tool_calls=ToolCallGrammar("hermes", json.dumps(tools), mode, parallel), param="tools"
+    )
+    grammar = compiler.compile(spec)
+    assert (all(grammar.accept(vocab.index(c)) for c in text) and grammar.accept(len(vocab) - 1)) == accepted
+    llama = StructuredOutputs(tool_calls=ToolCallGrammar("llama3_json", json.dumps(TOOLS), "required"))
+    grammar = compiler.compile(llama)
+    assert all(grammar.accept(vocab.index(c)) for c in LLAMA_BOOK) and grammar.accept(len(vocab) - 1)
+
+
+def test_a_tool_schema_that_does_not_compile_is_refused_naming_tools(compiler: GrammarCompiler):
+    bad = [{"name": "f", "parameters": {"type": "object", "minProperties": 3, "additionalProperties": False}}]
+    with pytest.raises(InvalidRequestError) as raised:
+        compiler.compile(
+            StructuredOutputs(
+                tool_calls=ToolCallGrammar("hermes", json.dumps(bad), "required"), param="tools"
+            )
+        )
+    assert raised.value.param == "tools"
+    nonsense = [{"name": "f", "parameters": {"type": "frobnicate"}}]
+    with pytest.raises(InvalidRequestError, match="tools"):
+        compiler.compile(
+            StructuredOutputs(
+                tool_calls=ToolCallGrammar("hermes", json.dumps(nonsense), "auto"), param="tools"
+            )
+        )
