@@ -32,6 +32,7 @@ from replica_engine.input_processor import Prompt
 from replica_engine.metrics import EngineMetrics
 from replica_engine.output_processor import RequestState
 from replica_engine.outputs import CoreOutput, EngineStats, RequestOutput
+from replica_engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,18 @@ class AsyncEngine:
         grammar = None
         if params is not None and params.structured_outputs is not None:
             grammar = await asyncio.to_thread(self.inputs.compile_grammar, params)
-        request = self.inputs.make_request(prompt, params, request_id, self._open_queues, grammar)
+        return self._submit(self.inputs.make_request(prompt, params, request_id, self._open_queues, grammar))
+
+    async def add_embedding_request(
+        self, prompt: Prompt, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """As add_request, for a prompt-only request: its stream's one output carries the
+        prompt's embedding (none if it failed or was aborted)."""
+        self._check_alive()
+        return self._submit(self.inputs.make_embedding_request(prompt, request_id, self._open_queues))
+
+    def _submit(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Send a checked request to the core; its stream, read on this event loop."""
         request_id = request.request_id
         key = f"{request_id}#{next(self._keys)}"
         state = RequestState(request, self.inputs.tokenizer, lambda: self._send_abort(key, FinishReason.STOP))

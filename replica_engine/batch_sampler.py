@@ -27,6 +27,7 @@ class StepLogits:
     logits: torch.Tensor | None  # [sampling rows, vocab] float32; None when no row samples
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # by request id
     model_s: float = 0.0
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding rows' parts, by request id
 
 
 class BatchSampler:
@@ -72,9 +73,11 @@ class BatchSampler:
     ) -> RunnerOutput:
         """After the forward: a token per sampling row."""
         if step.logits is None:
-            return RunnerOutput(prompt_logprobs=step.prompt_logprobs, model_s=step.model_s)
+            return RunnerOutput(
+                prompt_logprobs=step.prompt_logprobs, model_s=step.model_s, pooled=step.pooled
+            )
         sampled, sample_s = self._sample(batch.sampling_rows, step.logits, bitmasks)
-        return RunnerOutput(sampled, step.prompt_logprobs, step.model_s + sample_s)
+        return RunnerOutput(sampled, step.prompt_logprobs, step.model_s + sample_s, step.pooled)
 
     def _sample(
         self, rows: list[ScheduledRow], logits: torch.Tensor, bitmasks: Future[torch.Tensor] | None

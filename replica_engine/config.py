@@ -16,6 +16,7 @@ from replica_engine.attention import ATTENTION_BACKENDS
 from replica_engine.kernels.cpu import cpu_ops
 from replica_engine.parallel.pipeline_parallel import check_layers
 from replica_engine.parallel.tensor_parallel import check_divisible
+from replica_engine.pooling import POOLING_TYPES
 from replica_engine.scheduler import SCHEDULING_POLICIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -193,6 +194,17 @@ class EngineConfig:
             "first); others are refused naming `priority`. None: any integer, as vLLM"
         ),
     )
+    pooling: str = field(
+        default="last",
+        metadata=_doc(
+            "Embeddings (`/v1/embeddings`, `LLM.embed`): `last`, the final hidden state of the "
+            "prompt's last token (vLLM's default for decoder models), or `mean`, the average over "
+            "every prompt token (such requests skip the prefix cache: every token's state is summed)"
+        ),
+    )
+    normalize_embeddings: bool = field(
+        default=True, metadata=_doc("Embeddings are scaled to unit L2 length, as OpenAI's are")
+    )
     seed: int = field(default=0, metadata=_doc("Seeds dummy weights and unseeded sampling"))
     core_process: bool = field(
         default=False,
@@ -233,7 +245,7 @@ class EngineConfig:
         bound = self.max_priority
         if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool) or bound < 0):
             raise InvalidRequestError("max_priority", f"must be an integer >= 0 or None, got {bound!r}")
-        for flag in ("enable_prefix_caching", "core_process"):
+        for flag in ("enable_prefix_caching", "core_process", "normalize_embeddings"):
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidRequestError(flag, f"must be true or false, got {getattr(self, flag)!r}")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
@@ -260,6 +272,8 @@ class EngineConfig:
                 "attention_backend",
                 f"must be one of {ATTENTION_BACKEND_NAMES}, got {self.attention_backend!r}",
             )
+        if self.pooling not in POOLING_TYPES:
+            raise InvalidRequestError("pooling", f"must be one of {POOLING_TYPES}, got {self.pooling!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidRequestError(
                 "scheduling_policy",

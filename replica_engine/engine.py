@@ -24,6 +24,7 @@ from replica_engine.models.loader import load_config, load_tokenizer
 from replica_engine.output_processor import RequestState
 from replica_engine.outputs import CoreOutput, EngineStats, RequestOutput
 from replica_engine.parallel.executor import ParallelExecutor
+from replica_engine.request import Request
 from replica_engine.step_listeners import StepListener
 from replica_engine.structured import GrammarCompiler
 
@@ -111,7 +112,13 @@ class LLMEngine:
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
-        request = self.inputs.make_request(prompt, params, request_id, in_flight=self._states)
+        return self._add(self.inputs.make_request(prompt, params, request_id, in_flight=self._states))
+
+    def add_embedding_request(self, prompt: Prompt, request_id: str | None = None) -> str:
+        """A prompt-only request: its final output carries the prompt's embedding."""
+        return self._add(self.inputs.make_embedding_request(prompt, request_id, in_flight=self._states))
+
+    def _add(self, request: Request) -> str:
         self.core.add_request(request)
         self._states[request.request_id] = RequestState(
             request, self.inputs.tokenizer, functools.partial(self._end_by_stop_string, request.request_id)

@@ -28,6 +28,8 @@ from replica_engine.scheduler.token_budget import SLOTokenBudget
 from replica_engine.step_listeners import StepListener, StepTimeLearner
 
 if TYPE_CHECKING:
+    import torch  # an embedding's parts; the core itself needs no torch
+
     from replica_engine.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -212,6 +214,7 @@ class EngineCore:
             SampledTokens([s.token_ids[0] for s in sampled], [s.logprobs[0] for s in sampled]),
             {rid: logprobs for out in alone.values() for rid, logprobs in out.prompt_logprobs.items()},
             sum(out.model_s for out in alone.values()),
+            {rid: part for out in alone.values() for rid, part in out.pooled.items()},
         )
         return ExecutedBatch(survivors, output, failed)
 
@@ -227,10 +230,38 @@ class EngineCore:
             self._token_output(request, logprob, now)
             for request, logprob in zip(advanced, sampled.logprobs, strict=True)
         ]
+        outputs += self._pool(ran, executed.output.pooled, now)
         failed = [
             self.abort_request(request_id, FinishReason.ERROR) for request_id in executed.failed_request_ids
         ]
         return outputs + [output for output in failed if output is not None]
+
+    def _pool(self, ran: ScheduledBatch, parts: dict[str, torch.Tensor], now: float) -> list[CoreOutput]:
+        """Add each embedding row's part to its request's; a request whose whole prompt has now
+        run is finished (stop) with its embedding, freeing its blocks."""
+        outputs = []
+        for row in ran.rows:
+            if row.pooling is None:
+                continue
+            request = self.scheduler.requests[row.request_id]
+            request.pooled = row.pooling.add(request.pooled, parts[row.request_id], row.start_position)
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                continue
+            embedding = row.pooling.finish(request.pooled, request.num_prompt_tokens)
+            self.scheduler.finish_request(request, FinishReason.STOP)
+            if self.metrics is not None:
+                self.metrics.record_finished(request, now)
+            outputs.append(
+                CoreOutput(
+                    request.request_id,
+                    [],
+                    request.num_prompt_tokens,
+                    FinishReason.STOP,
+                    request.num_cached_tokens,
+                    embedding=embedding,
+                )
+            )
+        return outputs
 
     def _still_awaited(
         self, batch: ScheduledBatch, sampled: SampledTokens

@@ -6,10 +6,13 @@ simulated token). Torch-free, so that the simulator runs the real core."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from common.logprobs import TokenLogprob
 from replica_engine.scheduler.plan import ScheduledBatch
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -20,11 +23,13 @@ class SampledTokens:
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    """What a step computed: a token per sampling row, and prompt logprobs where asked."""
+    """What a step computed: a token per sampling row, prompt logprobs where asked, and each
+    embedding request's chunk part (replica_engine/pooling.py)."""
 
     sampled: SampledTokens = field(default_factory=lambda: SampledTokens([], []))
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # by request id
     model_s: float = 0.0  # in the model's forward and sampling; the rest of a step is overhead
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # by request id; float32, on the host
 
 
 class Executor(Protocol):

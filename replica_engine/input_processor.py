@@ -16,6 +16,7 @@ from common.prompts import Prompt, PromptProcessor
 from common.sampling_params import SamplingParams
 from replica_engine.config import EngineConfig
 from replica_engine.kv_cache_manager import check_pool_fits
+from replica_engine.pooling import Pooling
 from replica_engine.request import Request
 from replica_engine.structured import GrammarCompiler, RequestGrammar
 
@@ -52,13 +53,9 @@ class InputProcessor:
         """A new Request for the step thread (a fresh id unless the caller names one that is not
         `in_flight`), or InvalidRequestError naming what is wrong. A constrained request's
         `grammar` is compiled here unless the caller compiled it already (compile_grammar)."""
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in in_flight:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        request_id = _new_id(request_id, in_flight)
         params = params or SamplingParams()
-        prompt_token_ids = self.prompts.tokenize(prompt)
-        self.prompts.check_fits(len(prompt_token_ids), params.max_tokens)
-        check_pool_fits(len(prompt_token_ids) + params.max_tokens, self.config.block_size, self.num_kv_blocks)
+        prompt_token_ids = self._checked_prompt(prompt, params.max_tokens)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
         bound = self.config.max_priority
@@ -78,3 +75,29 @@ class InputProcessor:
         if params.seed is not None:
             request.generator = torch.Generator(device=self.config.torch_device).manual_seed(params.seed)
         return request
+
+    def make_embedding_request(
+        self, prompt: Prompt, request_id: str | None, in_flight: Container[str]
+    ) -> Request:
+        """A prompt-only request: its prompt is scheduled (and chunked) like any other, pooled
+        as the engine's settings say, and it finishes without sampling."""
+        request_id = _new_id(request_id, in_flight)
+        prompt_token_ids = self._checked_prompt(prompt, 0)
+        pooling = Pooling(self.config.pooling, self.config.normalize_embeddings)
+        # Nothing is sampled: the default params only give it no cache salt and priority 0.
+        return Request(request_id, list(prompt_token_ids), SamplingParams(max_tokens=1), pooling=pooling)
+
+    def _checked_prompt(self, prompt: Prompt, max_tokens: int) -> list[int]:
+        """The prompt's token ids, if it and `max_tokens` more fit the context and the KV pool."""
+        prompt_token_ids = self.prompts.tokenize(prompt)
+        self.prompts.check_fits(len(prompt_token_ids), max_tokens)
+        check_pool_fits(len(prompt_token_ids) + max_tokens, self.config.block_size, self.num_kv_blocks)
+        return prompt_token_ids
+
+
+def _new_id(request_id: str | None, in_flight: Container[str]) -> str:
+    """The caller's id (refused if a request in flight has it), or a fresh one."""
+    request_id = request_id or uuid.uuid4().hex
+    if request_id in in_flight:
+        raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+    return request_id

@@ -114,8 +114,8 @@ class KVCacheManager:
     def find_cached_blocks(self, request: Request) -> list[int]:
         """The longest run of the request's leading full blocks that the cache holds, leaving at
         least its last token to compute (the step must produce logits). None for a request that
-        still wants prompt logprobs: they come from computing the prompt."""
-        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
+        must compute its whole prompt (prompt logprobs, mean pooling)."""
+        if not self.enable_prefix_caching or request.computes_whole_prompt:
             return []
         hits = []
         for block_hash in self.block_hashes(request, (request.num_tokens - 1) // self.block_size):

@@ -1,6 +1,10 @@
-"""The offline API, vLLM-style: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""The offline API, vLLM-style: `LLM(model=...).generate(prompts, SamplingParams(...))`, and
+`LLM.embed(prompts)` for embeddings."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 from common.model_source import DEFAULT_MODEL
 from common.prompts import Prompt
@@ -8,7 +12,7 @@ from common.sampling_params import SamplingParams
 from common.tokenizer import Message
 from replica_engine.config import EngineConfig
 from replica_engine.engine import LLMEngine
-from replica_engine.outputs import CompletionOutput
+from replica_engine.outputs import CompletionOutput, EmbeddingOutput, RequestOutput
 
 
 class LLM:
@@ -26,12 +30,25 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
         """Run every prompt (text, or a list of token ids) to completion; outputs in prompt order."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        token_ids = [self.engine.tokenize(p) for p in prompts]
-        return self._run(token_ids, sampling_params)
+        return self._run(self._tokenized(prompts), sampling_params)
+
+    def embed(self, prompts: Prompt | list[Prompt]) -> list[EmbeddingOutput]:
+        """Every prompt's embedding (text, or a list of token ids), in prompt order: its prompt
+        computed in the engine's batches like any other and pooled as `pooling` says."""
+        token_ids = self._tokenized(prompts)
+        embeddings: dict[str, list[float] | None] = {}
+        with self._aborting_on_error(embeddings):
+            for prompt in token_ids:
+                embeddings[self.engine.add_embedding_request(prompt)] = None
+            for output in self._outputs():
+                embeddings[output.request_id] = output.embedding
+        results = []
+        pairs = zip(embeddings.items(), token_ids, strict=True)
+        for index, ((request_id, embedding), prompt) in enumerate(pairs):
+            if embedding is None:  # finished with reason error
+                raise RuntimeError(f"the engine failed while computing prompt {index}'s embedding")
+            results.append(EmbeddingOutput(request_id, prompt, embedding))
+        return results
 
     def chat(
         self,
@@ -42,6 +59,14 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self._run([self.engine.chat_prompt_ids(c) for c in conversations], sampling_params)
 
+    def _tokenized(self, prompts: Prompt | list[Prompt]) -> list[list[int]]:
+        """One prompt or a list of them, as token ids."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        return [self.engine.tokenize(p) for p in prompts]
+
     def _run(
         self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None
     ) -> list[CompletionOutput]:
@@ -50,15 +75,26 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
         completions: dict[str, CompletionOutput] = {}
-        try:
+        with self._aborting_on_error(completions):
             for prompt, params in zip(prompts, sampling_params, strict=True):
                 request_id = self.engine.add_request(prompt, params)
                 completions[request_id] = CompletionOutput(request_id, prompt)
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    completions[output.request_id].add(output)
+            for output in self._outputs():
+                completions[output.request_id].add(output)
+        return list(completions.values())
+
+    def _outputs(self) -> Iterator[RequestOutput]:
+        """Step until every request has finished."""
+        while self.engine.has_unfinished_requests():
+            yield from self.engine.step()
+
+    @contextlib.contextmanager
+    def _aborting_on_error(self, request_ids: dict[str, object]) -> Iterator[None]:
+        """If the block raises (or is interrupted), every request added so far (the keys of
+        `request_ids`) is aborted, its KV blocks freed."""
+        try:
+            yield
         except BaseException:
-            for request_id in completions:
+            for request_id in request_ids:
                 self.engine.abort_request(request_id)
             raise
-        return list(completions.values())

@@ -143,7 +143,23 @@ class ModelRunner:
             return StepLogits(None, {}, time.perf_counter() - started)
         prompt_logprobs = self._prompt_logprobs(batch.rows, hidden)
         logits = self.model.compute_logits(hidden[flat.logits_indices]) if batch.sampling_rows else None
-        return StepLogits(logits, prompt_logprobs, time.perf_counter() - started)
+        pooled = self._pooled_parts(batch.rows, hidden)
+        return StepLogits(logits, prompt_logprobs, time.perf_counter() - started, pooled)
+
+    @staticmethod
+    def _pooled_parts(rows: tuple[ScheduledRow, ...], hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each embedding row's part of its vector (pooling.py), from its chunk's hidden states,
+        moved to the host together (one copy, not one per row)."""
+        parts: dict[str, torch.Tensor] = {}
+        row_start = 0
+        for row in rows:
+            if row.pooling is not None:
+                parts[row.request_id] = row.pooling.chunk_part(hidden[row_start : row_start + row.num_tokens])
+            row_start += row.num_tokens
+        if not parts:
+            return {}
+        on_host = torch.stack(list(parts.values())).cpu()
+        return dict(zip(parts, on_host, strict=True))
 
     def _forward(self, flat: FlatBatch) -> torch.Tensor | None:
         graphs = self.decode_graphs

@@ -31,7 +31,7 @@ class RequestState:
         self.num_prompt_tokens = request.num_prompt_tokens
         self.detokenizer = (
             IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.sampling_params.stop)
-            if tokenizer is not None
+            if tokenizer is not None and request.pooling is None  # an embedding has no text
             else None
         )
         self.num_output_tokens = 0
@@ -58,7 +58,7 @@ class RequestState:
                     self.on_stop_string()
                 break
         logprobs = output.new_logprobs[: len(new_token_ids)]  # none past a stop string
-        return self._output(new_token_ids, finish_reason, logprobs, output.prompt_logprobs)
+        return self._output(new_token_ids, finish_reason, logprobs, output.prompt_logprobs, output.embedding)
 
     def finish(self, reason: FinishReason) -> RequestOutput | None:
         """End the request here (abort, timeout): the last output, with any held-back text."""
@@ -70,6 +70,7 @@ class RequestState:
         finish_reason: FinishReason | None,
         logprobs: list[TokenLogprob] | None = None,
         prompt_logprobs: list[TokenLogprob] | None = None,
+        embedding: list[float] | None = None,
     ) -> RequestOutput:
         self.num_output_tokens += len(new_token_ids)
         self.finish_reason = finish_reason
@@ -86,4 +87,5 @@ class RequestState:
             num_cached_tokens=self.num_cached_tokens,
             logprobs=logprobs or [],
             prompt_logprobs=prompt_logprobs,
+            embedding=embedding,
         )

@@ -1,6 +1,6 @@
 """What the engine returns: the step thread's token deltas (CoreOutput), the same with text once
-detokenized (RequestOutput), a whole completion offline (CompletionOutput), and the gauges it
-publishes after each step (EngineStats)."""
+detokenized (RequestOutput), a whole completion or an embedding offline (CompletionOutput,
+EmbeddingOutput), and the gauges it publishes after each step (EngineStats)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ class CoreOutput:
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token, if asked
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1..; with the first token
+    embedding: list[float] | None = None  # an embedding request's, when it finishes
 
     @property
     def finished(self) -> bool:
@@ -57,6 +58,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache (OpenAI cached_tokens)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of new_token_ids, if asked
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., in the first output
+    embedding: list[float] | None = None  # an embedding request's, in its final output
 
 
 @dataclass
@@ -81,3 +83,13 @@ class CompletionOutput:
             self.prompt_logprobs = output.prompt_logprobs
         if output.finished:
             self.finish_reason = output.finish_reason
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    """One prompt's embedding (`LLM.embed`): float32 values, pooled as the engine's `pooling`
+    setting says."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]

@@ -12,6 +12,7 @@ from common.block_hash import BlockHash
 from common.finish_reason import FinishReason
 from common.logprobs import TokenLogprob
 from common.sampling_params import SamplingParams
+from replica_engine.pooling import Pooling
 
 if TYPE_CHECKING:
     import torch  # a seeded request's generator; the scheduler itself needs no torch
@@ -48,6 +49,10 @@ class Request:
     num_expected_cached_tokens: int = 0  # found cached when it last entered the waiting queue
     grammar: RequestGrammar | None = None  # structured outputs: where its output is in its grammar
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., so far
+    # An embedding request: its prompt is computed and pooled, nothing sampled (sampling_params
+    # then only carries its cache salt and priority). `pooled`: its chunks' parts added up so far.
+    pooling: Pooling | None = None
+    pooled: torch.Tensor | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,10 +81,15 @@ class Request:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        """It asked for prompt logprobs and has not had them all: its prompt must be computed,
-        not read from the prefix cache."""
+        """It asked for prompt logprobs and has not had them all."""
         wanted = self.sampling_params.prompt_logprobs is not None
         return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Its prompt must be computed, not read from the prefix cache: it still wants prompt
+        logprobs, or it pools every token's hidden state (mean pooling)."""
+        return self.wants_prompt_logprobs or (self.pooling is not None and self.pooling.needs_every_token)
 
     def append_output_token(self, token_id: int) -> FinishReason | None:
         """Record a sampled token; return why the request is done, if it is."""

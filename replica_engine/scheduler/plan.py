@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common.sampling_params import SamplingParams
+from replica_engine.pooling import Pooling
 from replica_engine.request import Request
 from replica_engine.scheduler.step_time_model import StepShape
 from replica_engine.scheduler.token_budget import BudgetDecision
@@ -125,6 +126,7 @@ class ScheduledRow:
     prompt_logprobs: PromptLogprobsSlice | None = None  # set for prompt chunks that want them
     block_offset: int = 0  # 0: the runner does not hold the request (new, or resumed)
     history: TokenHistory | None = None  # at offset 0, for a request with penalties
+    pooling: Pooling | None = None  # an embedding request's prompt chunk: the runner pools it
 
     @property
     def num_tokens(self) -> int:
@@ -208,7 +210,7 @@ class StepPlan:
 
 def _row(request: Request, num_tokens: int) -> ScheduledRow:
     start = request.num_computed_tokens
-    samples = num_tokens == request.num_owed_tokens
+    samples = num_tokens == request.num_owed_tokens and request.pooling is None  # embeddings: none
     offset = request.num_blocks_in_runner
     request.num_blocks_in_runner = len(request.block_ids)
     return ScheduledRow(
@@ -221,6 +223,7 @@ def _row(request: Request, num_tokens: int) -> ScheduledRow:
         prompt_logprobs=_prompt_logprobs_slice(request, start, start + num_tokens),
         block_offset=offset,
         history=_token_history(request) if offset == 0 else None,
+        pooling=request.pooling,
     )
 
 

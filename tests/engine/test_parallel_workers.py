@@ -84,6 +84,12 @@ def test_two_pipeline_stages_answer_as_one_model_with_chunked_prompts_and_preemp
     assert manager.num_free_blocks == manager.num_blocks
 
 
+def test_two_pipeline_stages_embed_as_one_model(exact_llm, staged_llm):
+    """The last stage pools; its chunks' parts come back with the step, as logits do."""
+    for staged, whole in zip(staged_llm.embed(PROMPTS), exact_llm.embed(PROMPTS), strict=True):
+        assert max(abs(a - b) for a, b in zip(staged.embedding, whole.embedding, strict=True)) <= 1e-4
+
+
 def test_two_batches_are_in_the_pipeline_at_once_and_an_abort_there_loses_nothing(exact_llm, staged_llm):
     engine, core = staged_llm.engine, staged_llm.engine.core
     params = SamplingParams(max_tokens=3, temperature=0)
