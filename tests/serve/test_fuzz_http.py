@@ -20,7 +20,7 @@ FIELDS = [
     "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "stream", "stream_options",
     "logprobs", "presence_penalty", "response_format", "echo", "user", "top_logprobs",
     "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "priority",
-    "prompt_logprobs", "structured_outputs",
+    "prompt_logprobs", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls",
 ]  # fmt: skip
 scalars = st.one_of(
     st.none(),
@@ -37,14 +37,41 @@ json_values = st.recursive(
 text_parts = st.lists(
     st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)}), max_size=2
 )
+call = st.fixed_dictionaries(
+    {
+        "id": st.sampled_from(["call_1", "call_2"]),
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {
+                "name": st.text(max_size=8),
+                "arguments": st.sampled_from(["{}", '{"a": 1}', "{", "3"]) | st.text(),
+            }
+        ),
+    }
+)
 messages = st.lists(
     st.fixed_dictionaries(
         {
-            "role": st.sampled_from(["user", "system", "assistant", "robot"]),
-            "content": st.text(max_size=40) | text_parts | json_values,
-        }
+            "role": st.sampled_from(["user", "system", "assistant", "robot", "tool"]),
+            "content": st.none() | st.text(max_size=40) | text_parts | json_values,
+        },
+        optional={"tool_calls": st.lists(call, max_size=2), "tool_call_id": st.sampled_from(["call_1", "x"])},
     ),
     max_size=3,
+)
+tool = st.fixed_dictionaries(
+    {
+        "type": st.sampled_from(["function", "code"]),
+        "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["f", "g", "bad name", ""])},
+            optional={
+                "parameters": st.sampled_from(
+                    [{"type": "object"}, {"type": "frobnicate"}, {"type": "array", "minItems": 99}, {}]
+                )
+                | json_values
+            },
+        ),
+    }
 )
 # Well-typed fields at and past their edges: these get through parsing to the engine.
 edgy_fields = {
@@ -71,6 +98,12 @@ edgy_fields = {
         st.integers(-3, 70000).map(str) | st.text(max_size=3), st.floats(-150, 150)
     ),
     "priority": st.integers(-(2**40), 2**40),
+    "tools": st.lists(tool, max_size=3),
+    "tool_choice": st.sampled_from(["none", "auto", "required", "always"])
+    | st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.text(max_size=3)})}
+    ),
+    "parallel_tool_calls": st.booleans(),
     "response_format": st.sampled_from(
         [
             {"type": "json_object"},
@@ -149,6 +182,27 @@ def test_fuzzed_chat_never_gets_a_5xx(fuzz_app: str, body: object):
 @given(raw=st.binary(max_size=300))
 def test_raw_bytes_never_get_a_5xx(fuzz_app: str, raw: bytes):
     check(post(f"{fuzz_app}/v1/completions", raw))
+
+
+embedding_bodies = st.one_of(
+    st.fixed_dictionaries(
+        {"input": edgy_prompts | st.lists(st.lists(st.integers(-3, 70000), max_size=40), max_size=3)},
+        optional={
+            "model": st.text(max_size=5),
+            "encoding_format": st.sampled_from(["float", "base64", "int8"]),
+            "dimensions": st.integers(-2, 1000),
+            "user": st.text(max_size=5),
+        },
+    ),
+    st.dictionaries(st.sampled_from(["input", "encoding_format", "dimensions", "user"]), json_values),
+    json_values,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(body=embedding_bodies)
+def test_fuzzed_embeddings_never_get_a_5xx(fuzz_app: str, body: object):
+    check(post(f"{fuzz_app}/v1/embeddings", json.dumps(body).encode()))
 
 
 def test_the_app_serves_normally_after_the_fuzzing(fuzz_app: str):
