@@ -265,7 +265,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI
 
     @property
     def tool_mode(self) -> str:
@@ -298,7 +298,7 @@ class ChatCompletionRequest(SamplingRequest):
             )
         if call_format is None:
             raise InvalidRequestError("tool_choice", f"{mode!r} needs the server's tool_call_parser set")
-        grammar = tool_grammar(mode, tools, call_format, self.parallel_tool_calls)
+        grammar = tool_grammar(mode, tools, call_format, self.parallel_tool_calls is not False)
         return {**sampling, "structured_outputs": StructuredOutputs(tool_calls=grammar, param="tools")}
 
     def conversation(self) -> list[dict[str, Any]]:
