@@ -5,7 +5,7 @@ parts and runs the core apart (a process of its own, or a thread: core_client.py
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from transformers import PretrainedConfig
 
@@ -106,8 +106,10 @@ class LLMEngine:
     def tokenize(self, prompt: Prompt) -> list[int]:
         return self.inputs.prompts.tokenize(prompt)
 
-    def chat_prompt_ids(self, messages: list[Message]) -> list[int]:
-        return self.inputs.prompts.chat_prompt(messages)[1]
+    def chat_prompt_ids(
+        self, messages: list[Message], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return self.inputs.prompts.chat_prompt(messages, tools=tools)[1]
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 from common.model_source import DEFAULT_MODEL
 from common.prompts import Prompt
@@ -54,10 +55,13 @@ class LLM:
         self,
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[CompletionOutput]:
-        """One conversation, or a list of them; each is answered as the assistant's next turn."""
+        """One conversation, or a list of them; each is answered as the assistant's next turn.
+        `tools` (OpenAI's function tools) go to the chat template, as vLLM's LLM.chat; the text
+        is not parsed for calls (common.tool_parsers.parse_message reads them)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self._run([self.engine.chat_prompt_ids(c) for c in conversations], sampling_params)
+        return self._run([self.engine.chat_prompt_ids(c, tools) for c in conversations], sampling_params)
 
     def _tokenized(self, prompts: Prompt | list[Prompt]) -> list[list[int]]:
         """One prompt or a list of them, as token ids."""

@@ -188,3 +188,20 @@ def test_an_aborted_constrained_request_frees_its_blocks_and_the_rest_go_on(llm:
     assert {o.request_id for o in outputs} == {other}
     kv = engine.core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_offline_chat_with_tools_makes_the_named_call_its_schema_allows(llm: LLM):
+    from common.structured_outputs import ToolCallGrammar
+    from common.tool_parsers import parse_message
+
+    weather = {"name": "get_weather", "parameters": {**SCHEMA, "properties": {"city": {"type": "string"}}}}
+    weather["parameters"]["required"] = ["city"]
+    grammar = ToolCallGrammar("hermes", json.dumps([weather]), "named", parallel=False)
+    params = SamplingParams(
+        max_tokens=60, temperature=0.0, structured_outputs=StructuredOutputs(tool_calls=grammar)
+    )
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    output = llm.chat(messages, params, tools=[{"type": "function", "function": weather}])[0]
+    calls = parse_message(output.text, "hermes").tool_calls
+    assert output.finish_reason == "stop" and [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert set(json.loads(calls[0]["function"]["arguments"])) == {"city"}
