@@ -1,5 +1,6 @@
 """Which figures of the serving-throughput result files the docs show (CPU serving beside its
-peers, structured outputs' cost): per file, its page and tables. bench_tables.py renders them."""
+peers, structured outputs' cost and quality): per file, its page and tables. bench_tables.py
+renders them."""
 
 from __future__ import annotations
 
@@ -162,6 +163,32 @@ SERVING_SPECS: dict[str, BenchSpec] = {
                     Col("c=16 TTFT p50", "c16_ttft_p50_ratio_median", "x"),
                     Col("c=16 TBT p99", "c16_tbt_p99_ratio_median", "x"),
                     Col("earns the default", "adopt", "yes"),
+                ),
+            ),
+        ),
+    ),
+    "structured_quality": BenchSpec(
+        "benchmarks/structured_quality.md",
+        "Whether constrained outputs finish and parse: stallfree (free whitespace, compact) and vLLM CPU",
+        (
+            Rows(
+                "servers",
+                "Per server, the share of requests that finish with JSON, and that `parse()` accepts:",
+                "servers",
+                ("server",),
+                (
+                    Col("requests", "requests", "int"),
+                    Col("finished", "finished_share", "pct", best="max"),
+                    Col(
+                        "parsed",
+                        "parse_share",
+                        "pct",
+                        best="max",
+                        goal="parse_share_vs_vllm_min",
+                        goal_row="stallfree",
+                    ),
+                    Col("output tokens", "completion_tokens", "int"),
+                    Col("not parsed", "failed", "list"),
                 ),
             ),
         ),

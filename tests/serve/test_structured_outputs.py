@@ -13,14 +13,13 @@ import openai
 import pytest
 from ray import serve
 
-from harness.pydantic_schemas import SCHEMAS
+from harness.pydantic_schemas import SCHEMAS, SYSTEM
 from harness.serve_cluster import ServeCluster
 
 MODEL = "smollm2-135m-instruct"
 # A hang detector for waits on the replica's state and for requests: twenty constrained requests at
 # once took up to 10 minutes beside two busy processes (~15 s on an idle machine).
 STATE_DEADLINE_S = 1800
-SYSTEM = {"role": "system", "content": "Answer in JSON."}
 
 
 @pytest.fixture(scope="module")
