@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.serve_cluster import wait_for_http
+from harness.serve_cluster import end_session, wait_for_http
 
 REPO = Path(__file__).resolve().parents[1]
 PEERS_DIR = Path(os.environ.get("STALLFREE_PEERS_DIR", REPO.parent / "shared" / "peers"))
@@ -100,13 +100,9 @@ def serving(peer: Peer, log_path: Path) -> Iterator[None]:
         try:
             _wait_ready(peer, process, log_path)
             yield
-        finally:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        finally:  # the whole session: vLLM's engine core and workers outlive a terminated server
+            end_session(process.pid, grace_s=30)
+            process.wait()
 
 
 def _wait_ready(peer: Peer, process: subprocess.Popen, log_path: Path) -> None:

@@ -28,7 +28,7 @@ _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[05:41:18] /project/cpp/x.c
 
 
 class GrammarCompiler:
-    def __init__(self, info: xgr.TokenizerInfo, any_whitespace: bool = True) -> None:
+    def __init__(self, info: xgr.TokenizerInfo, any_whitespace: bool = False) -> None:
         global _tokenizer_info
         _tokenizer_info = info
         self.vocab_size = info.vocab_size
@@ -42,7 +42,7 @@ class GrammarCompiler:
         tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         stop_token_ids: frozenset[int],
-        any_whitespace: bool = True,
+        any_whitespace: bool = False,
     ) -> GrammarCompiler:
         """For the model's tokenizer; any of `stop_token_ids` (eos, chat-end) ends a grammar."""
         stop = sorted(stop_token_ids)
@@ -67,8 +67,8 @@ class GrammarCompiler:
         return RequestGrammar(compiled, self.vocab_size)
 
     def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
-        # Free whitespace by default, as vLLM: compact JSON (no choice of layout) made SmolLM2 run
-        # to the length limit on requests vLLM's default finishes (issue 40).
+        # Compact JSON by default: with the layout free (vLLM's default), SmolLM2 ran to the length
+        # limit on more requests (bench.structured_quality); either loops on some prompts.
         any_whitespace = (
             self.any_whitespace if spec.disable_any_whitespace is None else not spec.disable_any_whitespace
         )

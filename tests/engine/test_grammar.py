@@ -143,10 +143,10 @@ def test_a_malformed_spec_is_refused_before_compiling(fields: dict):
     assert raised.value.param == "response_format"
 
 
-def test_whitespace_is_free_by_default_and_compact_when_disabled():
+def test_json_is_compact_by_default_and_free_whitespace_is_a_setting():
     spaced = '{  "a" : 1 ,   "b": "x" }'  # the vocabulary has no newline: spaces only
     info = xgr.TokenizerInfo(VOCAB, vocab_size=len(VOCAB), stop_token_ids=[STOP])
-    free, compact = GrammarCompiler(info), GrammarCompiler(info, any_whitespace=False)
+    free, compact = GrammarCompiler(info, any_whitespace=True), GrammarCompiler(info)
     schema = json.dumps(OBJECT)
     assert accepts(free, StructuredOutputs(json=schema), spaced)
     assert accepts(free, StructuredOutputs(json_object=True), spaced)
