@@ -59,3 +59,35 @@ class GenerateError:
     param: str | None
     code: str | None
     status: int = 400
+
+
+@dataclass
+class EmbedRequest:
+    """One /v1/embeddings request, tokenized and checked by the Ingress: each input as token ids.
+    Routed as a GenerateRequest is (the routers read the same fields): its prompts hold KV blocks
+    while they run, and nothing more."""
+
+    request_id: str
+    prompt_token_ids: list[list[int]]
+    prompt: str = ""  # the inputs as text, for routers that match text (see GenerateRequest)
+
+    def requested_tokens(self) -> int:
+        """Tokens its inputs hold in KV cache while they run."""
+        return sum(len(ids) for ids in self.prompt_token_ids)
+
+    @property
+    def cache_salt(self) -> None:
+        """None: embeddings share the prefix cache with every unsalted request."""
+        return None
+
+
+@dataclass
+class Embeddings:
+    """A replica's answer to an EmbedRequest: one vector per input, in input order (float32
+    values, pooled and normalized as the replica's engine settings say)."""
+
+    vectors: list[list[float]]
+    num_prompt_tokens: int  # of every input together
+
+
+RoutedMessage = GenerateRequest | EmbedRequest  # what the routers rank replicas for

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from ray import serve
@@ -15,7 +16,7 @@ from ray import serve
 from common.autoscaling_stats import KV_USAGE, WAITING
 from common.block_hash import root_hash
 from common.finish_reason import FinishReason
-from common.messages import ChoiceDelta, GenerateError, GenerateRequest
+from common.messages import ChoiceDelta, Embeddings, EmbedRequest, GenerateError, GenerateRequest
 from common.routing_stats import RoutingReporter
 from common.sampling_params import INT64_MIN
 from replica_engine import (
@@ -30,6 +31,7 @@ from replica_engine.metrics import EngineMetrics, RayServeSink
 from replica_engine.outputs import RequestOutput
 
 ChoiceStream = AsyncIterator[RequestOutput]  # one choice's outputs, as AsyncEngine.add_request streams them
+Answer = TypeVar("Answer")  # what a replica method makes of its streams' outputs
 
 
 async def merge_choice_streams(streams: list[ChoiceStream]) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
@@ -111,6 +113,77 @@ def _coalesce(batch: list[tuple[int, RequestOutput]]) -> list[ChoiceDelta]:
     return list(deltas.values())
 
 
+async def _serve(
+    starts: list[Callable[[], Awaitable[ChoiceStream]]],
+    answer: Callable[[AsyncIterator[list[tuple[int, RequestOutput]]]], AsyncIterator[Answer]],
+) -> AsyncIterator[Answer | GenerateError]:
+    """Start every stream, then yield what `answer` makes of their merged outputs. A refused
+    request yields one GenerateError and nothing else; a dead engine ends it with one."""
+    try:
+        streams = await _start_all(starts)
+    except InvalidRequestError as error:
+        yield GenerateError(str(error), error.param, error.code)
+        return
+    except EngineDeadError as error:  # Serve's health check will replace this replica
+        yield GenerateError(str(error), None, "engine_unavailable", status=503)
+        return
+    try:
+        async with aclosing(merge_choice_streams(streams)) as batches:  # closing aborts what still runs
+            async for item in answer(batches):
+                yield item
+    except EngineDeadError as error:
+        yield GenerateError(str(error), None, "engine_error", status=500)
+
+
+async def _start_all(starts: list[Callable[[], Awaitable[ChoiceStream]]]) -> list[ChoiceStream]:
+    """Start every stream, or none: a refusal (e.g. a prompt needs more KV blocks than the pool
+    has) aborts the ones already started."""
+    streams: list[ChoiceStream] = []
+    try:
+        for start in starts:
+            streams.append(await start())
+    except BaseException:
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]
+        raise
+    return streams
+
+
+def _engine_failed(what: str, index: int) -> GenerateError:
+    message = f"the engine failed while computing {what} {index}; it goes on serving"
+    return GenerateError(message, None, "engine_error", status=500)
+
+
+async def _choice_deltas(
+    batches: AsyncIterator[list[tuple[int, RequestOutput]]],
+) -> AsyncIterator[list[ChoiceDelta] | GenerateError]:
+    """Each batch as one delta per choice; a choice the engine failed ends the stream."""
+    async for batch in batches:
+        deltas = _coalesce(batch)
+        failed = [d.index for d in deltas if d.finish_reason is FinishReason.ERROR]
+        if failed:
+            yield _engine_failed("choice", failed[0])
+            return
+        yield deltas
+
+
+async def _embeddings(
+    batches: AsyncIterator[list[tuple[int, RequestOutput]]],
+) -> AsyncIterator[Embeddings | GenerateError]:
+    """Every input's final output (the one with its embedding), as one Embeddings."""
+    finals: dict[int, RequestOutput] = {}
+    async for batch in batches:
+        finals.update((index, output) for index, output in batch if output.finished)
+    vectors = []
+    for index in sorted(finals):
+        embedding = finals[index].embedding
+        if embedding is None:  # finished with reason error
+            yield _engine_failed("input", index)
+            return
+        vectors.append(embedding)
+    yield Embeddings(vectors, sum(output.num_prompt_tokens for output in finals.values()))
+
+
 @serve.deployment(name="EngineReplica")
 class EngineReplica:
     def __init__(self, engine_config: EngineConfig, model_name: str, cpu_threads: int | None = None) -> None:
@@ -125,46 +198,31 @@ class EngineReplica:
         """Stream the choices' deltas; a refused request yields one GenerateError and nothing else,
         and one the engine fails ends with a GenerateError. Cancelling the call (the client went
         away) aborts every choice, freeing its KV blocks."""
-        try:
-            streams = await self._start(request)
-        except InvalidRequestError as error:
-            yield GenerateError(str(error), error.param, error.code)
-            return
-        except EngineDeadError as error:  # Serve's health check will replace this replica
-            yield GenerateError(str(error), None, "engine_unavailable", status=503)
-            return
-        try:
-            async with aclosing(merge_choice_streams(streams)) as batches:  # closing aborts what still runs
-                async for batch in batches:
-                    deltas = _coalesce(batch)
-                    failed = [d.index for d in deltas if d.finish_reason is FinishReason.ERROR]
-                    if failed:
-                        message = f"the engine failed while computing choice {failed[0]}; it goes on serving"
-                        yield GenerateError(message, None, "engine_error", status=500)
-                        return
-                    yield deltas
-        except EngineDeadError as error:
-            yield GenerateError(str(error), None, "engine_error", status=500)
-
-    async def _start(self, request: GenerateRequest) -> list[ChoiceStream]:
-        """Start every choice, or none: a refusal (e.g. the prompt needs more KV blocks than the
-        pool has) aborts the ones already started."""
         # A stream's position == choice index: input i's choice j is stream i * n + j.
         jobs = [
             (prompt, _choice_params(params, j))
             for prompt, params in zip(request.prompt_token_ids, request.params, strict=True)
             for j in range(request.n)
         ]
-        streams: list[ChoiceStream] = []
-        try:
-            for choice_index, (prompt, params) in enumerate(jobs):
-                request_id = f"{request.request_id}-{choice_index}"
-                streams.append(await self.engine.add_request(prompt, params, request_id))
-        except BaseException:
-            for stream in streams:
-                await stream.aclose()  # type: ignore[attr-defined]
-            raise
-        return streams
+        starts = [
+            functools.partial(self.engine.add_request, prompt, params, f"{request.request_id}-{index}")
+            for index, (prompt, params) in enumerate(jobs)
+        ]
+        async with aclosing(_serve(starts, _choice_deltas)) as items:  # closing it (a cancel) aborts at once
+            async for item in items:
+                yield item
+
+    async def embed(self, request: EmbedRequest) -> AsyncIterator[Embeddings | GenerateError]:
+        """Every input's embedding, in one Embeddings; or one GenerateError, as for generate. A
+        stream of one item, so that the Ingress treats the call as it does generate's (deadline,
+        cancelling, which aborts every input and frees its KV blocks, a lost replica's 503)."""
+        starts = [
+            functools.partial(self.engine.add_embedding_request, prompt, f"{request.request_id}-{index}")
+            for index, prompt in enumerate(request.prompt_token_ids)
+        ]
+        async with aclosing(_serve(starts, _embeddings)) as items:  # closing it (a cancel) aborts at once
+            async for item in items:
+                yield item
 
     def kv_pool_tokens(self) -> int:
         """Tokens the whole KV pool holds: the Ingress fits a default max_tokens to it."""

@@ -3,7 +3,8 @@
 It parses and checks requests, tokenizes them (the chat template applied), decides max_tokens,
 asks a replica through a streaming DeploymentHandle with token ids, and writes OpenAI bodies or
 Server-Sent Events; vLLM's /tokenize and /detokenize answer from its tokenizer alone
-(deployments/tokenize_api.py). It imports no torch (tests/common/test_common.py checks): the
+(deployments/tokenize_api.py); /v1/embeddings asks a replica for pooled vectors
+(deployments/embeddings_api.py). It imports no torch (tests/common/test_common.py checks): the
 model lives in the replicas, and the router that runs in this process sees exact prompt lengths."""
 
 import asyncio
@@ -25,12 +26,12 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import InvalidRequestError
-from common.messages import ChoiceDelta, GenerateError, GenerateRequest
-from common.model_source import resolve_model
+from common.messages import ChoiceDelta, Embeddings, GenerateError, GenerateRequest
+from common.model_source import model_config_dict, resolve_model
 from common.prompts import Prompt, PromptProcessor
 from common.sampling_params import SamplingParams
 from common.tokenizer import Message
-from deployments import tokenize_api
+from deployments import embeddings_api, tokenize_api
 from deployments.auth import check_api_key, load_api_keys
 from deployments.logprobs_format import EchoedPrompt, LogprobsFormat
 from deployments.protocol import (
@@ -74,10 +75,11 @@ async def _server_error(_: Request, error: Exception) -> JSONResponse:
 
 async def _replies(
     replica_call: DeploymentResponseGenerator, deadline: float | None
-) -> AsyncIterator[list[ChoiceDelta]]:
-    """The replica's deltas for one request. Every way that can end badly becomes an ApiError: a
-    refusal or engine fault (the replica's GenerateError), a full queue, a dead replica, or the
-    request's deadline (loop time). The caller cancels `replica_call` (_cancel) when done with it."""
+) -> AsyncIterator[list[ChoiceDelta] | Embeddings]:
+    """The replica's items for one request (delta batches; or embed's one Embeddings). Every way
+    that can end badly becomes an ApiError: a refusal or engine fault (the replica's
+    GenerateError), a full queue, a dead replica, or the request's deadline (loop time). The
+    caller cancels `replica_call` (_cancel) when done with it."""
     try:
         while True:
             async with asyncio.timeout_at(deadline):
@@ -149,6 +151,7 @@ class Ingress:
         self.engine = engine
         source = resolve_model(settings.model)
         self.prompts = PromptProcessor.load(source, settings.max_model_len, settings.chat_template)
+        self.hidden_size = model_config_dict(source)["hidden_size"]  # what embeddings measure
         self.tool_call_parser = settings.tool_call_parser
         self.model_name = settings.model_name
         self.sampling_defaults = settings.sampling_defaults
@@ -210,6 +213,27 @@ class Ingress:
         body = parse_body(tokenize_api.DetokenizeRequest, await self._read_body(request))
         self._check_model(body.model)
         return tokenize_api.detokenize(self.prompts, body)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> embeddings_api.EmbeddingResponse:
+        body = parse_body(embeddings_api.EmbeddingRequest, await self._read_body(request))
+        self._check_model(body.model)
+        embed = embeddings_api.embed_request(self.prompts, body, self.hidden_size)
+        # Routed as generate is (the routers read the same fields); a stream of one item, so that
+        # _replies' deadline and errors hold for it too, and cancelling aborts its inputs.
+        replica_call: DeploymentResponseGenerator = self.engine.options(stream=True).embed.remote(embed)
+        try:
+            embeddings = await anext(_replies(replica_call, self._deadline()))
+        finally:
+            _cancel(replica_call)
+        assert isinstance(embeddings, Embeddings)
+        return embeddings_api.response(body, self.model_name, embeddings)
+
+    def _deadline(self) -> float | None:
+        """When a request started now times out (loop time), if request_timeout_s is set."""
+        if self.request_timeout_s is None:
+            return None
+        return asyncio.get_running_loop().time() + self.request_timeout_s
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -294,9 +318,7 @@ class Ingress:
         echoed: list[EchoedPrompt] | None = None,
         call_format: str | None = None,
     ) -> Response:
-        deadline = None
-        if self.request_timeout_s is not None:
-            deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        deadline = self._deadline()
         # The router hop: this handle's `.remote` asks the deployment's RequestRouter (router/,
         # attached by deployments/app.py `_routing`: kv_prefix by default) which EngineReplica
         # gets the request; it reads `generate`'s prompt token ids and the replicas' RoutingStats.

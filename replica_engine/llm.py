@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from common.model_source import DEFAULT_MODEL
@@ -93,9 +93,9 @@ class LLM:
             yield from self.engine.step()
 
     @contextlib.contextmanager
-    def _aborting_on_error(self, request_ids: dict[str, object]) -> Iterator[None]:
-        """If the block raises (or is interrupted), every request added so far (the keys of
-        `request_ids`) is aborted, its KV blocks freed."""
+    def _aborting_on_error(self, request_ids: Iterable[str]) -> Iterator[None]:
+        """If the block raises (or is interrupted), every request in `request_ids` (read then: a
+        dict the block fills, keyed by id) is aborted, its KV blocks freed."""
         try:
             yield
         except BaseException:

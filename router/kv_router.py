@@ -20,7 +20,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from common.messages import GenerateRequest
+from common.messages import RoutedMessage
 from common.metrics_sinks import Counter, MetricsSink, RayServeSink
 from common.routing_stats import MalformedRoutingStats, RoutingStats
 from router.ranking import PressureRanking, Routed, RoutedRequest
@@ -33,12 +33,12 @@ logger = logging.getLogger(__name__)
 
 def routed_request(request: PendingRequest) -> RoutedRequest:
     """What the ranking reads of a Serve request (not ours: no tokens, routed by load)."""
-    generate = next((arg for arg in request.args if isinstance(arg, GenerateRequest)), None)
+    ours = next((arg for arg in request.args if isinstance(arg, RoutedMessage)), None)
     request_id = request.metadata.internal_request_id
-    if generate is None:
+    if ours is None:
         return RoutedRequest(request_id, 0)
-    prompt = generate.prompt_token_ids[0] if generate.prompt_token_ids else ()
-    return RoutedRequest(request_id, generate.requested_tokens(), prompt, generate.cache_salt)
+    prompt = ours.prompt_token_ids[0] if ours.prompt_token_ids else ()
+    return RoutedRequest(request_id, ours.requested_tokens(), prompt, ours.cache_salt)
 
 
 class KVPressureRouter(FIFOMixin, RequestRouter):

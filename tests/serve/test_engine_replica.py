@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from common.block_hash import root_hash
-from common.messages import ChoiceDelta, GenerateError, GenerateRequest
+from common.messages import ChoiceDelta, Embeddings, EmbedRequest, GenerateError, GenerateRequest
 from common.routing_stats import RoutingStats
 from deployments.engine_replica import EngineReplica, wrap_int64
 from replica_engine import EngineConfig, SamplingParams
@@ -116,6 +116,28 @@ def test_health_check_fails_once_every_step_keeps_failing(threaded_replica: Engi
     assert statuses == [500] * MAX_CONSECUTIVE_STEP_FAILURES + [503]
     with pytest.raises(RuntimeError, match="engine step loop died"):
         replica.check_health()
+
+
+def test_embed_answers_every_input_in_order_from_the_core_process(replica: EngineReplica):
+    """Embeddings come back from the core's own process, in input order, each as it is alone; an
+    input the KV pool could never hold refuses the request and aborts the inputs started."""
+    prompts = replica.engine.inputs.prompts
+    ids = [prompts.tokenize(text) for text in ("Hello there", "A lighthouse on a rock")]
+
+    async def embed(request: EmbedRequest) -> list[Embeddings | GenerateError]:
+        return [item async for item in replica.embed(request)]
+
+    [both] = asyncio.run(embed(EmbedRequest("e1", ids)))
+    assert isinstance(both, Embeddings) and both.num_prompt_tokens == sum(map(len, ids))
+    for index, prompt in enumerate(ids):
+        [alone] = asyncio.run(embed(EmbedRequest(f"e2-{index}", [prompt])))
+        assert isinstance(alone, Embeddings) and len(alone.vectors[0]) == 576
+        assert max(abs(a - b) for a, b in zip(alone.vectors[0], both.vectors[index], strict=True)) < 1e-5
+    pool_tokens = replica.engine.inputs.num_kv_blocks * 16
+    [refused] = asyncio.run(embed(EmbedRequest("e3", [ids[0], [1] * (pool_tokens + 1)])))
+    assert isinstance(refused, GenerateError)
+    assert (refused.param, refused.code) == ("prompt", "context_length_exceeded")
+    wait_idle(replica.stats)
 
 
 def test_seeds_of_choices_stay_in_int64():

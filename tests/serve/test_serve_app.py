@@ -67,6 +67,22 @@ def test_chat_and_completion_match_the_offline_engine(client: openai.OpenAI, ser
     assert completion.usage.total_tokens == len(offline.prompt_token_ids) + len(offline.token_ids)
 
 
+def test_embeddings_match_the_offline_engine(client: openai.OpenAI, served_llm: LLM):
+    """The replica pools from its own forward as the offline engine does (the same settings: bf16
+    here, the GGUF's blocks), so the vectors agree to float32 rounding. The client asks for
+    base64 unless told (and decodes it); the float form carries the same values."""
+    inputs = ["Embeddings for a keeper of lighthouses.", "A second input, answered in order."]
+    offline = served_llm.embed(inputs)
+    answer = client.embeddings.create(model=MODEL, input=inputs)
+    assert [data.index for data in answer.data] == [0, 1]
+    for data, expected in zip(answer.data, offline, strict=True):
+        assert max(abs(a - b) for a, b in zip(data.embedding, expected.embedding, strict=True)) <= 1e-4
+    num_tokens = sum(len(out.prompt_token_ids) for out in offline)
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens == num_tokens
+    floats = client.embeddings.create(model=MODEL, input=inputs, encoding_format="float", dimensions=576)
+    assert [data.embedding for data in floats.data] == [data.embedding for data in answer.data]
+
+
 def test_stream_concatenates_to_the_whole_answer(client: openai.OpenAI):
     settings = {"model": MODEL, "messages": QUESTION, "max_tokens": 20, "temperature": 0}
     whole = client.chat.completions.create(**settings)
@@ -150,6 +166,7 @@ def test_client_disconnect_aborts_and_frees_the_request(serve_cluster: ServeClus
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
 BAD_REQUESTS = [
     # (path, raw body, status, param, code)
     (CHAT, {"model": MODEL}, 400, "messages", None),
@@ -216,6 +233,10 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "hello " * 9000}, 400, "prompt", "context_length_exceeded"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 9000}, 400, "prompt", "context_length_exceeded"),
     (COMPLETIONS, {"prompt": "hi", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    (EMBEDDINGS, {"input": "hi", "dimensions": 64}, 400, "dimensions", None),
+    (EMBEDDINGS, {"input": [""]}, 400, "input", None),
+    (EMBEDDINGS, {"input": "hello " * 9000}, 400, "input", "context_length_exceeded"),
+    (EMBEDDINGS, {"input": "hi", "model": "gpt-4"}, 404, "model", "model_not_found"),
     (COMPLETIONS, '{"prompt": "hi"', 400, None, None),  # malformed JSON
     (COMPLETIONS, "[1, 2]", 400, None, None),  # not an object
 ]
