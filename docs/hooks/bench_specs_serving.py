@@ -169,7 +169,7 @@ SERVING_SPECS: dict[str, BenchSpec] = {
     ),
     "structured_quality": BenchSpec(
         "benchmarks/structured_quality.md",
-        "Whether constrained outputs finish and parse: stallfree (compact JSON, free whitespace) and vLLM CPU",
+        "Constrained outputs finished and parsed: stallfree (compact JSON, free whitespace) and vLLM CPU",
         (
             Rows(
                 "servers",
