@@ -12,6 +12,7 @@ Ray Serve LLM's figures quoted where it is not installed are ../shared/peers/REA
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 from collections.abc import Iterator
@@ -89,6 +90,25 @@ PEERS = (
         _quoted((29.4, 0.256, 0.0484), (95.2, 1.28, 0.0958, 0.373)),
         model="rayllm-cpu",
     ),
+)
+
+
+def peer(name: str) -> Peer:
+    return next(p for p in PEERS if p.name == name)
+
+
+def with_flags(base: Peer, name: str, *flags: str) -> Peer:
+    """`base` started with more flags (after its own), as another peer."""
+    return dataclasses.replace(base, name=name, command=[*base.command, *flags])
+
+
+# vLLM CPU serving OpenAI tools with its hermes parser and our ChatML tools template, so both servers
+# render the same prompt (SmolLM2's own template has no tools); not a peer of the serving benchmarks
+TOOLS_TEMPLATE = REPO / "common" / "chat_templates" / "chatml_tools.jinja"
+VLLM_TOOLS = with_flags(
+    peer("vLLM CPU"),
+    "vLLM CPU, hermes tools",
+    *("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", str(TOOLS_TEMPLATE)),
 )
 
 

