@@ -258,6 +258,13 @@ class ChatMessage(BaseModel):
         return message
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """A conversation for the chat template, checked (each tool message answers an earlier call)."""
+    rendered = [message.as_template_input(i) for i, message in enumerate(messages)]
+    check_tool_results(rendered)
+    return rendered
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -302,9 +309,7 @@ class ChatCompletionRequest(SamplingRequest):
         return {**sampling, "structured_outputs": StructuredOutputs(tool_calls=grammar, param="tools")}
 
     def conversation(self) -> list[dict[str, Any]]:
-        messages = [message.as_template_input(i) for i, message in enumerate(self.messages)]
-        check_tool_results(messages)
-        return messages
+        return template_messages(self.messages)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools for the chat template (all of them, whatever tool_choice says, as vLLM)."""

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 
 from common.prompts import PromptProcessor
 from common.tokenizer import PromptTokenizer
-from deployments.protocol import ApiError, ChatMessage, parse_body
+from deployments.protocol import ApiError, ChatMessage, parse_body, template_messages
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -75,7 +75,7 @@ def tokenize(prompts: PromptProcessor, request: TokenizeRequest) -> TokenizeResp
     tokenizer = _tokenizer(prompts)
     if isinstance(request, TokenizeChatRequest):
         request.check_supported()
-        conversation = [message.as_template_input() for message in request.messages]
+        conversation = template_messages(request.messages)
         _, ids = prompts.chat_prompt(
             conversation,
             add_generation_prompt=request.add_generation_prompt,
