@@ -105,7 +105,7 @@ def _read_call(text: str, i: int, keys: tuple[str, ...]) -> tuple[Call | None, i
             return None, None
         if key_end is None:
             return Call(name, arguments, False), None
-        key = json.loads(text[j:key_end])
+        key = _json_value(text[j:key_end])
         j = _skip_whitespace(text, key_end)
         if j >= len(text):
             return Call(name, arguments, False), None
@@ -120,7 +120,7 @@ def _read_call(text: str, i: int, keys: tuple[str, ...]) -> tuple[Call | None, i
         if value_end is None:
             return Call(name, arguments, False), None
         if key == "name":
-            value = json.loads(text[j:value_end])
+            value = _json_value(text[j:value_end])
             if not isinstance(value, str):
                 return None, None
             name = value
@@ -129,6 +129,15 @@ def _read_call(text: str, i: int, keys: tuple[str, ...]) -> tuple[Call | None, i
             j += 1
         elif j < len(text) and text[j] != "}":
             return None, None
+
+
+def _json_value(text: str) -> object:
+    """A complete JSON value, or None where it is not JSON (a string with a bad escape): the
+    scanner only delimits values, so reading one may still fail, and that is no call."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _held_back(text: str, start: str) -> int:

@@ -82,6 +82,11 @@ def _finish_reason(reason: FinishReason | None) -> dict[str, object]:
     return {"finish_reason": None if reason is None else reason.value}
 
 
+def _called(reason: FinishReason | None, has_calls: bool) -> FinishReason | None:
+    """An answer that stopped after calling tools finishes with `tool_calls`, whole or streamed."""
+    return FinishReason.TOOL_CALLS if has_calls and reason is FinishReason.STOP else reason
+
+
 def _token_ids(token_ids: list[int] | None) -> dict[str, object]:
     return {} if token_ids is None else {"token_ids": token_ids}
 
@@ -155,9 +160,7 @@ class ResponseWriter:
         if self.call_format is None:
             return text, finish_reason, None
         message = parse_message(text, self.call_format)
-        if message.tool_calls and finish_reason is FinishReason.STOP:
-            finish_reason = FinishReason.TOOL_CALLS
-        return message.content, finish_reason, message.tool_calls
+        return message.content, _called(finish_reason, bool(message.tool_calls)), message.tool_calls
 
     def _streamed_calls(
         self, streams: dict[int, StreamedMessage], delta: ChoiceDelta
@@ -166,10 +169,7 @@ class ResponseWriter:
         assert self.call_format is not None
         stream = streams.setdefault(delta.index, StreamedMessage(self.call_format))
         text, calls = stream.feed(delta.text, final=delta.finish_reason is not None)
-        finish_reason = delta.finish_reason
-        if stream.has_calls and finish_reason is FinishReason.STOP:
-            finish_reason = FinishReason.TOOL_CALLS
-        return text, (calls, finish_reason)
+        return text, (calls, _called(delta.finish_reason, stream.has_calls))
 
     def _envelope(self, object_name: str) -> dict[str, object]:
         return {

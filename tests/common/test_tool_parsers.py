@@ -42,6 +42,7 @@ def test_arguments_are_the_models_own_json_text():
         '<tool_call>\n{"name": "add", "arguments": {"a": 1',  # cut short (max_tokens)
         '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',  # a name that is no string
         "<tool_call> not json </tool_call>",
+        '<tool_call>\n{"name": "a\\q", "arguments": {}}\n</tool_call>',  # a bad escape: not JSON
     ],
 )
 def test_text_that_holds_no_complete_call_is_all_content(text: str):
