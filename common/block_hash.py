@@ -1,8 +1,9 @@
 """Prefix-cache keys for full KV blocks, chained: a block's hash covers every token before it.
 
 hash(block i) = sha256(hash(block i-1) || its token ids as little-endian uint32), and the chain
-starts from sha256 of the extra keys (the model and the request's `cache_salt`), so two requests
-share a block only if the model, the salt and every token up to the block's end are equal.
+starts from sha256 of the extra keys (the model and the request's `cache_salt`; then, for a
+request run with a LoRA adapter, the adapter's name and path), so two requests share a block only
+if the model, the salt, the adapter and every token up to the block's end are equal.
 
 Why sha256: a collision would silently hand one request another's K/V (wrong output, and across
 tenants a leak), so the key must be collision-resistant, not merely well spread; Python's own
@@ -23,6 +24,14 @@ def root_hash(model: str, cache_salt: str | None) -> BlockHash:
     """The chain's start: what every block's key depends on besides tokens."""
     salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode()
     return hashlib.sha256(b"stallfree-kv\x00" + model.encode() + b"\x00" + salt).digest()
+
+
+def adapter_root(root: BlockHash, lora_key: str | None) -> BlockHash:
+    """The chain's start for a request run with a LoRA adapter (its K/V differ from the base
+    model's): derived from the model's root, so a router holding a replica's root finds it too."""
+    if lora_key is None:
+        return root
+    return hashlib.sha256(b"stallfree-lora\x00" + root + lora_key.encode()).digest()
 
 
 def next_block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:

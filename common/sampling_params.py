@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from common.errors import InvalidRequestError
+from common.lora import LoRARequest
 from common.structured_outputs import StructuredOutputs
 
 
@@ -61,6 +62,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     # Not sampling either: the scheduler admits lower values first (vLLM's priority; ties by arrival).
     priority: int = 0
+    # The LoRA adapter to run with (None: the base model); the Ingress resolves `model` to it.
+    lora: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -105,6 +108,8 @@ class SamplingParams:
             raise InvalidRequestError("structured_outputs", "must be a StructuredOutputs")
         if not _is_int(self.priority):
             raise InvalidRequestError("priority", f"must be an integer, got {self.priority!r}")
+        if self.lora is not None and not isinstance(self.lora, LoRARequest):
+            raise InvalidRequestError("lora", "must be a LoRARequest")
 
     def _check_logit_bias(self) -> None:
         if self.logit_bias is None:

@@ -37,6 +37,8 @@ class ReplicaConfig:
     tbt_slo_s: float | None = None
     pipeline_parallel_size: int = 1  # stages, each 1/N of a step's time; N batches in flight
     model: str = "sim"  # part of every block's hash, as a real replica's model name is
+    max_loras: int = 4  # LoRA adapters running at once
+    max_cpu_loras: int | None = None  # adapters held loaded (None: max_loras)
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:

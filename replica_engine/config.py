@@ -206,6 +206,29 @@ class EngineConfig:
     normalize_embeddings: bool = field(
         default=True, metadata=_doc("Embeddings are scaled to unit L2 length, as OpenAI's are")
     )
+    enable_lora: bool = field(
+        default=False,
+        metadata=_doc(
+            "Serve LoRA adapters (PEFT format) on this replica: a step mixes rows of different "
+            "adapters and of the base model, each adapter's delta applied to its own rows. The app "
+            "turns it on when `lora_modules` or `lora_root` is set. Not yet with tensor or pipeline "
+            "parallelism"
+        ),
+    )
+    max_loras: int = field(
+        default=4,
+        metadata=_doc(
+            "LoRA: adapters running at once (each holds a slot of device memory); a request whose "
+            "adapter would make one more waits until one drains"
+        ),
+    )
+    max_lora_rank: int = field(default=16, metadata=_doc("LoRA: the highest adapter rank accepted"))
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata=_doc(
+            "LoRA: adapters kept loaded in host memory, least recently used evicted. Default: `max_loras`"
+        ),
+    )
     seed: int = field(default=0, metadata=_doc("Seeds dummy weights and unseeded sampling"))
     core_process: bool = field(
         default=False,
@@ -230,8 +253,17 @@ class EngineConfig:
             "kv_cache_bytes",
             "num_kv_blocks",
             "max_model_len",
+            "max_loras",
+            "max_lora_rank",
+            "max_cpu_loras",
         ):
             _positive_int(name, getattr(self, name))
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise InvalidRequestError("max_cpu_loras", f"must be at least max_loras ({self.max_loras})")
+        if self.enable_lora and self.num_workers > 1:
+            raise InvalidRequestError(
+                "enable_lora", "LoRA is not yet served with tensor or pipeline parallelism"
+            )
         if self.tbt_slo_s is not None:
             number = isinstance(self.tbt_slo_s, int | float) and not isinstance(self.tbt_slo_s, bool)
             if not number or not math.isfinite(self.tbt_slo_s) or self.tbt_slo_s <= 0:
@@ -246,7 +278,7 @@ class EngineConfig:
         bound = self.max_priority
         if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool) or bound < 0):
             raise InvalidRequestError("max_priority", f"must be an integer >= 0 or None, got {bound!r}")
-        for flag in ("enable_prefix_caching", "core_process", "normalize_embeddings"):
+        for flag in ("enable_prefix_caching", "core_process", "normalize_embeddings", "enable_lora"):
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidRequestError(flag, f"must be true or false, got {getattr(self, flag)!r}")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
@@ -321,6 +353,7 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs or defaults["max_num_seqs"],
             kv_cache_bytes=self.kv_cache_bytes or defaults.get("kv_cache_bytes"),
             max_model_len=self.max_model_len or model_max_len,
+            max_cpu_loras=self.max_cpu_loras or self.max_loras,
             attention_backend=attention_backend,
             cuda_graphs=self.cuda_graphs
             if self.cuda_graphs is not None

@@ -59,6 +59,8 @@ class CoreSettings(Protocol):
     max_num_seqs: int
     scheduling_policy: str
     tbt_slo_s: float | None
+    max_loras: int
+    max_cpu_loras: int | None  # None: max_loras
 
 
 class EngineCore:
@@ -81,7 +83,12 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             num_kv_blocks, config.block_size, config.enable_prefix_caching, model=config.model
         )
-        scheduler_config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)
+        scheduler_config = SchedulerConfig(
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.max_loras,
+            config.max_cpu_loras or config.max_loras,
+        )
         self.slo_budget = self._slo_budget(num_kv_blocks, step_time)
         self.scheduler = SCHEDULING_POLICIES[config.scheduling_policy](
             scheduler_config, self.kv_cache_manager, self.slo_budget

@@ -12,6 +12,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from common.errors import InvalidRequestError
+from common.lora import read_adapter
 from common.prompts import Prompt, PromptProcessor
 from common.sampling_params import SamplingParams
 from replica_engine.config import EngineConfig
@@ -68,6 +69,8 @@ class InputProcessor:
             raise InvalidRequestError(
                 "logit_bias", f"token ids must be below the vocabulary size {vocab_size}"
             )
+        if params.lora is not None:
+            self._check_adapter(params)
         if grammar is None:
             grammar = self.compile_grammar(params)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.stop_token_ids))
@@ -75,6 +78,15 @@ class InputProcessor:
         if params.seed is not None:
             request.generator = torch.Generator(device=self.config.torch_device).manual_seed(params.seed)
         return request
+
+    def _check_adapter(self, params: SamplingParams) -> None:
+        """Refuse a request whose adapter cannot run here, before it reaches the step."""
+        assert params.lora is not None
+        if not self.config.enable_lora:
+            raise InvalidRequestError(
+                "model", f"{params.lora.name!r} is a LoRA adapter; this engine has enable_lora off"
+            )
+        read_adapter(params.lora, self.model_config, self.config.max_lora_rank)
 
     def make_embedding_request(
         self, prompt: Prompt, request_id: str | None, in_flight: Container[str]

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.block_hash import BlockHash, next_block_hash, root_hash
+from common.block_hash import BlockHash, adapter_root, next_block_hash, root_hash
 from common.errors import InvalidRequestError
 from replica_engine.request import Request
 
@@ -106,10 +106,15 @@ class KVCacheManager:
         hashes = request.block_hashes
         num_blocks = min(num_blocks, request.num_tokens // self.block_size)
         for index in range(len(hashes), num_blocks):
-            parent = hashes[-1] if hashes else root_hash(self.model, request.sampling_params.cache_salt)
+            parent = hashes[-1] if hashes else self._root(request)
             start = index * self.block_size
             hashes.append(next_block_hash(parent, request.token_ids(start, start + self.block_size)))
         return hashes[:num_blocks]
+
+    def _root(self, request: Request) -> BlockHash:
+        params = request.sampling_params
+        root = root_hash(self.model, params.cache_salt)
+        return adapter_root(root, params.lora.key if params.lora is not None else None)
 
     def find_cached_blocks(self, request: Request) -> list[int]:
         """The longest run of the request's leading full blocks that the cache holds, leaving at

@@ -22,6 +22,7 @@ from replica_engine.executor import RunnerOutput
 from replica_engine.flat_batch import FlatBatch, build_flat_batch
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens, blocks_in_bytes, kv_block_bytes
 from replica_engine.logprobs import logprobs_of
+from replica_engine.lora import LoRAManager
 from replica_engine.models.llama import LlamaForCausalLM
 from replica_engine.models.loader import load_model
 from replica_engine.parallel.place import WHOLE_MODEL, WorkerPlace
@@ -51,6 +52,17 @@ class ModelRunner:
             config.max_num_seqs, config.max_model_len, config.block_size, vocab_size, self.device
         )
         self.sampler = BatchSampler(self.rows)
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            assert config.max_cpu_loras is not None  # resolved
+            self.lora = LoRAManager(
+                model,
+                config.max_loras,
+                config.max_lora_rank,
+                config.max_cpu_loras,
+                config.torch_dtype,
+                self.device,
+            )
 
     @property
     def bytes_per_block(self) -> int:
@@ -138,6 +150,8 @@ class ModelRunner:
         on_gpu = self.device.type == "cuda"
         flat = build_flat_batch(batch, tables, self.config.block_size, pin_memory=on_gpu).to(self.device)
         started = time.perf_counter()
+        if self.lora is not None:
+            self.lora.prepare((row.lora, row.num_tokens) for row in batch.rows)
         hidden = self._forward(flat)
         if hidden is None:  # a pipeline stage before the last: its output went to the next stage
             return StepLogits(None, {}, time.perf_counter() - started)
@@ -163,7 +177,8 @@ class ModelRunner:
 
     def _forward(self, flat: FlatBatch) -> torch.Tensor | None:
         graphs = self.decode_graphs
-        if graphs is not None and graphs.handles(flat):  # one token a row: replayed (GPU)
+        with_lora = self.lora is not None and self.lora.step.active  # not captured in the graphs
+        if graphs is not None and not with_lora and graphs.handles(flat):  # one token a row: replayed (GPU)
             return graphs.run(flat)
         return self.model(flat.input_ids, flat.positions, self.kv_caches, flat.attention)
 

@@ -23,6 +23,7 @@ class EngineStats:
     num_preemptions: int
     num_cached_free_blocks: int  # free blocks the prefix cache still holds content in
     cached_block_hashes: tuple[bytes, ...] = ()  # prefix-cache keys of every block holding one
+    lora_adapters: tuple[str, ...] = ()  # names of the LoRA adapters loaded, least recent first
 
 
 @dataclass(frozen=True)

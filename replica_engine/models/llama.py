@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,9 @@ from replica_engine.kernels import cpu as cpu_kernels
 from replica_engine.kernels import pointwise
 from replica_engine.kernels.quantized_weight import QuantizedWeight, dequantize_rows
 from replica_engine.models.rotary import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from replica_engine.lora.linear import LoRALinear
 
 CosSin = tuple[torch.Tensor, torch.Tensor]  # every token's rotary cos and sin, [T, 1, head_dim]
 
@@ -42,13 +46,17 @@ class Linear(nn.Linear):
     """nn.Linear, through a CPU kernel once its weight is held in that kernel's layout: packed
     by `pack_for_cpu`, or quantized (`hold`). Row-parallel under tensor parallelism
     (`sum_across_workers`): each worker holds a slice of the input features, and the partial
-    products are summed over the workers before the bias."""
+    products are summed over the workers before the bias. With LoRA, each token's adapter
+    delta is added to the product (replica_engine/lora)."""
 
     packed: cpu_kernels.PackedWeight | QuantizedWeight | None = None
     sum_across_workers = False
+    lora: LoRALinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = cpu_kernels.linear(x, self.packed or self.weight)
+        if self.lora is not None:
+            self.lora.add_delta(x, out)
         if self.sum_across_workers:
             dist.all_reduce(out)
         return out if self.bias is None else out + self.bias

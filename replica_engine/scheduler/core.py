@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from replica_engine.scheduler.waiting_queue import WaitingQueue, admission_key
 class SchedulerConfig:
     max_num_batched_tokens: int  # token budget per step
     max_num_seqs: int  # most requests holding KV at once
+    max_loras: int = 1  # LoRA adapters among running requests at once
+    max_cpu_loras: int = 1  # adapters the runner keeps loaded (reported to routers: most recent)
 
 
 class Scheduler:
@@ -44,6 +47,7 @@ class Scheduler:
         # In a batch not yet updated (a pipeline holds several): not scheduled again, nor
         # preempted, until its tokens are known.
         self.in_flight: set[str] = set()
+        self.loaded_adapters: OrderedDict[str, None] = OrderedDict()  # names, least recent first
 
     # -- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -79,6 +83,7 @@ class Scheduler:
             num_cached_free_blocks=kv.num_free_cached_blocks,
             num_preemptions=self.num_preemptions,
             cached_block_hashes=kv.cached_hashes(),
+            lora_adapters=tuple(self.loaded_adapters),
         )
 
     def finish_request(self, request: Request, reason: FinishReason) -> None:
@@ -175,15 +180,35 @@ class Scheduler:
                 num_tokens = owed
             else:
                 return
-            if not self.kv_cache_manager.allocate(request, num_tokens, cached_block_ids):
+            if not self._adapter_fits(request) or not self.kv_cache_manager.allocate(
+                request, num_tokens, cached_block_ids
+            ):
                 return
             self.waiting.pop_first()
+            self._touch_adapter(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = request.num_computed_tokens
             self.running.append(request)
             plan.num_scheduled_tokens[request] = num_tokens
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Its LoRA adapter runs already, or fewer than max_loras do (the runner's slots)."""
+        lora = request.sampling_params.lora
+        if lora is None:
+            return True
+        running = {r.sampling_params.lora for r in self.running} - {None}
+        return lora in running or len(running) < self.config.max_loras
+
+    def _touch_adapter(self, request: Request) -> None:
+        lora = request.sampling_params.lora
+        if lora is None:
+            return
+        self.loaded_adapters.pop(lora.name, None)
+        self.loaded_adapters[lora.name] = None
+        while len(self.loaded_adapters) > self.config.max_cpu_loras:
+            self.loaded_adapters.popitem(last=False)
 
     def _chunk(self, plan: StepPlan, request: Request, owed: int) -> int:
         """Tokens for a request that owes `owed` (net of cached blocks it is about to take):

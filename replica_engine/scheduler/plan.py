@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from common.lora import LoRARequest
 from common.sampling_params import SamplingParams
 from replica_engine.pooling import Pooling
 from replica_engine.request import Request
@@ -127,6 +128,7 @@ class ScheduledRow:
     block_offset: int = 0  # 0: the runner does not hold the request (new, or resumed)
     history: TokenHistory | None = None  # at offset 0, for a request with penalties
     pooling: Pooling | None = None  # an embedding request's prompt chunk: the runner pools it
+    lora: LoRARequest | None = None  # the adapter its tokens run with (None: the base model)
 
     @property
     def num_tokens(self) -> int:
@@ -224,6 +226,7 @@ def _row(request: Request, num_tokens: int) -> ScheduledRow:
         block_offset=offset,
         history=_token_history(request) if offset == 0 else None,
         pooling=request.pooling,
+        lora=request.sampling_params.lora,
     )
 
 
