@@ -4,6 +4,7 @@ serve_config.yaml names `deployments.app:build_app` and puts these args under `a
 validates them into AppArgs because the builder's parameter is a pydantic model."""
 
 import dataclasses
+import os
 from typing import Any, Literal
 
 import ray
@@ -18,6 +19,7 @@ from common.model_source import resolve_model, served_model_name
 from common.tokenizer import template_source
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import Ingress, IngressSettings
+from deployments.lora_registry import LoraSettings, check_lora_settings, parse_lora_modules
 from deployments.placement_fit import check_fits, cluster_nodes
 from replica_engine import DEFAULT_MODEL, EngineConfig, SamplingParams
 from replica_engine.models.loader import load_config
@@ -175,6 +177,36 @@ class AppArgs(BaseModel):
         "to the tools' schemas. None: tools are only shown to the model (`tool_choice: none`)",
     )
 
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters (PEFT directories) served by name, as vLLM's `--lora-modules`: "
+        "`{name: path}` or `[name=path, ...]`. A request names one by `model`: `name` or "
+        "`<served model>:name`. Each is checked against the model at deploy time. Turns on the "
+        "engine's `enable_lora`",
+    )
+    lora_root: str | None = Field(
+        default=None,
+        description="A directory of LoRA adapters loaded on demand (Ray Serve LLM's "
+        "`dynamic_lora_loading_path`): `model: x` runs the adapter in `<lora_root>/x`. Turns on "
+        "the engine's `enable_lora`",
+    )
+    allow_runtime_lora_updating: bool = Field(
+        default=False,
+        description="vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING`: `POST /v1/load_lora_adapter` and "
+        "`/v1/unload_lora_adapter` add and remove adapters by local path (on each Ingress replica "
+        "alone). Turns on the engine's `enable_lora`",
+    )
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _lora_modules(cls, modules: object) -> dict[str, str]:
+        return parse_lora_modules(modules)  # raises InvalidRequestError naming lora_modules
+
+    @field_validator("lora_root")
+    @classmethod
+    def _absolute_root(cls, root: str | None) -> str | None:
+        return None if root is None else os.path.abspath(os.path.expanduser(root))
+
     @field_validator("chat_template")
     @classmethod
     def _readable_template(cls, chat_template: str | None) -> str | None:
@@ -195,9 +227,28 @@ class AppArgs(BaseModel):
         SamplingParams(**defaults)  # raises InvalidRequestError (a ValueError) naming the field
         return defaults
 
+    def lora_settings(self) -> LoraSettings:
+        return LoraSettings(
+            tuple(self.lora_modules.items()),
+            self.lora_root,
+            self.engine.get("max_lora_rank", EngineConfig.max_lora_rank),
+            self.allow_runtime_lora_updating,
+        )
+
     def engine_config(self) -> EngineConfig:
         """Checked here, at build time, so a bad value fails `serve run` with the field's name."""
-        config = EngineConfig(model=self.model, **self.engine)
+        engine = dict(self.engine)
+        lora = self.lora_settings()
+        if lora.enabled:
+            if engine.get("enable_lora", True) is not True:
+                raise ValueError(
+                    "engine.enable_lora: false, but lora_modules, lora_root or "
+                    "allow_runtime_lora_updating is set: LoRA adapters need it on"
+                )
+            engine["enable_lora"] = True
+        config = EngineConfig(model=self.model, **engine)
+        if lora.enabled:  # every listed adapter runs on this model (read_adapter, header only)
+            check_lora_settings(lora, load_config(resolve_model(self.model)), self.served_name())
         if config.num_workers > 1:  # against the model's shape, read here too
             config.check_parallel(load_config(resolve_model(self.model)))
             if self.num_cpus <= 0:
@@ -211,6 +262,9 @@ class AppArgs(BaseModel):
                 "worker processes (distributed_executor_backend: mp) stay on the replica's"
             )
         return config
+
+    def served_name(self) -> str:
+        return self.served_model_name or served_model_name(self.model)
 
 
 def _autoscaling(args: AppArgs) -> dict[str, Any]:
@@ -286,7 +340,7 @@ def build_app(args: AppArgs) -> Application:
             cluster_nodes(),
             "engine.tensor_parallel_size x pipeline_parallel_size (a bundle each, of num_cpus and num_gpus)",
         )
-    model_name = args.served_model_name or served_model_name(args.model)
+    model_name = args.served_name()
     replica = EngineReplica.options(
         **placement,
         max_ongoing_requests=args.max_ongoing_requests,
@@ -305,6 +359,7 @@ def build_app(args: AppArgs) -> Application:
         args.request_timeout_s,
         args.chat_template,
         args.tool_call_parser,
+        args.lora_settings(),
     )
     ingress = Ingress.options(
         max_ongoing_requests=args.ingress_max_ongoing_requests,

@@ -4,7 +4,8 @@ It parses and checks requests, tokenizes them (the chat template applied), decid
 asks a replica through a streaming DeploymentHandle with token ids, and writes OpenAI bodies or
 Server-Sent Events; vLLM's /tokenize and /detokenize answer from its tokenizer alone
 (deployments/tokenize_api.py); /v1/embeddings asks a replica for pooled vectors
-(deployments/embeddings_api.py). It imports no torch (tests/common/test_common.py checks): the
+(deployments/embeddings_api.py); LoRA adapters are named by `model` (deployments/lora_registry.py).
+It imports no torch (tests/common/test_common.py checks): the
 model lives in the replicas, and the router that runs in this process sees exact prompt lengths."""
 
 import asyncio
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
@@ -26,6 +27,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import InvalidRequestError
+from common.lora import LoRARequest
 from common.messages import ChoiceDelta, Embeddings, GenerateError, GenerateRequest
 from common.model_source import model_config_dict, resolve_model
 from common.prompts import Prompt, PromptProcessor
@@ -34,6 +36,12 @@ from common.tokenizer import Message
 from deployments import embeddings_api, tokenize_api
 from deployments.auth import check_api_key, load_api_keys
 from deployments.logprobs_format import EchoedPrompt, LogprobsFormat
+from deployments.lora_registry import (
+    LoadLoraAdapterRequest,
+    LoraRegistry,
+    LoraSettings,
+    UnloadLoraAdapterRequest,
+)
 from deployments.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -142,6 +150,7 @@ class IngressSettings:
     request_timeout_s: float | None = None  # whole request, streamed or not; then 408 and abort
     chat_template: str | None = None  # a file or the template: replaces the model's own
     tool_call_parser: str | None = None  # how calls are read from the text (common.tool_parsers)
+    lora: LoraSettings = field(default_factory=LoraSettings)  # the adapters `model` may name
 
 
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
@@ -151,9 +160,11 @@ class Ingress:
         self.engine = engine
         source = resolve_model(settings.model)
         self.prompts = PromptProcessor.load(source, settings.max_model_len, settings.chat_template)
-        self.hidden_size = model_config_dict(source)["hidden_size"]  # what embeddings measure
+        model_config = model_config_dict(source)
+        self.hidden_size = model_config["hidden_size"]  # what embeddings measure
         self.tool_call_parser = settings.tool_call_parser
         self.model_name = settings.model_name
+        self.lora = LoraRegistry(settings.model_name, model_config, settings.lora)
         self.sampling_defaults = settings.sampling_defaults
         self.max_body_bytes = settings.max_request_body_bytes
         self.request_timeout_s = settings.request_timeout_s
@@ -175,32 +186,43 @@ class Ingress:
     async def models(self, request: Request) -> dict[str, object]:
         check_api_key(request.headers.get("authorization"), self.api_keys)
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "stallfree"}
-        return {"object": "list", "data": [card]}
+        card |= {"root": self.model_name, "parent": None}  # vLLM's fields; adapters name this parent
+        return {"object": "list", "data": [card, *self.lora.cards(self.created)]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        body = parse_body(LoadLoraAdapterRequest, await self._read_body(request))
+        return PlainTextResponse(self.lora.load(body))  # vLLM answers in plain text
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        body = parse_body(UnloadLoraAdapterRequest, await self._read_body(request))
+        return PlainTextResponse(self.lora.unload(body))
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         body = parse_body(CompletionRequest, await self._read_body(request))
         prompts = body.prompts()
-        self._check_model(body.model)
-        sampling = body.sampling(self.sampling_defaults)
+        lora = self._check_model(body.model)
+        sampling = {**body.sampling(self.sampling_defaults), "lora": lora}
         generate = self._generate_request(body, sampling, await self._pool_tokens(), prompts)
         echoed = None
         if body.echo:
             pairs = zip(prompts, generate.prompt_token_ids, strict=True)
             echoed = [EchoedPrompt(p if isinstance(p, str) else self._decode(ids), ids) for p, ids in pairs]
-        return await self._respond(generate, body, COMPLETIONS, echoed)
+        return await self._respond(generate, body, COMPLETIONS, echoed, model_name=body.model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await self._read_body(request))
-        self._check_model(body.model)
+        lora = self._check_model(body.model)
         conversation, tools = body.conversation(), body.template_tools()
-        sampling = body.sampling(self.sampling_defaults, self.tool_call_parser)
+        sampling = {**body.sampling(self.sampling_defaults, self.tool_call_parser), "lora": lora}
         pool_tokens = await self._pool_tokens()
         generate = self._generate_request(body, sampling, pool_tokens, conversation=conversation, tools=tools)
         # calls are read out of the answer only where the grammar shaped them (tool_choice not none)
         call_format = self.tool_call_parser if body.tool_mode != "none" else None
-        return await self._respond(generate, body, CHAT, call_format=call_format)
+        return await self._respond(generate, body, CHAT, call_format=call_format, model_name=body.model)
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> tokenize_api.TokenizeResponse:
@@ -217,7 +239,13 @@ class Ingress:
     @app.post("/v1/embeddings")
     async def embeddings(self, request: Request) -> embeddings_api.EmbeddingResponse:
         body = parse_body(embeddings_api.EmbeddingRequest, await self._read_body(request))
-        self._check_model(body.model)
+        if self._check_model(body.model) is not None:
+            raise ApiError(
+                400,
+                f"`{body.model}` is a LoRA adapter; embeddings come from the base model "
+                f"`{self.model_name}` only",
+                param="model",
+            )
         embed = embeddings_api.embed_request(self.prompts, body, self.hidden_size)
         # Routed as generate is (the routers read the same fields); a stream of one item, so that
         # _replies' deadline and errors hold for it too, and cancelling aborts its inputs.
@@ -235,9 +263,10 @@ class Ingress:
             return None
         return asyncio.get_running_loop().time() + self.request_timeout_s
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    def _check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter `model` names (None: the base model); 404 model_not_found if we serve no
+        such model, 400 naming `model` if its adapter's files cannot run."""
+        return self.lora.resolve(model)
 
     async def _read_body(self, request: Request) -> bytes:
         """The authorized caller's body, refused with 413 past the size limit (before reading it
@@ -317,6 +346,7 @@ class Ingress:
         endpoint: Endpoint,
         echoed: list[EchoedPrompt] | None = None,
         call_format: str | None = None,
+        model_name: str | None = None,
     ) -> Response:
         deadline = self._deadline()
         # The router hop: this handle's `.remote` asks the deployment's RequestRouter (router/,
@@ -333,7 +363,7 @@ class Ingress:
         writer = ResponseWriter(
             endpoint,
             generate.request_id,
-            self.model_name,
+            model_name or self.model_name,  # as the client named it: an adapter answers as itself
             Usage(generate.n),
             body.include_usage,
             body.return_token_ids,

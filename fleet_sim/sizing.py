@@ -61,6 +61,8 @@ APP_IGNORED = {"served_model_name", "num_gpus", "num_cpus", "resources", "cpu_th
                "placement_strategy",
                "sampling_defaults", "ingress_max_ongoing_requests", "request_timeout_s", "api_key_env",
                "api_key_file", "max_request_body_bytes", "chat_template", "tool_call_parser",
+               # LoRA: a trace names each request's adapter; no adapter file is read
+               "lora_modules", "lora_root", "allow_runtime_lora_updating",
                # autoscaling's: only read with num_replicas "auto", which is refused
                "autoscaling_config", "target_kv_cache_usage", "target_waiting_requests",
                "target_ongoing_requests"}  # fmt: skip
