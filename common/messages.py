@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from common.finish_reason import FinishReason
 from common.logprobs import TokenLogprob
+from common.lora import LoRARequest
 from common.sampling_params import SamplingParams
 
 
@@ -34,6 +35,11 @@ class GenerateRequest:
     @property
     def cache_salt(self) -> str | None:
         return self.params[0].cache_salt if self.params else None
+
+    @property
+    def lora(self) -> LoRARequest | None:
+        """The LoRA adapter it runs with (the Ingress sets one for every prompt alike)."""
+        return self.params[0].lora if self.params else None
 
 
 @dataclass
@@ -78,6 +84,11 @@ class EmbedRequest:
     @property
     def cache_salt(self) -> None:
         """None: embeddings share the prefix cache with every unsalted request."""
+        return None
+
+    @property
+    def lora(self) -> None:
+        """None: embeddings run on the base model."""
         return None
 
 

@@ -1,11 +1,11 @@
 """The one message a replica sends its routers every ~0.5 s: what its KV pool holds and owes.
 
 Built by the replica (EngineReplica.record_routing_stats), carried by Serve's controller as a
-plain dict (bytes and ints: the controller never imports this package), and parsed back by every
-router with `RoutingStats.from_report`. A report that is not a whole message raises
-MalformedRoutingStats naming the field: a renamed or mistyped key must be seen (the routers log
-and count it), not read as "no stats yet", which would silently send every request by queue
-length."""
+plain dict (bytes, ints and a list of adapter names: the controller never imports this package),
+and parsed back by every router with `RoutingStats.from_report`. A report that is not a whole
+message raises MalformedRoutingStats naming the field: a renamed or mistyped key must be seen (the
+routers log and count it), not read as "no stats yet", which would silently send every request by
+queue length."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from common.block_summary import BlockSummary
 _SUMMARY_BITS = "block_summary_bits"
 _SUMMARY_PROBES = "block_summary_probes"
 _HASH_ROOT = "block_hash_root"
+_LORA_ADAPTERS = "lora_adapters"
 
 # A summary sized for the whole pool, up to this many keys (39 KiB at 1%); a larger pool's full
 # cache raises the false-positive rate instead (common/block_summary.py gives the formula).
@@ -47,6 +48,8 @@ class RoutingStats:
     report_seq: int  # counts the replica's reports: a new number is a new report
     block_summary: BlockSummary  # every block key the pool holds
     hash_root: BlockHash  # the chain root (model, no salt) the keys start from
+    # names of the LoRA adapters the replica holds loaded (its host LRU), least recent first
+    lora_adapters: tuple[str, ...] = ()
 
     def used_blocks(self) -> float:
         """Blocks held, plus the blocks its pending prompts will need."""
@@ -59,6 +62,7 @@ class RoutingStats:
             _SUMMARY_BITS: self.block_summary.bits,
             _SUMMARY_PROBES: self.block_summary.num_probes,
             _HASH_ROOT: self.hash_root,
+            _LORA_ADAPTERS: list(self.lora_adapters),
         }
 
     @classmethod
@@ -74,7 +78,12 @@ class RoutingStats:
             raise MalformedRoutingStats(f"routing stats field {_SUMMARY_BITS!r} is empty")
         probes = _count(report, _SUMMARY_PROBES, minimum=1)
         summary = BlockSummary(len(bits) * 8, probes, bits)
-        return cls(**counts, block_summary=summary, hash_root=_field(report, _HASH_ROOT, bytes))
+        return cls(
+            **counts,
+            block_summary=summary,
+            hash_root=_field(report, _HASH_ROOT, bytes),
+            lora_adapters=_names(report, _LORA_ADAPTERS),
+        )
 
 
 _COUNT_FIELDS = tuple(f.name for f in dataclasses.fields(RoutingStats) if f.type in ("int", int))
@@ -98,6 +107,13 @@ def _count(report: Mapping[str, Any], name: str, minimum: int) -> int:
     return value
 
 
+def _names(report: Mapping[str, Any], name: str) -> tuple[str, ...]:
+    values = _field(report, name, list)
+    if not all(isinstance(value, str) and value for value in values):
+        raise MalformedRoutingStats(f"routing stats field {name!r} must hold names, got {values!r}")
+    return tuple(values)
+
+
 class PoolStats(Protocol):
     """What a replica's report is made from (the engine's EngineStats; the simulator's replica)."""
 
@@ -108,6 +124,7 @@ class PoolStats(Protocol):
     num_waiting: int
     num_running: int
     cached_block_hashes: tuple[bytes, ...]
+    lora_adapters: tuple[str, ...]
 
 
 class RoutingReporter:
@@ -133,6 +150,7 @@ class RoutingReporter:
             report_seq=self._next_seq,
             block_summary=self._block_summary(stats),
             hash_root=self.hash_root,
+            lora_adapters=tuple(stats.lora_adapters),
         )
 
     def _block_summary(self, stats: PoolStats) -> BlockSummary:

@@ -2,7 +2,8 @@
 
 Serve asks `choose_replicas` for ranks of replicas; it then tries them in order, and a replica
 at `max_ongoing_requests` refuses, so Serve's backpressure stays in force. We answer one replica
-per rank, best first (router/pressure.py says how)."""
+per rank, best first (router/pressure.py says how); a request with a LoRA adapter to the
+replicas holding it first, unless they are overloaded (router/adapter_affinity.py)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def routed_request(request: PendingRequest) -> RoutedRequest:
     if ours is None:
         return RoutedRequest(request_id, 0)
     prompt = ours.prompt_token_ids[0] if ours.prompt_token_ids else ()
-    return RoutedRequest(request_id, ours.requested_tokens(), prompt, ours.cache_salt)
+    return RoutedRequest(request_id, ours.requested_tokens(), prompt, ours.cache_salt, ours.lora)
 
 
 class KVPressureRouter(FIFOMixin, RequestRouter):

@@ -5,8 +5,10 @@ against load (router/prefix_policy.py says how).
 The Ingress sends token ids, so this router hashes the prompt's full blocks exactly as the
 replicas' prefix caches do (common/block_hash.py, chained from the root the replicas report) and
 looks them up in each replica's reported BlockSummary and in what it sent there since
-(router/prefix_index.py). Requests with a `cache_salt` are routed by load alone: their chain
-starts from a salted root (a tenant's private cache), which the replicas do not report."""
+(router/prefix_index.py). A request with a LoRA adapter hashes from the adapter's root and goes
+to the adapter's holders first (router/adapter_affinity.py). Requests with a `cache_salt` are
+routed by load alone: their chain starts from a salted root (a tenant's private cache), which the
+replicas do not report."""
 
 from __future__ import annotations
 

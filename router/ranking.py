@@ -9,14 +9,17 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from common.block_hash import BlockHash, chain_block_hashes
+from common.block_hash import BlockHash, adapter_root, chain_block_hashes
+from common.lora import LoRARequest
 from common.routing_stats import RoutingStats
+from router.adapter_affinity import BY_ADAPTER, AdapterIndex, AdapterPolicy, prefer_holders
 from router.prefix_index import PrefixIndex
 from router.prefix_policy import PrefixPolicy, rank_by_prefix
-from router.pressure import PressureTracker
+from router.pressure import BY_KV, PressureTracker
 
 MAX_PENDING_DECISIONS = 4096  # requests chosen for but not yet routed: bounded, as some are cancelled
 
+ADAPTER_POLICY = AdapterPolicy()
 Stats = Mapping[Hashable, RoutingStats | None]  # each candidate replica's latest report (None: none yet)
 
 
@@ -28,6 +31,7 @@ class RoutedRequest:
     requested_tokens: int  # prompt + output tokens it may hold in a replica's KV cache
     prompt_token_ids: Sequence[int] = ()  # its (first) prompt; empty: routed by load alone
     cache_salt: str | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -39,17 +43,24 @@ class Routed:
 
 
 class PressureRanking:
-    """kv_pressure: replicas by predicted KV pressure (router/pressure.py)."""
+    """kv_pressure: replicas by predicted KV pressure (router/pressure.py); a request with a LoRA
+    adapter to those holding it first, unless overloaded (router/adapter_affinity.py).
+    `adapter_policy` None: adapters ignored (the simulator's baseline)."""
 
-    def __init__(self) -> None:
+    def __init__(self, adapter_policy: AdapterPolicy | None = ADAPTER_POLICY) -> None:
         self.tracker = PressureTracker()
+        self.adapter_policy = adapter_policy
+        self.adapters = AdapterIndex()
 
     def observe(self, replica: Hashable, stats: RoutingStats, now: float | None = None) -> None:
         self.tracker.observe(replica, stats, now)
+        self.adapters.observe(replica, stats)
 
     def keep_only(self, replicas: Iterable[Hashable]) -> None:
         """Forget replicas that are gone."""
-        self.tracker.keep_only(replicas)
+        current = list(replicas)
+        self.tracker.keep_only(current)
+        self.adapters.keep_only(current)
 
     def rank(
         self, stats: Stats, queue_lens: Mapping[Hashable, int], request: RoutedRequest | None, now: float
@@ -60,12 +71,27 @@ class PressureRanking:
             # Count it on its likeliest replica now; on_routed corrects the guess.
             best = ranking[0][0]
             self.tracker.on_sent(request.request_id, best, self.new_kv_tokens(request, best), now)
+            if request.lora is not None:  # a burst of one adapter follows its first request
+                self.adapters.on_sent(best, request.lora.name, now)
         return ranking
 
     def _rank(
         self, stats: Stats, queue_lens: Mapping[Hashable, int], request: RoutedRequest | None, now: float
     ) -> list[tuple[Hashable, str]]:
-        return self.tracker.rank(list(stats), stats, queue_lens, now)
+        return self.adapter_first(self.tracker.rank(list(stats), stats, queue_lens, now), stats, request, now)
+
+    def adapter_first(
+        self, ranking: list[tuple[Hashable, str]], stats: Stats, request: RoutedRequest | None, now: float
+    ) -> list[tuple[Hashable, str]]:
+        """The ranking with the holders of the request's adapter first, if it has one."""
+        if request is None or request.lora is None or self.adapter_policy is None:
+            return ranking
+        for replica, replica_stats in stats.items():  # Serve updates a replica's stats in place
+            if replica_stats is not None:
+                self.adapters.observe(replica, replica_stats)
+        return prefer_holders(
+            self.adapter_policy, self.tracker, self.adapters, stats, ranking, request.lora.name, now
+        )
 
     def on_routed(
         self, request: RoutedRequest, replica: Hashable, stats: RoutingStats | None, now: float | None = None
@@ -73,6 +99,8 @@ class PressureRanking:
         """The request went to `replica` (whose latest report is `stats`)."""
         routed = Routed(self.reason(request, replica, stats, now))
         self.tracker.on_sent(request.request_id, replica, self.new_kv_tokens(request, replica), now)
+        if request.lora is not None:
+            self.adapters.on_sent(replica, request.lora.name, now)
         return routed
 
     def on_finished(self, request_id: Hashable, now: float | None = None) -> None:
@@ -83,7 +111,11 @@ class PressureRanking:
     ) -> str:
         # Follows from the replica's report, so no per-request state is kept (state per pending
         # request would leak for requests cancelled before routing).
-        return self.tracker.reason(replica, stats, now)
+        reason = self.tracker.reason(replica, stats, now)
+        lora = request.lora if request is not None and self.adapter_policy is not None else None
+        if reason == BY_KV and lora is not None and self.adapters.reported(replica, lora.name):
+            return BY_ADAPTER
+        return reason
 
     def new_kv_tokens(self, request: RoutedRequest, replica: Hashable) -> int:
         """The KV cache tokens the request will add on that replica."""
@@ -101,11 +133,15 @@ class PrefixRanking(PressureRanking):
     """kv_prefix: the prompt's full blocks hashed as the replicas' prefix caches do (chained from
     the root the replicas report), looked up in each replica's reported BlockSummary and in what
     was sent there since (router/prefix_index.py), weighed against load (router/prefix_policy.py).
+    A request with a LoRA adapter hashes from the adapter's root (derived from the reported one,
+    common/block_hash.py), and goes to the adapter's holders first (router/adapter_affinity.py).
     A request with a `cache_salt` is ranked by load alone: its chain starts from a salted root
     (a tenant's private cache), which the replicas do not report."""
 
-    def __init__(self, policy: PrefixPolicy | None = None) -> None:
-        super().__init__()
+    def __init__(
+        self, policy: PrefixPolicy | None = None, adapter_policy: AdapterPolicy | None = ADAPTER_POLICY
+    ) -> None:
+        super().__init__(adapter_policy)
         self.policy = policy or PrefixPolicy()
         self.index = PrefixIndex()
         self._pending: OrderedDict[Hashable, _Pending] = OrderedDict()
@@ -124,14 +160,15 @@ class PrefixRanking(PressureRanking):
         pending = self._pending_for(request, stats)
         keys = pending.keys if pending is not None else []
         decision = rank_by_prefix(self.policy, self.tracker, self.index, stats, queue_lens, keys, now)
-        if pending is not None and decision.ranking:
+        ranking = self.adapter_first(decision.ranking, stats, request, now)
+        if pending is not None and ranking:
             if not pending.reasons:  # the first decision (Serve may ask again): what the metrics report
                 block_size = _block_size(stats)
-                pending.reasons = dict(decision.ranking)
+                pending.reasons = dict(ranking)
                 pending.overlap_tokens = {r: blocks * block_size for r, blocks in decision.overlaps.items()}
             # A burst of one conversation must see where its first request went before any lands.
-            self.index.on_sent(decision.ranking[0][0], keys, now)
-        return decision.ranking
+            self.index.on_sent(ranking[0][0], keys, now)
+        return ranking
 
     def _pending_for(self, request: RoutedRequest | None, stats: Stats) -> _Pending | None:
         """This request's prompt keys (hashed once, kept across Serve's retries)."""
@@ -149,6 +186,7 @@ class PrefixRanking(PressureRanking):
         root = self.index.hash_root(stats)
         if request.cache_salt is not None or root is None or not request.prompt_token_ids:
             return []
+        root = adapter_root(root, request.lora.key if request.lora is not None else None)
         return chain_block_hashes(root, request.prompt_token_ids, _block_size(stats))
 
     def new_kv_tokens(self, request: RoutedRequest, replica: Hashable) -> int:
