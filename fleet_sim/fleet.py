@@ -49,6 +49,7 @@ class Fleet:
         self.records: dict[str, RequestRecord] = {}
         self.timeline: list[tuple[float, int]] = []  # (time, replicas taking requests) at each change
         self.replica_seconds = 0.0  # of every replica from its start decision until it is gone
+        self.every_replica: list[SimReplica] = []  # ever created, gone ones too
         self._starting: list[SimReplica] = []  # decided, not yet taking requests
         self._draining: list[SimReplica] = []
         self._born: dict[str, float] = {}
@@ -152,7 +153,17 @@ class Fleet:
         replica_id = f"replica-{self._num_created}"
         self._num_created += 1
         self._born[replica_id] = self.loop.now
-        return SimReplica(replica_id, self.config.replica, self.step_time, self.loop, self._on_token)
+        replica = SimReplica(replica_id, self.config.replica, self.step_time, self.loop, self._on_token)
+        self.every_replica.append(replica)
+        return replica
+
+    def adapter_loads(self) -> dict[str, dict[str, int]]:
+        """LoRA adapter name -> replica id -> times that replica loaded it from disk."""
+        loads: dict[str, dict[str, int]] = {}
+        for replica in self.every_replica:
+            for name, count in replica.executor.adapters.loads.items():
+                loads.setdefault(name, {})[replica.replica_id] = count
+        return loads
 
     def _serve(self, replica: SimReplica) -> None:
         """The replica takes requests; it reports out of step with the others."""

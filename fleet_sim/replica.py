@@ -4,12 +4,13 @@ predicts for its shape."""
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from common.block_hash import root_hash
 from common.errors import InvalidRequestError
+from common.lora import LoRARequest
 from common.routing_stats import RoutingReporter
 from common.sampling_params import SamplingParams
 from fleet_sim.clock import EventLoop
@@ -39,6 +40,7 @@ class ReplicaConfig:
     model: str = "sim"  # part of every block's hash, as a real replica's model name is
     max_loras: int = 4  # LoRA adapters running at once
     max_cpu_loras: int | None = None  # adapters held loaded (None: max_loras)
+    lora_load_s: float = 0.0  # a step that needs an adapter not held loaded stalls this long to load it
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -47,6 +49,43 @@ class ReplicaConfig:
             )
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size: must be at least 1, got {self.pipeline_parallel_size}")
+        if self.max_loras < 1 or (self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras):
+            raise ValueError("max_loras must be >= 1, and max_cpu_loras (if set) >= max_loras")
+        if self.lora_load_s < 0:
+            raise ValueError(f"lora_load_s: must be >= 0, got {self.lora_load_s}")
+
+
+class SimAdapters:
+    """The runner's LoRA adapters without weights, by its policy (replica_engine/lora/manager.py):
+    `max_loras` device slots, a host LRU of `max_cpu_loras` touched when a slot is written, and a
+    load from disk (`load_s`) when a step needs an adapter in neither."""
+
+    def __init__(self, max_loras: int, max_cpu_loras: int, load_s: float) -> None:
+        self.slots: list[LoRARequest | None] = [None] * max_loras
+        self.max_cpu_loras = max_cpu_loras
+        self.load_s = load_s
+        self.loaded: OrderedDict[LoRARequest, None] = OrderedDict()  # least recent first
+        self.loads: Counter[str] = Counter()  # adapter name -> loads from disk
+
+    def prepare(self, adapters: Iterable[LoRARequest | None]) -> float:
+        """Slots for a step's adapters (the scheduler admits no more than there are slots);
+        the seconds its loads from disk take."""
+        needed = list(dict.fromkeys(lora for lora in adapters if lora is not None))
+        load_s = 0.0
+        for lora in needed:
+            if lora in self.slots:
+                continue
+            slot = next(i for i, held in enumerate(self.slots) if held is None or held not in needed)
+            if lora in self.loaded:
+                self.loaded.move_to_end(lora)
+            else:
+                self.loads[lora.name] += 1
+                load_s += self.load_s
+                self.loaded[lora] = None
+                while len(self.loaded) > self.max_cpu_loras:
+                    self.loaded.popitem(last=False)
+            self.slots[slot] = lora
+        return load_s
 
 
 class SimExecutor:
@@ -55,11 +94,15 @@ class SimExecutor:
     virtual clock (`elapsed_s`). With N pipeline stages (`pipeline_depth`), each stage takes 1/N
     of that (an even split of the work; stage-to-stage transfers are not modeled) and starts a
     batch once the stage before has passed it on and its previous batch is done, so N batches
-    overlap as in the engine's pipeline."""
+    overlap as in the engine's pipeline. A step that loads LoRA adapters takes their load time
+    more, in its first stage."""
 
-    def __init__(self, step_time: StepTime, pipeline_depth: int = 1) -> None:
+    def __init__(
+        self, step_time: StepTime, pipeline_depth: int = 1, adapters: SimAdapters | None = None
+    ) -> None:
         self.step_time = step_time
         self.pipeline_depth = pipeline_depth
+        self.adapters = adapters or SimAdapters(1, 1, 0.0)
         self.elapsed_s = 0.0
         self.last_step_s: float | None = None  # of the latest step call; 0: it only submitted
         self.requests: dict[str, Request] = {}  # the scheduler's, bound by sim_core
@@ -75,9 +118,10 @@ class SimExecutor:
 
     def submit(self, batch: ScheduledBatch) -> None:
         stage_s = self.step_time.predict_raw(batch.shape()) / self.pipeline_depth
+        load_s = self.adapters.prepare(row.lora for row in batch.rows)
         at = self.elapsed_s
         for stage, free_at in enumerate(self._stage_free_at):
-            at = max(at, free_at) + stage_s
+            at = max(at, free_at) + stage_s + (load_s if stage == 0 else 0.0)
             self._stage_free_at[stage] = at
         self._in_flight.append((batch, at))
         self.last_step_s = self.last_step_s or 0.0
@@ -101,14 +145,21 @@ class SimExecutor:
 def sim_core(config: ReplicaConfig, step_time: StepTime) -> EngineCore:
     """The engine's own EngineCore (scheduler, KV cache manager, its step and update) over a
     SimExecutor; a TBT target plans with `step_time` itself."""
-    executor = SimExecutor(step_time, config.pipeline_parallel_size)
+    max_cpu_loras = config.max_cpu_loras or config.max_loras
+    adapters = SimAdapters(config.max_loras, max_cpu_loras, config.lora_load_s)
+    executor = SimExecutor(step_time, config.pipeline_parallel_size, adapters)
     core = EngineCore(config, executor, config.num_kv_blocks, None, step_time=step_time, clock=executor.clock)
     executor.requests = core.scheduler.requests
     return core
 
 
 def engine_request(request: SimRequest) -> Request:
-    params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True, cache_salt=request.cache_salt)
+    params = SamplingParams(
+        max_tokens=request.max_tokens,
+        ignore_eos=True,
+        cache_salt=request.cache_salt,
+        lora=request.lora_request,
+    )
     return Request(request.request_id, list(request.prompt_token_ids), params, arrival_time=request.arrival_s)
 
 

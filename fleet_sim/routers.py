@@ -112,7 +112,9 @@ class Ranked:
 
 def routed_request(request: SimRequest) -> RoutedRequest:
     requested = len(request.prompt_token_ids) + request.max_tokens
-    return RoutedRequest(request.request_id, requested, request.prompt_token_ids, request.cache_salt)
+    return RoutedRequest(
+        request.request_id, requested, request.prompt_token_ids, request.cache_salt, request.lora_request
+    )
 
 
 def _ray_prefix_cache_affinity(rng: random.Random) -> SimRouter:

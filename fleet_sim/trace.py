@@ -5,6 +5,8 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
+from common.lora import LoRARequest
+
 VOCAB_SIZE = 32000  # the token ids simulated outputs are drawn from
 
 
@@ -30,6 +32,7 @@ class SimRequest:
     tenant: str = ""
     cache_salt: str | None = None
     next_turn: NextTurn | None = None  # sent once this one finishes (not if it fails)
+    lora: str | None = None  # the LoRA adapter it runs with, by name (None: the base model)
 
     def __post_init__(self) -> None:
         name = f"request {self.request_id!r}"
@@ -51,8 +54,20 @@ class SimRequest:
         prompt = self.prompt_token_ids + output + turn.user_token_ids
         arrival = finished_s + turn.think_s
         return SimRequest(
-            turn.request_id, arrival, prompt, turn.max_tokens, self.tenant, self.cache_salt, turn.next_turn
+            turn.request_id,
+            arrival,
+            prompt,
+            turn.max_tokens,
+            self.tenant,
+            self.cache_salt,
+            turn.next_turn,
+            self.lora,
         )
+
+    @property
+    def lora_request(self) -> LoRARequest | None:
+        """Its adapter as the engine and the routers know one (the path only keys it: nothing is read)."""
+        return None if self.lora is None else LoRARequest(self.lora, f"/sim/adapters/{self.lora}")
 
 
 def output_token(request_id: str, index: int) -> int:
