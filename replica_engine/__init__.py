@@ -29,6 +29,7 @@ _HOMES = {
     "EngineStats": "replica_engine.engine",
     "InvalidRequestError": "common.errors",
     "LLMEngine": "replica_engine.engine",
+    "LoRARequest": "common.lora",
     "RequestOutput": "replica_engine.outputs",
     "SamplingParams": "common.sampling_params",
 }
@@ -42,6 +43,7 @@ __all__ = [
     "EngineStats",
     "InvalidRequestError",
     "LLMEngine",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
 ]

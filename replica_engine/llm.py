@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from common.lora import LoRARequest
 from common.model_source import DEFAULT_MODEL
 from common.prompts import Prompt
 from common.sampling_params import SamplingParams
@@ -29,9 +31,17 @@ class LLM:
         self,
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[CompletionOutput]:
-        """Run every prompt (text, or a list of token ids) to completion; outputs in prompt order."""
-        return self._run(self._tokenized(prompts), sampling_params)
+        """Run every prompt (text, or a list of token ids) to completion; outputs in prompt order.
+        `lora_request` (as vLLM's): every prompt runs with that adapter (needs `enable_lora`);
+        per prompt, set `SamplingParams.lora` instead."""
+        prompts = self._tokenized(prompts)
+        if lora_request is not None:
+            if not isinstance(sampling_params, list):
+                sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [dataclasses.replace(p, lora=lora_request) for p in sampling_params]
+        return self._run(prompts, sampling_params)
 
     def embed(self, prompts: Prompt | list[Prompt]) -> list[EmbeddingOutput]:
         """Every prompt's embedding (text, or a list of token ids), in prompt order: its prompt
