@@ -29,7 +29,7 @@ from common.lora import LoRARequest
 from harness.pacing import closed_loop
 from harness.random_workload import log_uniform
 
-NUM_REQUESTS = 60
+NUM_REQUESTS = 48
 CONCURRENCY = 16
 NUM_ADAPTERS = 4
 ADAPTER_RANK = 8
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, results in runs.items():
         tok = Spread.of_runs(results, "output_tok_per_s")
         tbt = Spread.of(r["tbt_p99_s"] * 1000 for r in results)
-        print(f"{name:8}{tok:>22.1f}{tbt:>24.1f}")
+        print(f"{name:8}{format(tok, '.1f'):>22}{format(tbt, '.1f'):>24}")
     print(f"mixed / base: tok/s {tok_ratio:.2f}, TBT p99 {tbt_ratio:.2f}")
     print("on-demand load (s): " + ", ".join(f"{k} {v:.3f}" for k, v in load_times.items()))
     print_verdicts(goals_met)
