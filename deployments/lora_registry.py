@@ -230,6 +230,6 @@ def _stat(path: str) -> tuple[int, ...] | None:
     """The adapter files' modification times and sizes; None if either is missing."""
     try:
         files = [os.stat(os.path.join(path, name)) for name in (CONFIG_FILE, WEIGHTS_FILE)]
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL in a client's lora_path
         return None
     return tuple(value for stat in files for value in (stat.st_mtime_ns, stat.st_size))
