@@ -82,9 +82,8 @@ class LoRAManager:
             self.step.clear()
             return
         slot_of = {lora: self._slot_for(lora, adapters) for lora in adapters}
-        token_slots = torch.cat(
-            [torch.full((n,), -1 if lora is None else slot_of[lora], dtype=torch.int64) for lora, n in rows]
-        )
+        row_slots = torch.tensor([-1 if lora is None else slot_of[lora] for lora, _ in rows])
+        token_slots = row_slots.repeat_interleave(torch.tensor([n for _, n in rows]))
         step_rank = max(self._slot_ranks[slot] for slot in slot_of.values())
         self.step.set(token_slots.to(self.device), step_rank, len(self.slots), self.dtype)
 

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.errors import InvalidRequestError
+from common.lora import read_adapter
 from common.structured_outputs import StructuredOutputs
 from harness.hf_reference import assert_matches_up_to_ties, hf_greedy
 from harness.lora_adapters import save_random_adapter
@@ -98,7 +99,9 @@ def test_on_demand_load_lru_and_slots(lora_llm, adapters):
     steps = _record_step_adapters(lora_llm)
     alone = lora_llm.generate(PROMPTS[0], GREEDY, lora_request=adapters["c"])[0].token_ids
     assert [lora.name for lora in manager.loaded][-1] == "c"
-    assert "a" not in {lora.name for lora in manager.loaded} or "b" not in {lora.name for lora in manager.loaded}
+    assert "a" not in {lora.name for lora in manager.loaded} or "b" not in {
+        lora.name for lora in manager.loaded
+    }
     mixed = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, lora=adapters[n]) for n in "abc"]
     outs = lora_llm.generate([PROMPTS[0]] * 3, mixed)
     assert outs[2].token_ids == alone
@@ -117,10 +120,10 @@ def test_prefix_cache_is_not_shared_across_adapters(lora_llm, adapters):
     assert again_a.num_cached_tokens > 0 and again_a.token_ids == first_a.token_ids
 
 
-def test_adapter_requests_under_preemption_logprobs_and_grammar(adapters):
+def test_adapter_requests_under_preemption_logprobs_and_grammar(lora_llm, adapters):
     """A pool too small for the batch preempts adapter requests; they recompute with their own
     adapter and give what a roomy pool gives. Logprobs and structured outputs apply to them."""
-    roomy = LLM(dtype="float32", quantization="none", enable_lora=True, max_loras=2)
+    roomy = lora_llm
     tight = LLM(
         dtype="float32", quantization="none", enable_lora=True, max_loras=2, num_kv_blocks=8, block_size=4
     )
@@ -134,7 +137,9 @@ def test_adapter_requests_under_preemption_logprobs_and_grammar(adapters):
         assert len(out.logprobs) == MAX_TOKENS
         assert all(entry.token_id == token for entry, token in zip(out.logprobs, out.token_ids, strict=True))
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-    structured = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputs(json=json.dumps(schema)))
+    structured = SamplingParams(
+        max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputs(json=json.dumps(schema))
+    )
     answer = roomy.generate("Name a city as JSON:", structured, lora_request=adapters["a"])[0]
     assert isinstance(json.loads(answer.text)["city"], str)
 
@@ -156,7 +161,7 @@ def _copy_adapter(source: LoRARequest, path: Path) -> Path:
     return path
 
 
-def test_bad_adapters_are_refused_naming_model(lora_llm, adapters, tmp_path):
+def test_bad_adapters_are_refused_naming_model(lora_llm, exact_llm, adapters, tmp_path, hf_model):
     """Refused when the request is added (before any step), with the reason."""
     a = adapters["a"]
 
@@ -166,9 +171,9 @@ def test_bad_adapters_are_refused_naming_model(lora_llm, adapters, tmp_path):
         assert caught.value.param == "model"
 
     refused(LoRARequest("missing", str(tmp_path / "missing")), "no adapter_config.json")
-    small = LLM(dtype="float32", quantization="none", enable_lora=True, max_lora_rank=4)
-    refused(a, "rank 8 is above", small)
-    refused(a, "enable_lora off", LLM(dtype="float32", quantization="none"))
+    refused(a, "enable_lora off", exact_llm)
+    with pytest.raises(InvalidRequestError, match="rank 8 is above this replica's max_lora_rank 4"):
+        read_adapter(a, hf_model.config, max_lora_rank=4)  # what the engine calls when a request is added
 
     unknown = _copy_adapter(a, tmp_path / "unknown")
     config = json.loads((unknown / "adapter_config.json").read_text())
