@@ -165,6 +165,7 @@ class Ingress:
         self.tool_call_parser = settings.tool_call_parser
         self.model_name = settings.model_name
         self.lora = LoraRegistry(settings.model_name, model_config, settings.lora)
+        self.model_root = settings.model  # where the model came from, as vLLM's /v1/models says
         self.sampling_defaults = settings.sampling_defaults
         self.max_body_bytes = settings.max_request_body_bytes
         self.request_timeout_s = settings.request_timeout_s
@@ -186,7 +187,7 @@ class Ingress:
     async def models(self, request: Request) -> dict[str, object]:
         check_api_key(request.headers.get("authorization"), self.api_keys)
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "stallfree"}
-        card |= {"root": self.model_name, "parent": None}  # vLLM's fields; adapters name this parent
+        card |= {"root": self.model_root, "parent": None}  # vLLM's fields; adapters name this parent
         return {"object": "list", "data": [card, *self.lora.cards(self.created)]}
 
     @app.post("/v1/load_lora_adapter")

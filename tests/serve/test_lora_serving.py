@@ -143,7 +143,7 @@ def test_chat_streams_with_an_adapter(client: openai.OpenAI, offline: dict[str |
 def test_models_lists_each_adapter_under_its_parent(client: openai.OpenAI, adapters: dict[str, Path]):
     cards = {card.id: card.model_dump() for card in client.models.list()}
     assert {BASE, "a", "b", "broken"} <= set(cards)
-    assert cards[BASE]["parent"] is None
+    assert cards[BASE]["parent"] is None and cards[BASE]["root"] == BASE
     assert cards["a"]["parent"] == BASE and cards["a"]["root"] == str(adapters["a"])
     assert cards["b"]["root"] == str(adapters["root"] / "b")
 
