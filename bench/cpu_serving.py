@@ -77,10 +77,17 @@ def shipped_tokenizer():
     return AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL).hf_dir)
 
 
-def workload(seed: int, tokenizer) -> list[Arrival]:
+def workload(
+    seed: int,
+    tokenizer,
+    num_requests: int = NUM_REQUESTS,
+    prompt_range: tuple[int, int] = (16, 1024),
+    output_range: tuple[int, int] = (16, 256),
+) -> list[Arrival]:
+    """Text prompts and greedy output lengths, each log-uniform in its range."""
     rng = random.Random(seed)
-    prompt_lens = [log_uniform(rng, 16, 1024) for _ in range(NUM_REQUESTS)]
-    output_lens = [log_uniform(rng, 16, 256) for _ in range(NUM_REQUESTS)]
+    prompt_lens = [log_uniform(rng, *prompt_range) for _ in range(num_requests)]
+    output_lens = [log_uniform(rng, *output_range) for _ in range(num_requests)]
     prompts = text_prompts(tokenizer, prompt_lens, seed)
     return [Arrival(0.0, p, n) for p, n in zip(prompts, output_lens, strict=True)]
 

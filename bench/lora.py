@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import statistics
 import tempfile
 from pathlib import Path
 
 from bench.driver import Arrival, BenchmarkRun, EngineClient, Spread, engine_as_served, greedy, print_verdicts
-from bench.text_prompts import text_prompts
 from common.latency import summarize
 from common.lora import LoRARequest
 from harness.pacing import closed_loop
-from harness.random_workload import log_uniform
 
 NUM_REQUESTS = 48
 CONCURRENCY = 16
@@ -40,11 +37,9 @@ GOALS = {
 
 
 def workload(seed: int, tokenizer) -> list[Arrival]:
-    rng = random.Random(seed)
-    prompt_lens = [log_uniform(rng, 16, 512) for _ in range(NUM_REQUESTS)]
-    output_lens = [log_uniform(rng, 16, 128) for _ in range(NUM_REQUESTS)]
-    prompts = text_prompts(tokenizer, prompt_lens, seed)
-    return [Arrival(0.0, p, n) for p, n in zip(prompts, output_lens, strict=True)]
+    from bench.cpu_serving import workload as text_workload
+
+    return text_workload(seed, tokenizer, NUM_REQUESTS, (16, 512), (16, 128))
 
 
 def build_adapters(root: Path) -> list[LoRARequest]:
