@@ -244,6 +244,51 @@ SERVING_SPECS: dict[str, BenchSpec] = {
             ),
         ),
     ),
+    "lora": BenchSpec(
+        "benchmarks/lora.md",
+        "Four LoRA adapters beside the base model on one replica, against the base model alone",
+        (
+            Rows(
+                "runs",
+                "c=16, per run (median over seeds [spread]):",
+                "runs",
+                ("requests to",),
+                (
+                    Col("tok/s", "output_tok_per_s", agg="spread", best="max"),
+                    Col("TBT p99", "tbt_p99_s", "ms", agg="spread", best="min"),
+                    Col("TTFT p50", "ttft_p50_s", "s", agg="spread"),
+                ),
+                labels=(("base", "the base model only"), ("mixed", "base + 4 adapters, round-robin")),
+            ),
+            Values(
+                "ratios",
+                "Mixed over base only, run by run (median [spread]):",
+                (
+                    Col(
+                        "tok/s",
+                        "mixed_vs_base/output_tok_per_s",
+                        "x",
+                        agg="spread",
+                        goal="mixed_vs_base_tok_per_s_min",
+                    ),
+                    Col(
+                        "TBT p99",
+                        "mixed_vs_base/tbt_p99_s",
+                        "x",
+                        agg="spread",
+                        goal="mixed_vs_base_tbt_p99_max",
+                    ),
+                ),
+            ),
+            Rows(
+                "loads",
+                "On-demand load of each adapter from disk (read, checked, in host memory), engine-timed:",
+                "adapter_load_s",
+                ("adapter",),
+                (Col("seconds", "", "s"),),
+            ),
+        ),
+    ),
     "structured": BenchSpec(
         "benchmarks/structured.md",
         "What structured outputs cost: constrained shares against unconstrained and the code before",
