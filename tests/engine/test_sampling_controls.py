@@ -72,7 +72,13 @@ def test_prompt_logprobs_are_whole_through_chunks_the_prefix_cache_and_preemptio
     again = llm.generate([prompt, prompt + " Why?", prompt + " How?"], params)
     assert llm.engine.core.scheduler.num_preemptions > 0
     assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == len(first.prompt_token_ids) - 1
-    assert again[0].prompt_logprobs == first.prompt_logprobs
+    # The same tokens, ranks and values; values up to float rounding: without the CPU kernels
+    # (no AVX-512), torch's matmuls round differently for a different batch.
+    assert len(again[0].prompt_logprobs) == len(first.prompt_logprobs)
+    for ours, theirs in zip(again[0].prompt_logprobs, first.prompt_logprobs, strict=True):
+        assert (ours.token_id, ours.rank) == (theirs.token_id, theirs.rank)
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [t for t, _ in ours.top] == [t for t, _ in theirs.top]
     assert again[0].token_ids == first.token_ids
 
 
