@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
             run(base, warm, [None], "warm")
             run(mixed, warm, mixed_loras, "warm")
             load_times = dict(mixed.engine.client.core.runner.lora.load_times_s)
+            resolved = mixed.engine.inputs.config  # what `auto` chose on this host
+            engine = {k: getattr(resolved, k) for k in ("dtype", "quantization", "attention_backend")}
             runs: dict[str, list[dict]] = {"base": [], "mixed": []}
             for seed in range(args.seeds):
                 arrivals = workload(seed, tokenizer)
@@ -137,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
                 "target_modules": "q, k, v, o, gate, up, down",
                 "spread": "round-robin over the base model and the adapters",
             },
+            "engine": engine,
             "seeds": args.seeds,
             "runs": per_seed,
             "mixed_vs_base": ratios,
