@@ -35,6 +35,9 @@ def test_requests_without_a_valid_key_get_401(secured: str, authorization: str |
         ("POST", "/v1/completions"),
         ("GET", "/v1/models"),
         ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/embeddings"),
+        ("POST", "/v1/load_lora_adapter"),
+        ("POST", "/v1/unload_lora_adapter"),
     ):
         response = httpx.request(
             method, f"{secured}{path}", json={"prompt": "hi"}, headers=headers, timeout=30
