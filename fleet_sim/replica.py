@@ -4,7 +4,7 @@ predicts for its shape."""
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -18,6 +18,7 @@ from fleet_sim.trace import SimRequest, output_token
 from replica_engine.engine_core import EngineCore
 from replica_engine.executor import RunnerOutput, SampledTokens
 from replica_engine.kv_cache_manager import check_pool_fits
+from replica_engine.lora.slots import AdapterSlots
 from replica_engine.outputs import CoreOutput, EngineStats
 from replica_engine.request import Request
 from replica_engine.scheduler import SCHEDULING_POLICIES
@@ -56,36 +57,23 @@ class ReplicaConfig:
 
 
 class SimAdapters:
-    """The runner's LoRA adapters without weights, by its policy (replica_engine/lora/manager.py):
-    `max_loras` device slots, a host LRU of `max_cpu_loras` touched when a slot is written, and a
-    load from disk (`load_s`) when a step needs an adapter in neither."""
+    """The runner's LoRA adapters without weights, by its own policy (replica_engine/lora/slots.py):
+    `max_loras` device slots, a host LRU of `max_cpu_loras`, and a load from disk (`load_s`) when
+    a step needs an adapter in neither."""
 
     def __init__(self, max_loras: int, max_cpu_loras: int, load_s: float) -> None:
-        self.slots: list[LoRARequest | None] = [None] * max_loras
-        self.max_cpu_loras = max_cpu_loras
         self.load_s = load_s
-        self.loaded: OrderedDict[LoRARequest, None] = OrderedDict()  # least recent first
         self.loads: Counter[str] = Counter()  # adapter name -> loads from disk
+        self.placement: AdapterSlots[None] = AdapterSlots(max_loras, max_cpu_loras, self._load)
+
+    def _load(self, lora: LoRARequest) -> None:
+        self.loads[lora.name] += 1
 
     def prepare(self, adapters: Iterable[LoRARequest | None]) -> float:
-        """Slots for a step's adapters (the scheduler admits no more than there are slots);
-        the seconds its loads from disk take."""
-        needed = list(dict.fromkeys(lora for lora in adapters if lora is not None))
-        load_s = 0.0
-        for lora in needed:
-            if lora in self.slots:
-                continue
-            slot = next(i for i, held in enumerate(self.slots) if held is None or held not in needed)
-            if lora in self.loaded:
-                self.loaded.move_to_end(lora)
-            else:
-                self.loads[lora.name] += 1
-                load_s += self.load_s
-                self.loaded[lora] = None
-                while len(self.loaded) > self.max_cpu_loras:
-                    self.loaded.popitem(last=False)
-            self.slots[slot] = lora
-        return load_s
+        """Slots for a step's adapters; the seconds its loads from disk take."""
+        before = sum(self.loads.values())
+        self.placement.assign(list(dict.fromkeys(lora for lora in adapters if lora is not None)))
+        return (sum(self.loads.values()) - before) * self.load_s
 
 
 class SimExecutor:

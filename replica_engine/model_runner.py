@@ -22,7 +22,7 @@ from replica_engine.executor import RunnerOutput
 from replica_engine.flat_batch import FlatBatch, build_flat_batch
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens, blocks_in_bytes, kv_block_bytes
 from replica_engine.logprobs import logprobs_of
-from replica_engine.lora import LoRAManager
+from replica_engine.lora.manager import LoRAManager
 from replica_engine.models.llama import LlamaForCausalLM
 from replica_engine.models.loader import load_model
 from replica_engine.parallel.place import WHOLE_MODEL, WorkerPlace

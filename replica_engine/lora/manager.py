@@ -1,8 +1,8 @@
 """The runner's adapters: loaded on demand from disk into a host LRU (`max_cpu_loras`), written
 into one of `max_loras` device slots when a step needs them, and mapped to the step's tokens.
 
-The scheduler admits no more adapters at once than there are slots, so every step's adapters fit;
-a slot whose adapter the step does not use is rewritten when a new one comes. Loading happens on
+Which slot and what stays loaded follow lora/slots.py (the simulator's replica runs the same
+policy); the scheduler admits no more adapters at once than there are slots. Loading happens on
 the step thread the first time a step needs an adapter (the frontend checked the files already:
 common/lora.read_adapter), and its time is kept in `load_times_s`."""
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ from safetensors.torch import load_file
 
 from common.lora import AdapterInfo, LoRARequest, read_adapter
 from replica_engine.lora.linear import LoRALinear, LoRAStep
+from replica_engine.lora.slots import AdapterSlots
 from replica_engine.models.llama import LlamaForCausalLM, MergedLinear
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,6 @@ class LoRAManager:
     ) -> None:
         self.model_config = model.config
         self.max_lora_rank = max_lora_rank
-        self.max_cpu_loras = max_cpu_loras
         self.dtype, self.device = dtype, device
         self.step = LoRAStep()
         self.linears: dict[tuple[int, str], LoRALinear] = {}  # (layer, attribute path) -> its slots
@@ -65,14 +64,13 @@ class LoRAManager:
                 linear.lora = self.linears[index, path] = LoRALinear(
                     linear.in_features, ranges, max_loras, max_lora_rank, self.step, dtype, device
                 )
-        self.slots: list[LoRARequest | None] = [None] * max_loras
+        self.adapters = AdapterSlots(max_loras, max_cpu_loras, self._load)
         self._slot_ranks = [0] * max_loras
-        self._loaded: OrderedDict[LoRARequest, AdapterWeights] = OrderedDict()  # least recent first
         self.load_times_s: dict[str, float] = {}  # adapter name -> seconds its last load from disk took
 
     @property
     def loaded(self) -> list[LoRARequest]:
-        return list(self._loaded)
+        return list(self.adapters.loaded)
 
     def prepare(self, rows: Iterable[tuple[LoRARequest | None, int]]) -> None:
         """Map a step's rows ((adapter, tokens) in batch order) to slots, loading what is missing."""
@@ -81,34 +79,21 @@ class LoRAManager:
         if not adapters:
             self.step.clear()
             return
-        slot_of = {lora: self._slot_for(lora, adapters) for lora in adapters}
+        for slot, weights in self.adapters.assign(adapters):
+            self._write(slot, weights)
+        slot_of = {lora: self.adapters.slots.index(lora) for lora in adapters}
         row_slots = torch.tensor([-1 if lora is None else slot_of[lora] for lora, _ in rows])
         token_slots = row_slots.repeat_interleave(torch.tensor([n for _, n in rows]))
         step_rank = max(self._slot_ranks[slot] for slot in slot_of.values())
-        self.step.set(token_slots.to(self.device), step_rank, len(self.slots), self.dtype)
+        self.step.set(token_slots.to(self.device), step_rank, len(self._slot_ranks), self.dtype)
 
-    def _slot_for(self, lora: LoRARequest, needed: list[LoRARequest]) -> int:
-        if lora in self.slots:
-            return self.slots.index(lora)
-        slot = next(i for i, held in enumerate(self.slots) if held is None or held not in needed)
-        weights = self._weights(lora)
+    def _write(self, slot: int, weights: AdapterWeights) -> None:
         for linear in self.linears.values():
             linear.clear_slot(slot)
         for (layer, module), (a, b) in weights.tensors.items():
             path, shard = _PLACES[module]
             self.linears[layer, path].write(slot, shard, a, b, weights.info.scaling)
-        self.slots[slot], self._slot_ranks[slot] = lora, weights.info.rank
-        return slot
-
-    def _weights(self, lora: LoRARequest) -> AdapterWeights:
-        """From the host LRU, else from disk (then the least recently used beyond max_cpu_loras goes)."""
-        weights = self._loaded.pop(lora, None)
-        if weights is None:
-            weights = self._load(lora)
-        self._loaded[lora] = weights
-        while len(self._loaded) > self.max_cpu_loras:
-            self._loaded.popitem(last=False)
-        return weights
+        self._slot_ranks[slot] = weights.info.rank
 
     def _load(self, lora: LoRARequest) -> AdapterWeights:
         started = time.perf_counter()
