@@ -17,6 +17,8 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+from common.lora import LoRARequest
+
 BlockHash = bytes  # a 32-byte sha256 digest
 
 
@@ -26,12 +28,13 @@ def root_hash(model: str, cache_salt: str | None) -> BlockHash:
     return hashlib.sha256(b"stallfree-kv\x00" + model.encode() + b"\x00" + salt).digest()
 
 
-def adapter_root(root: BlockHash, lora_key: str | None) -> BlockHash:
+def adapter_root(root: BlockHash, lora: LoRARequest | None) -> BlockHash:
     """The chain's start for a request run with a LoRA adapter (its K/V differ from the base
-    model's): derived from the model's root, so a router holding a replica's root finds it too."""
-    if lora_key is None:
+    model's): derived from the model's root, so a router holding a replica's root finds it too.
+    No adapter: `root` itself."""
+    if lora is None:
         return root
-    return hashlib.sha256(b"stallfree-lora\x00" + root + lora_key.encode()).digest()
+    return hashlib.sha256(b"stallfree-lora\x00" + root + lora.key.encode()).digest()
 
 
 def next_block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:

@@ -114,7 +114,7 @@ class KVCacheManager:
     def _root(self, request: Request) -> BlockHash:
         params = request.sampling_params
         root = root_hash(self.model, params.cache_salt)
-        return adapter_root(root, params.lora.key if params.lora is not None else None)
+        return adapter_root(root, params.lora)
 
     def find_cached_blocks(self, request: Request) -> list[int]:
         """The longest run of the request's leading full blocks that the cache holds, leaving at

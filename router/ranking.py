@@ -186,7 +186,7 @@ class PrefixRanking(PressureRanking):
         root = self.index.hash_root(stats)
         if request.cache_salt is not None or root is None or not request.prompt_token_ids:
             return []
-        root = adapter_root(root, request.lora.key if request.lora is not None else None)
+        root = adapter_root(root, request.lora)
         return chain_block_hashes(root, request.prompt_token_ids, _block_size(stats))
 
     def new_kv_tokens(self, request: RoutedRequest, replica: Hashable) -> int:

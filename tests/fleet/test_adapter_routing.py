@@ -133,7 +133,7 @@ def test_adapter_affinity_can_be_switched_off_for_baselines():
 
 def test_prefix_matching_hashes_an_adapter_request_from_the_adapters_root():
     prompt = tuple(range(64))  # 4 blocks
-    keys = chain_block_hashes(adapter_root(ROOT, SQL.key), prompt, 16)
+    keys = chain_block_hashes(adapter_root(ROOT, SQL), prompt, 16)
     base_keys = chain_block_hashes(ROOT, prompt, 16)
     summary = BlockSummary.of(keys, capacity=256)
     # Both hold the adapter; only one holds its prefix, another the base model's same tokens.
