@@ -1,12 +1,10 @@
 """The replicas bench.fleet simulates: this machine's CPU replica as serve_config.yaml ships it,
-with the step time its engine learned in bench.fleet_validation's run, and Llama-3-8B on an H100
+with the step time its engine learned in a bench.fleet_validation run, and Llama-3-8B on an H100
 as vLLM would configure it, with a roofline's step time (fleet_sim/roofline.py)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from common.model_shapes import dummy_config_dict
 from fleet_sim.replica import ReplicaConfig
@@ -14,7 +12,19 @@ from fleet_sim.roofline import RooflineStepTime
 from replica_engine.kv_cache_manager import blocks_in_bytes
 from replica_engine.scheduler.step_time_model import StepShape, StepTime, StepTimeModel
 
-COEFFICIENTS = Path("bench/results/fleet_validation.json")
+# The step time bench.fleet_validation's engine learned from its run (learned_from_run) on
+# 2026-11-25T00:10, on an AVX-512 host running our CPU kernels in bf16: c0, c_prefill, c_decode,
+# c_prompt_attention, c_decode_attention, c_request (s). Pinned: the workloads' rates are sized
+# for it, and a later run on a host without AVX-512 (torch's fp32 ops, 2.2x slower prefill)
+# overloaded every fleet, which compared routers in a regime the plan never meant to.
+CPU_COEFFICIENTS = (
+    0.01536931952345431,
+    0.000637989600830799,
+    0.0,
+    3.5012986746988414e-07,
+    4.5139559626836814e-07,
+    0.0018284466278449699,
+)
 # serve_config.yaml's replica on this CPU: a 1 GiB KV pool of SmolLM2 is 2,911 blocks
 CPU_REPLICA = ReplicaConfig(num_kv_blocks=2911, max_num_batched_tokens=256, max_num_seqs=64)
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of the GPU's memory
@@ -32,12 +42,11 @@ class Profile:
 
 
 def cpu_step_time() -> StepTimeModel:
-    coefficients = json.loads(COEFFICIENTS.read_text())["coefficients"]["learned_from_run"]
-    return StepTimeModel.from_coefficients(coefficients)
+    return StepTimeModel.from_coefficients(CPU_COEFFICIENTS)
 
 
 def cpu_profile() -> Profile:
-    description = f"SmolLM2-135M on this CPU ({COEFFICIENTS} learned_from_run)"
+    description = "SmolLM2-135M on this CPU (bench.fleet_validation's learned step time, 2026-11-25)"
     return Profile(description, CPU_REPLICA, cpu_step_time(), 1.0, max_ongoing_requests=128)
 
 

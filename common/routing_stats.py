@@ -1,4 +1,5 @@
-"""The one message a replica sends its routers every ~0.5 s: what its KV pool holds and owes.
+"""The one message a replica sends its routers every ~0.5 s: what its KV pool holds and owes, and
+what its steps cost (the kv_prefix router predicts each replica's time to first token from it).
 
 Built by the replica (EngineReplica.record_routing_stats), carried by Serve's controller as a
 plain dict (bytes, ints and a list of adapter names: the controller never imports this package),
@@ -23,6 +24,7 @@ _SUMMARY_BITS = "block_summary_bits"
 _SUMMARY_PROBES = "block_summary_probes"
 _HASH_ROOT = "block_hash_root"
 _LORA_ADAPTERS = "lora_adapters"
+_STEP_TIME = "step_time_coefficients"
 
 # A summary sized for the whole pool, up to this many keys (39 KiB at 1%); a larger pool's full
 # cache raises the false-positive rate instead (common/block_summary.py gives the formula).
@@ -50,6 +52,11 @@ class RoutingStats:
     hash_root: BlockHash  # the chain root (model, no salt) the keys start from
     # names of the LoRA adapters the replica holds loaded (its host LRU), least recent first
     lora_adapters: tuple[str, ...] = ()
+    max_num_batched_tokens: int = 256  # the step's token budget: decodes first, then prompt chunks
+    num_running_context_tokens: int = 0  # tokens the running requests attend to (decode attention)
+    # The replica's step-time model (replica_engine/scheduler/step_time_model.py: c0, c_prefill,
+    # c_decode, c_prompt_attention, c_decode_attention, c_request, in seconds); empty: none learned.
+    step_time_coefficients: tuple[float, ...] = ()
 
     def used_blocks(self) -> float:
         """Blocks held, plus the blocks its pending prompts will need."""
@@ -63,6 +70,7 @@ class RoutingStats:
             _SUMMARY_PROBES: self.block_summary.num_probes,
             _HASH_ROOT: self.hash_root,
             _LORA_ADAPTERS: list(self.lora_adapters),
+            _STEP_TIME: list(self.step_time_coefficients),
         }
 
     @classmethod
@@ -72,7 +80,7 @@ class RoutingStats:
             return None
         if not isinstance(report, Mapping):
             raise MalformedRoutingStats(f"routing stats must be a mapping, got {type(report).__name__}")
-        counts = {name: _count(report, name, minimum=int(name == "block_size")) for name in _COUNT_FIELDS}
+        counts = {name: _count(report, name, minimum=int(name in _POSITIVE)) for name in _COUNT_FIELDS}
         bits = _field(report, _SUMMARY_BITS, bytes)
         if not bits:
             raise MalformedRoutingStats(f"routing stats field {_SUMMARY_BITS!r} is empty")
@@ -83,10 +91,13 @@ class RoutingStats:
             block_summary=summary,
             hash_root=_field(report, _HASH_ROOT, bytes),
             lora_adapters=_names(report, _LORA_ADAPTERS),
+            step_time_coefficients=_coefficients(report, _STEP_TIME),
         )
 
 
 _COUNT_FIELDS = tuple(f.name for f in dataclasses.fields(RoutingStats) if f.type in ("int", int))
+_POSITIVE = ("block_size", "max_num_batched_tokens")
+NUM_STEP_TIME_COEFFICIENTS = 6
 
 
 def _field(report: Mapping[str, Any], name: str, kind: type) -> Any:
@@ -114,6 +125,21 @@ def _names(report: Mapping[str, Any], name: str) -> tuple[str, ...]:
     return tuple(values)
 
 
+def _coefficients(report: Mapping[str, Any], name: str) -> tuple[float, ...]:
+    values = _field(report, name, list)
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    if values and not (
+        numbers
+        and len(values) == NUM_STEP_TIME_COEFFICIENTS
+        and all(math.isfinite(v) and v >= 0 for v in values)
+    ):
+        raise MalformedRoutingStats(
+            f"routing stats field {name!r} must be empty or {NUM_STEP_TIME_COEFFICIENTS} non-negative "
+            f"seconds, got {values!r}"
+        )
+    return tuple(float(v) for v in values)
+
+
 class PoolStats(Protocol):
     """What a replica's report is made from (the engine's EngineStats; the simulator's replica)."""
 
@@ -125,14 +151,17 @@ class PoolStats(Protocol):
     num_running: int
     cached_block_hashes: tuple[bytes, ...]
     lora_adapters: tuple[str, ...]
+    num_running_context_tokens: int
+    step_time_coefficients: tuple[float, ...]
 
 
 class RoutingReporter:
     """A replica's side of the message: numbers its reports (routers date a report by when they
     first see its number) and rebuilds the Bloom filter only when the pool's keys changed."""
 
-    def __init__(self, block_size: int, hash_root: BlockHash) -> None:
+    def __init__(self, block_size: int, hash_root: BlockHash, max_num_batched_tokens: int) -> None:
         self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.hash_root = hash_root  # routers hash prompts from the root every unsalted chain starts at
         self._next_seq = 0
         self._summary: tuple[tuple[bytes, ...], BlockSummary] | None = None  # (of these keys, summary)
@@ -151,6 +180,9 @@ class RoutingReporter:
             block_summary=self._block_summary(stats),
             hash_root=self.hash_root,
             lora_adapters=tuple(stats.lora_adapters),
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            num_running_context_tokens=stats.num_running_context_tokens,
+            step_time_coefficients=tuple(stats.step_time_coefficients),
         )
 
     def _block_summary(self, stats: PoolStats) -> BlockSummary:

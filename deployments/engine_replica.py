@@ -192,7 +192,11 @@ class EngineReplica:
             torch.set_num_threads(cpu_threads or len(os.sched_getaffinity(0)))
         self.engine = AsyncEngine(engine_config, EngineMetrics(RayServeSink(), model_name))
         inputs = self.engine.inputs
-        self._reporter = RoutingReporter(inputs.config.block_size, root_hash(inputs.config.model, None))
+        self._reporter = RoutingReporter(
+            inputs.config.block_size,
+            root_hash(inputs.config.model, None),
+            inputs.config.max_num_batched_tokens,
+        )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[list[ChoiceDelta] | GenerateError]:
         """Stream the choices' deltas; a refused request yields one GenerateError and nothing else,

@@ -122,7 +122,7 @@ class Fleet:
     def _report(self, replica: SimReplica) -> None:
         if not self._num_unfinished or replica not in self.replicas:
             return
-        stats = replica.reporter.report(replica.stats())
+        stats = replica.report()
         deliver = functools.partial(self.router.on_report, replica.replica_id, stats)
         self.loop.call_later(self.config.report_delay_s, lambda: deliver(self.loop.now))
         self.loop.call_later(self.config.report_period_s, functools.partial(self._report, replica))

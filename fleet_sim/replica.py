@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from common.block_hash import root_hash
 from common.errors import InvalidRequestError
 from common.lora import LoRARequest
-from common.routing_stats import RoutingReporter
+from common.routing_stats import RoutingReporter, RoutingStats
 from common.sampling_params import SamplingParams
 from fleet_sim.clock import EventLoop
 from fleet_sim.trace import SimRequest, output_token
@@ -23,7 +23,13 @@ from replica_engine.outputs import CoreOutput, EngineStats
 from replica_engine.request import Request
 from replica_engine.scheduler import SCHEDULING_POLICIES
 from replica_engine.scheduler.plan import ScheduledBatch
-from replica_engine.scheduler.step_time_model import StepTime
+from replica_engine.scheduler.step_time_model import (
+    CONTEXTS,
+    StepShape,
+    StepTime,
+    StepTimeModel,
+    profile_shapes,
+)
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,18 @@ def engine_request(request: SimRequest) -> Request:
     return Request(request.request_id, list(request.prompt_token_ids), params, arrival_time=request.arrival_s)
 
 
+def learned_coefficients(step_time: StepTime, config: ReplicaConfig) -> tuple[float, ...]:
+    """What the replica's own step-time model would say: the fitted model's coefficients, or a
+    GPU roofline's as a replica fits them, on its startup profile's shapes."""
+    if isinstance(step_time, StepTimeModel):
+        return tuple(float(c) for c in step_time.coefficients)
+    cap = config.max_num_batched_tokens
+    shapes = [StepShape.of(rows) for rows in profile_shapes(cap, cap + max(CONTEXTS), config.max_num_seqs)]
+    model = StepTimeModel()
+    model.fit_profile((shape, step_time.predict_raw(shape)) for shape in shapes)
+    return tuple(float(c) for c in model.coefficients)
+
+
 TokenListener = Callable[["SimReplica", CoreOutput, float], None]  # (replica, output, now), per token
 
 
@@ -174,15 +192,28 @@ class SimReplica:
         self.executor: SimExecutor = self.core.runner  # type: ignore[assignment]
         self.loop = loop
         self.on_token = on_token
-        self.reporter = RoutingReporter(config.block_size, root_hash(config.model, None))
+        self.reporter = RoutingReporter(
+            config.block_size, root_hash(config.model, None), config.max_num_batched_tokens
+        )
+        self.step_time_coefficients = learned_coefficients(step_time, config)
         self.num_ongoing = 0  # submitted and not finished: what Serve's max_ongoing_requests counts
         self._published = self.core.stats
         self._joining: list[Request] = []
         self._stepping = False
         self._dead = False
+        self._finishing: list[str] = []  # requests the step in flight finishes: out when it ends
 
     def stats(self) -> EngineStats:
         return self._published
+
+    def holds_block(self, block_hash: bytes) -> bool:
+        """Whether its prefix cache holds this block now (what vLLM's KV events tell llm-d)."""
+        return self.core.kv_cache_manager.holds(block_hash)
+
+    def report(self) -> RoutingStats:
+        """The routing report, with the step-time model a real replica would have learned."""
+        stats = self.reporter.report(self._published)
+        return replace(stats, step_time_coefficients=self.step_time_coefficients)
 
     def submit(self, request: Request) -> None:
         """Queue a request for the next step; ValueError if it could never fit the KV pool."""
@@ -209,12 +240,14 @@ class SimReplica:
             self._stepping = False
             return
         stats = self.core.stats
+        self._finishing = [output.request_id for output in outputs if output.finished]
         self.loop.call_later(self.executor.last_step_s, lambda: self._end_step(outputs, stats))
 
     def kill(self) -> list[str]:
-        """The replica dies now; the ids of the requests it held (lost with it)."""
+        """The replica dies now; the ids of the requests it held (lost with it), those whose last
+        token the step in flight was computing too (the engine has let them go, the client has not)."""
         self._dead = True
-        lost = [r.request_id for r in self._joining] + list(self.core.scheduler.requests)
+        lost = [r.request_id for r in self._joining] + list(self.core.scheduler.requests) + self._finishing
         self.num_ongoing = 0
         return lost
 

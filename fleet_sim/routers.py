@@ -1,6 +1,7 @@
 """The routers a simulated fleet can use: ours (router/ranking.py, the code the Serve routers
-run) and the baselines as Serve runs them. A router ranks replicas; the fleet tries them in
-order, skipping those at max_ongoing_requests, as Serve does."""
+run), the baselines as Serve runs them, and SGLang's and llm-d's routers from their published
+logic. A router ranks replicas; the fleet tries them in order, skipping those at
+max_ongoing_requests, as Serve does."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class SimRouter(Protocol):
     def keep_only(self, replica_ids: Iterable[str]) -> None: ...
 
 
-class _Blind:
+class Blind:
     """A router that reads no reports and keeps no state per request."""
 
     def on_routed(self, request: SimRequest, replica: SimReplica, now: float) -> None:
@@ -44,7 +45,7 @@ class _Blind:
         pass
 
 
-class RoundRobin(_Blind):
+class RoundRobin(Blind):
     """router/round_robin.py: each request to the next replica in turn, by replica id."""
 
     def __init__(self) -> None:
@@ -65,7 +66,7 @@ def two_choices(rng: random.Random, replicas: Sequence[SimReplica]) -> list[SimR
     return sorted(shuffled[:2], key=lambda replica: replica.num_ongoing) + shuffled[2:]
 
 
-class PowerOfTwo(_Blind):
+class PowerOfTwo(Blind):
     """Serve's default router."""
 
     def __init__(self, rng: random.Random) -> None:
@@ -123,10 +124,24 @@ def _ray_prefix_cache_affinity(rng: random.Random) -> SimRouter:
     return RayPrefixCacheAffinity(rng)
 
 
+def _sglang_cache_aware(rng: random.Random) -> SimRouter:
+    from fleet_sim.sglang_router import SGLangCacheAware  # imports Ray (its PrefixTree)
+
+    return SGLangCacheAware(rng)
+
+
+def _llmd_precise_prefix(rng: random.Random) -> SimRouter:
+    from fleet_sim.llmd_router import LLMDPrecisePrefix
+
+    return LLMDPrecisePrefix(rng)
+
+
 ROUTERS = {
     "kv_prefix": lambda rng: Ranked(PrefixRanking(), rng),
     "kv_pressure": lambda rng: Ranked(PressureRanking(), rng),
     "prefix_cache_affinity": _ray_prefix_cache_affinity,
+    "sglang_cache_aware": _sglang_cache_aware,
+    "llmd_precise_prefix": _llmd_precise_prefix,
     "power_of_two": PowerOfTwo,
     "round_robin": lambda rng: RoundRobin(),
 }

@@ -86,6 +86,10 @@ class KVCacheManager:
             self._cached_snapshot = tuple(self._cached)
         return self._cached_snapshot
 
+    def holds(self, block_hash: BlockHash) -> bool:
+        """Whether a block holds this content (in use or cached free)."""
+        return block_hash in self._cached
+
     @property
     def pool_size(self) -> int:
         return self.num_blocks + 1

@@ -24,6 +24,8 @@ class EngineStats:
     num_cached_free_blocks: int  # free blocks the prefix cache still holds content in
     cached_block_hashes: tuple[bytes, ...] = ()  # prefix-cache keys of every block holding one
     lora_adapters: tuple[str, ...] = ()  # names of the LoRA adapters loaded, least recent first
+    num_running_context_tokens: int = 0  # tokens the running requests attend to
+    step_time_coefficients: tuple[float, ...] = ()  # the TBT budget's step-time model (none: empty)
 
 
 @dataclass(frozen=True)

@@ -12,34 +12,10 @@ from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
 from replica_engine.model_runner import ModelRunner
 from replica_engine.parallel.executor import ParallelExecutor
 from replica_engine.scheduler.plan import SamplingRow, ScheduledBatch, ScheduledRow
-from replica_engine.scheduler.step_time_model import StepShape
+from replica_engine.scheduler.step_time_model import StepShape, profile_shapes
 
-CHUNK_SIZES = (16, 64, 256, 1024, 2048)
-DECODE_BATCHES = (1, 4, 16, 64)
-CONTEXTS = (64, 512, 2048)  # decodes' attention grows with context: long ones too
 TOKEN_ID = 100  # any id: timing does not depend on values
 _GREEDY = SamplingRow(SamplingParams(max_tokens=1, temperature=0.0), None)
-
-# A shape is (start, tokens, is decode) per request.
-Rows = list[tuple[int, int, bool]]
-
-
-def profile_shapes(config: EngineConfig) -> list[Rows]:
-    """Every shape within the budget cap, max_num_seqs and the context (positions < max_model_len)."""
-    cap, max_len, max_seqs = config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs
-    assert cap is not None and max_len is not None and max_seqs is not None
-    largest = min(cap, max_len)
-    chunks = sorted({c for c in CHUNK_SIZES if c < largest} | {largest})
-    batches = [b for b in DECODE_BATCHES if b <= min(cap, max_seqs)]
-    shapes: list[Rows] = []
-    for context in CONTEXTS:
-        shapes += [[(context if context + c <= max_len else 0, c, False)] for c in chunks]
-        shapes += [[(min(context, max_len - 1), 1, True)] * b for b in batches]
-    mixed_decodes = min(8, cap // 2, max_seqs - 1)
-    if mixed_decodes > 0:
-        decode = (min(256, max_len - 1), 1, True)
-        shapes.append([decode] * mixed_decodes + [(0, min(cap - mixed_decodes, max_len), False)])
-    return shapes
 
 
 def profile_step_times(
@@ -48,7 +24,9 @@ def profile_step_times(
     """Each shape run twice, the second timed (the first warms caches and allocators). Rows share
     the pool's blocks cyclically: their K/V is garbage, written and read, never cached."""
     samples = []
-    for rows in profile_shapes(config):
+    cap, max_len, max_seqs = config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs
+    assert cap is not None and max_len is not None and max_seqs is not None
+    for rows in profile_shapes(cap, max_len, max_seqs):
         batch = ScheduledBatch(
             tuple(
                 _row(i, start, n, decode, config, num_kv_blocks) for i, (start, n, decode) in enumerate(rows)

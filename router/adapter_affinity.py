@@ -5,11 +5,17 @@ says (kv_prefix: prefix, then load; kv_pressure: load).
 Why holders first: a replica loads an adapter from disk on the step that first needs it (that
 step stalls for the load), and each one it loads takes a place in its host LRU (max_cpu_loras),
 evicting another. Routed by load alone, every adapter ends up loaded on every replica, evicting
-each other. Why not blindly: a holder that the kv_prefix load guard would call too busy (more
-requests than the least busy replica by both the guard's slack and its fraction), or whose KV
-pool is predicted full while another replica's is not, is passed over; the replica the request
-lands on then loads the adapter and holds it too, so a hot adapter spreads over as many replicas
-as its load needs while a cold one stays on one.
+each other. Why not blindly: a holder too busy by SGLang's balance rule (more requests than the
+least busy replica by both a slack and a fraction), or whose KV pool is predicted full while
+another replica's is not, is passed over; the replica the request lands on then loads the adapter
+and holds it too, so a hot adapter spreads over as many replicas as its load needs while a cold
+one stays on one.
+
+Why late reports still count: which adapters a replica holds changes only when it loads or evicts
+one, so a report older than the KV-pressure staleness limit (2 s, which a loaded host's live
+replicas overrun) still says where an adapter is; its load is judged on that report plus what this
+router sent there since. A replica silent for longer than Serve's health-check period may be gone,
+and is no holder (fresh holders rank before late ones either way).
 
 Who holds what: each replica's latest report (the names of its loaded adapters), plus what this
 router sent there since (a burst of one adapter must see where its first request went before any
@@ -23,21 +29,23 @@ from dataclasses import dataclass, field
 
 from common.routing_stats import RoutingStats
 from router.prefix_index import RECENT_TTL_S
-from router.prefix_policy import PrefixPolicy
-from router.pressure import BY_QUEUE, NO_STATS, PressureTracker
+from router.pressure import NO_STATS, PressureTracker
 
-BY_ADAPTER = "adapter-hit"  # fresh stats, the replica holds the request's adapter and is not overloaded
+BY_ADAPTER = "adapter-hit"  # the replica holds the request's adapter and is not overloaded
 
 
 @dataclass(frozen=True)
 class AdapterPolicy:
-    # The load guard's rule and values (router/prefix_policy.py): a holder is overloaded when it has
-    # more requests than the least busy replica by both this many and this fraction of its count.
-    request_slack: int = PrefixPolicy.request_slack
-    max_request_imbalance: float = PrefixPolicy.max_request_imbalance
+    # A holder is overloaded when it has more requests than the least busy replica by both this
+    # many and this fraction of its count (SGLang's cache-aware router's balance rule; its slack).
+    request_slack: int = 32
+    max_request_imbalance: float = 0.5
     # ...or when its predicted KV pressure is at least this while another replica's is below: the
     # request would wait there for blocks, which costs more than an adapter load.
     max_pressure: float = 1.0
+    # A holder whose latest report is older than this (Serve's default health-check period) may be
+    # gone: it is passed over like a replica that never reported.
+    max_report_age_s: float = 10.0
 
 
 @dataclass
@@ -85,15 +93,21 @@ def prefer_holders(
     adapter: str,
     now: float,
 ) -> list[tuple[Hashable, str]]:
-    """`ranking` (best first, without regard to the adapter) with the fresh replicas that hold
-    `adapter` and are not overloaded moved to the front, in their order; unchanged if none."""
-    fresh = [replica for replica, reason in ranking if reason not in (BY_QUEUE, NO_STATS)]
-    holders = [replica for replica in fresh if index.holds(replica, adapter, now)]
+    """`ranking` (best first, without regard to the adapter) with the replicas that hold `adapter`,
+    have reported within `max_report_age_s` and are not overloaded moved to the front, in their
+    order; unchanged if none."""
+    age_limit = policy.max_report_age_s
+    known = [
+        replica
+        for replica, reason in ranking
+        if reason != NO_STATS and now - tracker.observe(replica, stats[replica], now) <= age_limit
+    ]
+    holders = [replica for replica in known if index.holds(replica, adapter, now)]
     if not holders:
         return list(ranking)
-    loads = {replica: _load(tracker, replica, stats[replica], now) for replica in fresh}
+    loads = {replica: _load(tracker, replica, stats[replica], now) for replica in known}
     least_requests = min(requests for requests, _ in loads.values())
-    room = any(loads[r][1] < policy.max_pressure for r in fresh if r not in holders)
+    room = any(loads[r][1] < policy.max_pressure for r in known if r not in holders)
 
     def overloaded(replica: Hashable) -> bool:
         requests, pressure = loads[replica]
@@ -111,8 +125,8 @@ def prefer_holders(
 def _load(
     tracker: PressureTracker, replica: Hashable, stats: RoutingStats | None, now: float
 ) -> tuple[int, float]:
-    """(requests there, predicted KV pressure), as the kv_prefix load guard counts them."""
-    assert stats is not None  # fresh: it has stats
+    """(requests there: reported and sent since, predicted KV pressure)."""
+    assert stats is not None  # it has reported
     requests = stats.num_waiting + stats.num_running + tracker.in_flight_requests(replica)
     return requests, tracker.pressure(replica, stats, now)
 

@@ -1,28 +1,31 @@
-"""The kv_prefix decision, pure (no Ray): rank replicas by the prefill a request would cost there
-plus the KV load it would leave there, NVIDIA Dynamo's router cost, plus a term for what the
-replica's cache already holds:
+"""The kv_prefix decision, pure (no Ray): each replica's predicted time to first token (TTFT) for
+this request, in seconds, from what the replica reported plus what this router sent it since:
 
-    new = prompt blocks - blocks the replica holds
-    cost = prefill_weight * new + (predicted KV blocks in use + new) + cache_weight * cached free
+    TTFT  = steps * per step + c_prefill * (queued + own) + c_prompt_attention * own's pairs
+    steps = ceil((queued + own) / (budget - decodes))      stall-free: decodes first, then chunks
+    per step = c0 + c_decode * decodes + c_decode_attention * running context + c_request * (decodes + 1)
 
-A block the replica holds is saved twice: not computed, and shared rather than added. The
-predicted KV load is the KV-pressure router's (router/pressure.py: the last report plus what was
-sent since). The last term counts the free blocks that still hold cached content (idle
-prefixes): a prompt nobody holds goes where less idle content would be crowded out, as Ray's
-PrefixCacheAffinityRouter sends it to its "smallest tenant", so tenants divide between replicas
-instead of piling on whichever was idle when they first came. With cache_weight 0.5 it never
-outweighs a prefix held (the holder saves prefill_weight + 1 per block it holds; holding it
-costs 0.5). With no overlap and nothing cached anywhere this ranks as kv_pressure does.
+`own` is the prompt less the leading blocks the replica holds (its reported Bloom summary and what
+this router sent there since, router/prefix_index.py); `queued` is the prompt work its report owes
+plus what this router sent since (router/pressure.py). The coefficients are the replica's own
+step-time model (common/routing_stats.py), so a held prefix, a queue and a batch of decodes are
+weighed in one unit on any hardware, with no weights tuned per profile. A replica that learned no
+model is priced in tokens (a step costs the tokens it computes), and then every replica is, so
+they stay comparable.
 
-prefill_weight is 16, not Dynamo's 1: in the fleet simulator (bench.fleet, tenants with
-2,000-token contexts, working set 0.7x the fleet's KV, a ramp), weight 1 let a few hundred blocks
-of load difference outweigh a held context, so under load tenants spread, caches thrashed and the
-fleet fell behind (16 replicas: TTFT p90 112 s, hit rate 0.43, where Ray's sticky
-PrefixCacheAffinityRouter had 2.4 s and 0.87); 16 keeps a tenant where its context is unless the
-load difference is most of a pool. The load guard's slack is 32 (SGLang's value), not 8: at 8 it
-sent a held tenant to a cold replica whenever a ramp briefly unbalanced request counts (16
-replicas, weight 16: TTFT p90 12.6 s against 3.6 s at 32), while a single hot prefix on 4
-replicas still spreads at 32 (TTFT p90 0.36 s; Ray's router, which has no guard, 76 s)."""
+The lowest TTFT wins, with the request's own prefill counted once more for each request already
+on the replica (waiting, running, or sent since): they wait out that prefill too, a step being
+shared. Without it, greedy TTFT sent a tenant away from a replica whose queue had grown; each
+move cost a full prefill and a second copy of the context, and under load the fleet's hit rate
+fell and its queues grew.
+
+A new prefix goes home: when no replica holds a block of it, it goes, among the replicas whose
+predicted cost is within one own prefill of the best and whose KV pool has room for it, to the
+one with the least idle cached
+content (free blocks still holding a prefix: what it would crowd out). As Ray's
+PrefixCacheAffinityRouter sends a new prompt to its "smallest tenant", tenants divide between
+replicas instead of piling on whichever was idle when they first came, and their later requests
+find them where they went."""
 
 from __future__ import annotations
 
@@ -36,17 +39,10 @@ from router.prefix_index import PrefixIndex
 from router.pressure import BY_KV, PressureTracker
 
 BY_PREFIX = "prefix-hit"  # fresh stats, chosen replica holds part of the prompt
-BY_LOAD_GUARD = "load-guard"  # the cheapest replica was too busy: ranked by requests instead
+BY_NEW_PREFIX = "new-prefix-home"  # nobody holds the prompt: the replica with the least idle content
 
-
-@dataclass(frozen=True)
-class PrefixPolicy:
-    prefill_weight: float = 16.0  # a block to prefill against a block of KV load (Dynamo's: 1; above)
-    cache_weight: float = 0.5  # a free block holding cached content against a block of KV load
-    # The load guard trips when the cheapest replica has more requests than the least busy one by
-    # both this many and this fraction of its count (SGLang's cache-aware router's rule and slack).
-    request_slack: int = 32
-    max_request_imbalance: float = 0.5
+# c0, c_prefill, c_decode, c_prompt_attention, c_decode_attention, c_request: a token a unit.
+TOKEN_COST = (0.0, 1.0, 1.0, 0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -58,15 +54,39 @@ class Decision:
 @dataclass(frozen=True)
 class _Candidate:
     replica: Hashable
-    overlap: int
-    cost: float
-    pressure: float
-    num_requests: int
+    overlap: int  # blocks
+    ttft_s: float
+    own_prefill_s: float
+    fits: bool
+    idle_cached_blocks: int
     queue_len: float
+
+    def key(self) -> tuple[float, float]:
+        return self.ttft_s, self.queue_len
+
+
+def predicted_ttft(
+    coefficients: Sequence[float], stats: RoutingStats, queued: int, own: int, own_start: int
+) -> tuple[float, float]:
+    """(TTFT, of it the request's own prefill) on a replica: `queued` prompt tokens ahead of it,
+    `own` tokens of its own to compute after `own_start` cached ones."""
+    c0, c_prefill, c_decode, c_prompt_attention, c_decode_attention, c_request = coefficients
+    decodes = stats.num_running
+    per_step = max(1, stats.max_num_batched_tokens - decodes)
+    steps = max(1, math.ceil((queued + own) / per_step))
+    step_s = (
+        c0
+        + c_decode * decodes
+        + c_decode_attention * stats.num_running_context_tokens
+        + c_request * (decodes + 1)
+    )
+    # Causal attention pairs of `own` tokens after `own_start` (as StepShape counts them).
+    own_pairs = own * own_start + own * (own + 1) // 2
+    own_s = c_prefill * own + c_prompt_attention * own_pairs
+    return steps * step_s + c_prefill * queued + own_s, own_s
 
 
 def rank_by_prefix(
-    policy: PrefixPolicy,
     tracker: PressureTracker,
     index: PrefixIndex,
     stats: Mapping[Hashable, RoutingStats | None],
@@ -79,31 +99,34 @@ def rank_by_prefix(
     fresh = [replica for replica, reason in by_load if reason == BY_KV]
     if not prompt_keys or not fresh:
         return Decision(by_load, {})
+    reports = {replica: stats[replica] for replica in fresh}
+    learned = all(len(s.step_time_coefficients) == len(TOKEN_COST) for s in reports.values() if s)
     candidates = []
-    for replica in fresh:
-        load = stats[replica]
+    for replica, load in reports.items():
         assert load is not None  # ranked by KV: it has stats
-        pressure = tracker.pressure(replica, load, now)
+        coefficients = load.step_time_coefficients if learned else TOKEN_COST
         overlap = index.overlap(replica, prompt_keys, now)
-        load_blocks = pressure * max(1, load.num_total_blocks)
+        own_start = overlap * load.block_size
+        own = max(1, len(prompt_keys) * load.block_size - own_start)
+        queued = load.num_pending_prompt_tokens + tracker.in_flight_prefill_tokens(replica)
+        ttft_s, own_s = predicted_ttft(coefficients, load, queued, own, own_start)
+        # Every request already there waits out this one's prefill too: a step is shared.
+        others = load.num_waiting + load.num_running + tracker.in_flight_requests(replica)
+        ttft_s += own_s * others
         new_blocks = len(prompt_keys) - overlap
-        idle_cache = policy.cache_weight * load.num_cached_free_blocks
-        cost = policy.prefill_weight * new_blocks + load_blocks + new_blocks + idle_cache
-        num_requests = load.num_waiting + load.num_running + tracker.in_flight_requests(replica)
+        in_use = tracker.pressure(replica, load, now) * load.num_total_blocks
+        fits = in_use + new_blocks <= load.num_total_blocks
         queue_len = queue_lens.get(replica, math.inf)
-        candidates.append(_Candidate(replica, overlap, cost, pressure, num_requests, queue_len))
-    candidates.sort(key=lambda c: (c.cost, c.queue_len))
+        idle = load.num_cached_free_blocks
+        candidates.append(_Candidate(replica, overlap, ttft_s, own_s, fits, idle, queue_len))
+    candidates.sort(key=_Candidate.key)
     overlaps = {c.replica: c.overlap for c in candidates}
     stale = [(replica, reason) for replica, reason in by_load if reason != BY_KV]
-    if candidates[0].overlap and _too_busy(policy, candidates[0], candidates):
-        candidates.sort(key=lambda c: (c.num_requests, c.pressure, c.queue_len))
-        return Decision([(c.replica, BY_LOAD_GUARD) for c in candidates] + stale, overlaps)
-    ranked = [(c.replica, BY_PREFIX if c.overlap else BY_KV) for c in candidates]
+    best = candidates[0]
+    if any(c.overlap for c in candidates) or not best.fits:
+        ranked = [(c.replica, BY_PREFIX if c.overlap else BY_KV) for c in candidates]
+        return Decision(ranked + stale, overlaps)
+    near = [c for c in candidates if c.fits and c.ttft_s <= best.ttft_s + best.own_prefill_s]
+    home = min(near, key=lambda c: (c.idle_cached_blocks, c.key()))
+    ranked = [(home.replica, BY_NEW_PREFIX)] + [(c.replica, BY_KV) for c in candidates if c is not home]
     return Decision(ranked + stale, overlaps)
-
-
-def _too_busy(policy: PrefixPolicy, best: _Candidate, candidates: list[_Candidate]) -> bool:
-    """KV load is in the cost already; requests (queueing, and the compute they share) are not."""
-    least = min(c.num_requests for c in candidates)
-    excess = best.num_requests - least
-    return excess > policy.request_slack and best.num_requests > least * (1 + policy.max_request_imbalance)

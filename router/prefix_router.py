@@ -1,6 +1,7 @@
 """KVPrefixRouter (`request_router: kv_prefix`, the default): Serve's RequestRouter for
-EngineReplicas that sends a request where its prompt's leading KV blocks already are, weighed
-against load (router/prefix_policy.py says how).
+EngineReplicas that sends a request where its first token is predicted soonest: the prompt blocks
+a replica holds are prefill it saves, its queue and decodes are time it adds, all priced by the
+replica's own step-time model (router/prefix_policy.py says how).
 
 The Ingress sends token ids, so this router hashes the prompt's full blocks exactly as the
 replicas' prefix caches do (common/block_hash.py, chained from the root the replicas report) and
@@ -18,7 +19,6 @@ from ray.serve.request_router import ReplicaID
 
 from common.metrics_sinks import MetricsSink, RayServeSink
 from router.kv_router import KVPressureRouter
-from router.prefix_policy import PrefixPolicy
 from router.ranking import PrefixRanking, Routed
 
 OVERLAP_METRIC = "stallfree_router_prefix_overlap_tokens"
@@ -26,11 +26,8 @@ OVERLAP_BUCKETS = (1, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384)  # Ray: b
 
 
 class KVPrefixRouter(KVPressureRouter):
-    def initialize_state(
-        self, sink: MetricsSink | None = None, policy: PrefixPolicy | None = None, **kwargs: Any
-    ) -> None:
+    def initialize_state(self, sink: MetricsSink | None = None, **kwargs: Any) -> None:
         sink = sink or RayServeSink()
-        self.policy = policy or PrefixPolicy()
         super().initialize_state(sink)
         self._overlap = sink.histogram(
             OVERLAP_METRIC,
@@ -40,7 +37,7 @@ class KVPrefixRouter(KVPressureRouter):
         )
 
     def new_ranking(self) -> PrefixRanking:
-        return PrefixRanking(self.policy)
+        return PrefixRanking()
 
     def record_routed(self, replica_id: ReplicaID, routed: Routed) -> None:
         self._overlap.observe(routed.overlap_tokens, {"target_replica": replica_id.unique_id})

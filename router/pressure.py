@@ -37,8 +37,9 @@ NO_STATS = "no-stats"  # never reported: as stale
 @dataclass
 class _Sent:
     replica: Hashable
-    num_tokens: int
+    num_tokens: int  # KV tokens it will hold there
     sent_at: float
+    prefill_tokens: int = 0  # prompt tokens it will compute there
     reported: bool = False  # a report received after it was sent counts it
 
 
@@ -88,9 +89,14 @@ class PressureTracker:
         self._freed = {r: freed for r, freed in self._freed.items() if r in current}
 
     def on_sent(
-        self, request_id: Hashable, replica: Hashable, num_tokens: int, now: float | None = None
+        self,
+        request_id: Hashable,
+        replica: Hashable,
+        num_tokens: int,
+        now: float | None = None,
+        prefill_tokens: int = 0,
     ) -> None:
-        self._sent[request_id] = _Sent(replica, num_tokens, _now(now))
+        self._sent[request_id] = _Sent(replica, num_tokens, _now(now), prefill_tokens)
 
     def on_finished(self, request_id: Hashable, now: float | None = None) -> None:
         sent = self._sent.pop(request_id, None)
@@ -100,6 +106,10 @@ class PressureTracker:
     def in_flight_tokens(self, replica: Hashable) -> int:
         """Tokens sent to `replica` that its latest report cannot know."""
         return sum(s.num_tokens for s in self._sent.values() if s.replica == replica and not s.reported)
+
+    def in_flight_prefill_tokens(self, replica: Hashable) -> int:
+        """Prompt tokens sent to `replica` that its latest report cannot know."""
+        return sum(s.prefill_tokens for s in self._sent.values() if s.replica == replica and not s.reported)
 
     def freed_tokens(self, replica: Hashable) -> int:
         """Tokens of requests that finished on `replica` after its latest report counted them."""

@@ -14,7 +14,7 @@ from common.lora import LoRARequest
 from common.routing_stats import RoutingStats
 from router.adapter_affinity import BY_ADAPTER, AdapterIndex, AdapterPolicy, prefer_holders
 from router.prefix_index import PrefixIndex
-from router.prefix_policy import PrefixPolicy, rank_by_prefix
+from router.prefix_policy import rank_by_prefix
 from router.pressure import BY_KV, PressureTracker
 
 MAX_PENDING_DECISIONS = 4096  # requests chosen for but not yet routed: bounded, as some are cancelled
@@ -70,7 +70,7 @@ class PressureRanking:
         if request is not None and ranking:
             # Count it on its likeliest replica now; on_routed corrects the guess.
             best = ranking[0][0]
-            self.tracker.on_sent(request.request_id, best, self.new_kv_tokens(request, best), now)
+            self._on_sent(request, best, now)
             if request.lora is not None:  # a burst of one adapter follows its first request
                 self.adapters.on_sent(best, request.lora.name, now)
         return ranking
@@ -98,7 +98,7 @@ class PressureRanking:
     ) -> Routed:
         """The request went to `replica` (whose latest report is `stats`)."""
         routed = Routed(self.reason(request, replica, stats, now))
-        self.tracker.on_sent(request.request_id, replica, self.new_kv_tokens(request, replica), now)
+        self._on_sent(request, replica, now)
         if request.lora is not None:
             self.adapters.on_sent(replica, request.lora.name, now)
         return routed
@@ -117,9 +117,14 @@ class PressureRanking:
             return BY_ADAPTER
         return reason
 
-    def new_kv_tokens(self, request: RoutedRequest, replica: Hashable) -> int:
-        """The KV cache tokens the request will add on that replica."""
-        return request.requested_tokens
+    def _on_sent(self, request: RoutedRequest, replica: Hashable, now: float | None) -> None:
+        held = self.held_tokens(request, replica)
+        new_kv, prefill = request.requested_tokens - held, len(request.prompt_token_ids) - held
+        self.tracker.on_sent(request.request_id, replica, max(0, new_kv), now, max(0, prefill))
+
+    def held_tokens(self, request: RoutedRequest, replica: Hashable) -> int:
+        """Prompt tokens the replica held when the request was ranked (shared, not added)."""
+        return 0
 
 
 @dataclass
@@ -132,17 +137,15 @@ class _Pending:
 class PrefixRanking(PressureRanking):
     """kv_prefix: the prompt's full blocks hashed as the replicas' prefix caches do (chained from
     the root the replicas report), looked up in each replica's reported BlockSummary and in what
-    was sent there since (router/prefix_index.py), weighed against load (router/prefix_policy.py).
+    was sent there since (router/prefix_index.py); replicas ranked by predicted time to first token
+    (router/prefix_policy.py).
     A request with a LoRA adapter hashes from the adapter's root (derived from the reported one,
     common/block_hash.py), and goes to the adapter's holders first (router/adapter_affinity.py).
     A request with a `cache_salt` is ranked by load alone: its chain starts from a salted root
     (a tenant's private cache), which the replicas do not report."""
 
-    def __init__(
-        self, policy: PrefixPolicy | None = None, adapter_policy: AdapterPolicy | None = ADAPTER_POLICY
-    ) -> None:
+    def __init__(self, adapter_policy: AdapterPolicy | None = ADAPTER_POLICY) -> None:
         super().__init__(adapter_policy)
-        self.policy = policy or PrefixPolicy()
         self.index = PrefixIndex()
         self._pending: OrderedDict[Hashable, _Pending] = OrderedDict()
 
@@ -159,7 +162,7 @@ class PrefixRanking(PressureRanking):
                 self.index.observe(replica, replica_stats)
         pending = self._pending_for(request, stats)
         keys = pending.keys if pending is not None else []
-        decision = rank_by_prefix(self.policy, self.tracker, self.index, stats, queue_lens, keys, now)
+        decision = rank_by_prefix(self.tracker, self.index, stats, queue_lens, keys, now)
         ranking = self.adapter_first(decision.ranking, stats, request, now)
         if pending is not None and ranking:
             if not pending.reasons:  # the first decision (Serve may ask again): what the metrics report
@@ -189,11 +192,9 @@ class PrefixRanking(PressureRanking):
         root = adapter_root(root, request.lora)
         return chain_block_hashes(root, request.prompt_token_ids, _block_size(stats))
 
-    def new_kv_tokens(self, request: RoutedRequest, replica: Hashable) -> int:
-        """Less the prompt blocks the replica already holds: those are shared, not added."""
+    def held_tokens(self, request: RoutedRequest, replica: Hashable) -> int:
         pending = self._pending.get(request.request_id)
-        held = pending.overlap_tokens.get(replica, 0) if pending is not None else 0
-        return max(0, super().new_kv_tokens(request, replica) - held)
+        return pending.overlap_tokens.get(replica, 0) if pending is not None else 0
 
     def reason(
         self, request: RoutedRequest | None, replica: Hashable, stats: RoutingStats | None, now: float | None

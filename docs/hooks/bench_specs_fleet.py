@@ -156,11 +156,6 @@ FLEET_SPECS: dict[str, BenchSpec] = {
             ),
         ),
     ),
-    "fleet_dynamo_weights": BenchSpec(
-        "benchmarks/fleet.md",
-        "The fleet simulator on (a) with NVIDIA Dynamo's cost weights",
-        (_fleet("results", ("replicas",)), _ratios("ratios", "kv_prefix over the others at 16 replicas:")),
-    ),
     "fleet_autoscaling": BenchSpec(
         "benchmarks/fleet_autoscaling.md",
         "Simulated autoscaling on a 4x ramp: our policy against Serve's default",

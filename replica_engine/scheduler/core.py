@@ -16,6 +16,7 @@ from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.outputs import EngineStats
 from replica_engine.request import Request, RequestStatus
 from replica_engine.scheduler.plan import ScheduledBatch, StepPlan
+from replica_engine.scheduler.step_time_model import StepTimeModel
 from replica_engine.scheduler.token_budget import SLOTokenBudget
 from replica_engine.scheduler.waiting_queue import WaitingQueue, admission_key
 
@@ -84,7 +85,14 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             cached_block_hashes=kv.cached_hashes(),
             lora_adapters=tuple(self.loaded_adapters),
+            num_running_context_tokens=sum(r.num_tokens for r in self.running),
+            step_time_coefficients=self._step_time_coefficients(),
         )
+
+    def _step_time_coefficients(self) -> tuple[float, ...]:
+        """The learned step-time model's, for routers (none without a TBT target)."""
+        model = self.slo_budget.model if self.slo_budget is not None else None
+        return tuple(float(c) for c in model.coefficients) if isinstance(model, StepTimeModel) else ()
 
     def finish_request(self, request: Request, reason: FinishReason) -> None:
         """End a request wherever it is (finish, stop string, abort); its blocks go back at once."""

@@ -22,6 +22,13 @@ from typing import Protocol
 import numpy as np
 
 NUM_FEATURES = 6
+# The startup profile's shapes (replica_engine/step_profile.py times them on the model).
+CHUNK_SIZES = (16, 64, 256, 1024, 2048)
+DECODE_BATCHES = (1, 4, 16, 64)
+CONTEXTS = (64, 512, 2048)  # decodes' attention grows with context: long ones too
+
+# A shape is (start, tokens, is decode) per request.
+Rows = list[tuple[int, int, bool]]
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,22 @@ class StepTime(Protocol):
     def predict(self, shape: StepShape) -> float:
         """A time most steps of the shape stay within (what a TBT budget plans with)."""
         ...
+
+
+def profile_shapes(cap: int, max_len: int, max_seqs: int) -> list[Rows]:
+    """Every profile shape within the budget `cap`, `max_seqs` and the context (positions < max_len)."""
+    largest = min(cap, max_len)
+    chunks = sorted({c for c in CHUNK_SIZES if c < largest} | {largest})
+    batches = [b for b in DECODE_BATCHES if b <= min(cap, max_seqs)]
+    shapes: list[Rows] = []
+    for context in CONTEXTS:
+        shapes += [[(context if context + c <= max_len else 0, c, False)] for c in chunks]
+        shapes += [[(min(context, max_len - 1), 1, True)] * b for b in batches]
+    mixed_decodes = min(8, cap // 2, max_seqs - 1)
+    if mixed_decodes > 0:
+        decode = (min(256, max_len - 1), 1, True)
+        shapes.append([decode] * mixed_decodes + [(0, min(cap - mixed_decodes, max_len), False)])
+    return shapes
 
 
 def attention_pairs(start: int, num_tokens: int) -> int:

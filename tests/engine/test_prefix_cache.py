@@ -208,3 +208,25 @@ def test_a_running_request_still_prefilling_reports_the_rest_of_its_prompt_as_pe
     while a.num_computed_tokens < a.num_prompt_tokens:
         scheduler.update(batch := scheduler.schedule(), [5] * len(batch.sampling_rows))
     assert scheduler.stats().num_pending_prompt_tokens == max(0, 6 - b.num_computed_tokens)
+
+
+def test_stats_carry_the_running_context_and_the_learned_step_time_for_routers():
+    # The kv_prefix router prices a replica's decodes by the context they attend to, in seconds
+    # of the replica's own step-time model (its TBT budget's; none without a TBT target).
+    from replica_engine.scheduler.step_time_model import StepTimeModel
+    from replica_engine.scheduler.token_budget import SLOTokenBudget
+
+    coefficients = (0.01, 1e-3, 2e-4, 1e-7, 1e-6, 1e-4)
+    for budget, expected in (
+        (None, ()),
+        (SLOTokenBudget(StepTimeModel.from_coefficients(coefficients), 0.1), coefficients),
+    ):
+        kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True)
+        scheduler = SCHEDULING_POLICIES["stall_free"](SchedulerConfig(64, 8), kv, budget)
+        scheduler.add_request(_request("a", list(range(1, 21))))
+        scheduler.add_request(_request("b", list(range(30, 36))))
+        assert scheduler.stats().num_running_context_tokens == 0  # waiting: no decode attention yet
+        scheduler.update(batch := scheduler.schedule(), [5] * len(batch.sampling_rows))
+        stats = scheduler.stats()
+        assert stats.num_running_context_tokens == (20 + 1) + (6 + 1)
+        assert stats.step_time_coefficients == expected

@@ -14,9 +14,8 @@ from common.errors import InvalidRequestError
 from replica_engine import EngineConfig
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
-from replica_engine.scheduler.step_time_model import StepShape, StepTimeModel
+from replica_engine.scheduler.step_time_model import StepShape, StepTimeModel, profile_shapes
 from replica_engine.scheduler.token_budget import MIN_PREFILL_CHUNK, SLOTokenBudget
-from replica_engine.step_profile import profile_shapes
 from tests.engine.scheduler_harness import StepArrival, make_scheduler, run_to_completion
 
 # A CPU-like step: 15 ms over the weights, 0.4 ms a prompt token, 0.5 ms a decode, attention 0.1 µs
@@ -140,9 +139,10 @@ def test_a_slower_host_gets_smaller_chunks_and_every_step_stays_within_the_targe
     speed. The speed claim itself (real threads, real steps) is bench.token_budget_threads'."""
     config = EngineConfig(max_num_batched_tokens=1024, max_model_len=2048, max_num_seqs=16, tbt_slo_s=0.06)
     chunks = {}
+    shapes = [StepShape.of(rows) for rows in profile_shapes(1024, 2048, 16)]
     for name, speed in (("slow", 1.0), ("fast", 2.0)):
         model = StepTimeModel()
-        model.fit_profile((s, true_time(s) / speed) for s in map(StepShape.of, profile_shapes(config)))
+        model.fit_profile((s, true_time(s) / speed) for s in shapes)
         budget = SLOTokenBudget(model, config.tbt_slo_s)
         scheduler = SCHEDULING_POLICIES["stall_free"](
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs),

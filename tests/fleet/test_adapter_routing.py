@@ -75,8 +75,10 @@ def test_a_replica_reports_the_adapters_its_engine_holds():
         num_running=0,
         cached_block_hashes=(),
         lora_adapters=("chat", "sql"),
+        num_running_context_tokens=0,
+        step_time_coefficients=(),
     )
-    assert RoutingReporter(16, ROOT).report(pool).lora_adapters == ("chat", "sql")
+    assert RoutingReporter(16, ROOT, 256).report(pool).lora_adapters == ("chat", "sql")
 
 
 @pytest.mark.parametrize("make", [PressureRanking, PrefixRanking])
@@ -105,12 +107,21 @@ def test_an_overloaded_holder_passes_the_request_on_by_load(make):
     assert rank(make(), two, request())[0] == ("calm", BY_ADAPTER)
 
 
-def test_a_stale_holder_is_not_preferred():
+def test_a_late_holder_still_draws_its_adapter_until_it_may_be_gone():
     ranking = PressureRanking()
     stats = {"holder": holding("sql", free=10, seq=1), "b": holding(free=50, seq=1)}
     rank(ranking, stats, request(), now=NOW)
-    later = {"holder": stats["holder"], "b": holding(free=50, seq=2)}  # the holder stopped reporting
-    assert rank(ranking, later, request("r2"), now=NOW + 5) == [("b", BY_KV), ("holder", BY_QUEUE)]
+    # The holder's reports are late (a loaded host): too old to rank its KV pressure, not too old to
+    # say what it holds.
+    later = {"holder": stats["holder"], "b": holding(free=50, seq=2)}
+    assert rank(ranking, later, request("r2"), now=NOW + 5) == [("holder", BY_ADAPTER), ("b", BY_KV)]
+    assert rank(ranking, later, request("r3", lora=None), now=NOW + 5) == [("b", BY_KV), ("holder", BY_QUEUE)]
+    # Silent past Serve's health-check period, it may be gone: passed over.
+    gone = {"holder": stats["holder"], "b": holding(free=50, seq=3)}
+    assert rank(ranking, gone, request("r4"), now=NOW + 11) == [("b", BY_KV), ("holder", BY_QUEUE)]
+    # A fresh holder ranks before a late one.
+    two = {"holder": stats["holder"], "b": holding("sql", free=50, seq=4)}
+    assert rank(ranking, two, request("r5"), now=NOW + 6)[:1] == [("b", BY_ADAPTER)]
 
 
 def test_a_burst_of_a_new_adapter_follows_its_first_request_until_a_report_lists_it():

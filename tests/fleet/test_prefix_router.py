@@ -1,6 +1,6 @@
 """The kv_prefix router's parts on hand-built replica reports (pure: no Ray): overlap against
-summaries and recent sends, the cost ranking, the load guard, stale and missing stats, salted
-requests, and a burst of one conversation."""
+summaries and recent sends, the predicted-TTFT ranking, new prefixes' placement, stale and
+missing stats, salted requests, and a burst of one conversation."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from common.metrics_sinks import PrometheusSink
 from common.routing_stats import RoutingStats
 from common.sampling_params import SamplingParams
 from router.prefix_index import PrefixIndex
-from router.prefix_policy import BY_LOAD_GUARD, BY_PREFIX, PrefixPolicy, rank_by_prefix
+from router.prefix_policy import BY_NEW_PREFIX, BY_PREFIX, predicted_ttft, rank_by_prefix
 from router.prefix_router import KVPrefixRouter
 from router.pressure import BY_KV, BY_QUEUE, PressureTracker
 from tests.fleet.test_router import report
@@ -83,69 +83,74 @@ def test_a_restarted_replica_is_forgotten():
     assert index.overlap("a", PROMPT, NOW) == 0
 
 
-# Dynamo's weight and the earlier slack: the cost formula's tests below compute by hand with these.
-DYNAMO = PrefixPolicy(prefill_weight=1.0, request_slack=8)
-
-
-def decide(stats: dict, keys: list[bytes], policy: PrefixPolicy | None = None, tracker=None):
+def decide(stats: dict, keys: list[bytes], tracker=None):
     tracker = tracker or PressureTracker()
-    return rank_by_prefix(policy or PrefixPolicy(), tracker, index_of(stats), stats, {}, keys, NOW)
+    return rank_by_prefix(tracker, index_of(stats), stats, {}, keys, NOW)
 
 
-def test_the_replica_holding_the_prompt_wins_unless_its_load_outweighs_the_prefill_saved():
-    # cost = prefill blocks + used blocks + new blocks. Equal load (10 used): a 0 + 10, b 10 + 10 + 10.
-    held = {"a": stats_holding(PROMPT, free=90), "b": stats_holding([], free=90)}
-    assert decide(held, PROMPT, DYNAMO).ranking == [("a", BY_PREFIX), ("b", BY_KV)]
-    assert decide(held, PROMPT, DYNAMO).overlaps == {"a": 10, "b": 0}
-    # a holds 19 blocks more than b: 29 < 30, still a; 21 more: 31 > 30, b.
-    busier = {**held, "a": stats_holding(PROMPT, free=71)}
-    assert decide(busier, PROMPT, DYNAMO).ranking[0] == ("a", BY_PREFIX)
-    busier = {**held, "a": stats_holding(PROMPT, free=69)}
-    assert decide(busier, PROMPT, DYNAMO).ranking[0] == ("b", BY_KV)
-    # A heavier prefill weight keeps it on a (b: 20 + 10 + 10).
-    heavy = PrefixPolicy(prefill_weight=2.0, request_slack=8)
-    assert decide({**held, "a": stats_holding(PROMPT, free=69)}, PROMPT, heavy).ranking[0][0] == "a"
-    # The default weight (16) saves 17 blocks per block held: 170 for this prompt, more than this
-    # 100-block pool's whole load.
-    assert decide({**held, "a": stats_holding(PROMPT, free=0)}, PROMPT).ranking[0] == ("a", BY_PREFIX)
+MODEL = (0.01, 0.001, 0.0, 0.0, 0.0, 0.0)  # 10 ms a step, 1 ms a prompt token
 
 
-def test_a_prefix_nobody_holds_goes_where_less_idle_content_would_be_crowded_out():
-    # Equal load; a's cache holds an idle tenant's 60 blocks, b's holds 20: a new tenant goes to b.
+def learned(stats: RoutingStats, coefficients=MODEL, **fields) -> RoutingStats:
+    return replace(stats, step_time_coefficients=coefficients, **fields)
+
+
+def test_predicted_ttft_prices_the_queue_the_decodes_and_the_own_prefill_by_the_replicas_model():
+    stats = replace(report(90), num_running=56, num_running_context_tokens=1000, max_num_batched_tokens=256)
+    coefficients = (0.01, 0.001, 0.0002, 0.5e-6, 1e-6, 0.0001)
+    # 400 queued + 100 own tokens at 200 a step (256 - 56 decodes): 3 steps of 10 ms + 56 * 0.2 ms
+    # + 1000 pairs * 1 us + 57 * 0.1 ms; 500 prompt tokens at 1 ms; the own 100 tokens after 32
+    # cached score 100 * 32 + 5050 pairs at 0.5 us.
+    step_s = 0.01 + 56 * 0.0002 + 1000 * 1e-6 + 57 * 0.0001
+    own_s = 100 * 0.001 + (3200 + 5050) * 0.5e-6
+    ttft_s, own_prefill_s = predicted_ttft(coefficients, stats, queued=400, own=100, own_start=32)
+    assert ttft_s == pytest.approx(3 * step_s + 400 * 0.001 + own_s)
+    assert own_prefill_s == pytest.approx(own_s)
+
+
+def test_the_holder_wins_until_its_queue_costs_more_than_the_prefill_it_saves():
+    # b computes the 160-token prompt (one step: 0.01 + 0.16 s) and delays its one running request
+    # by that prefill (0.16 s): 0.33 s. a holds the prompt (1 token to compute: 0.001 s, and as long
+    # for its running one): a queue of 300 tokens costs 2 steps + 0.3 s, 0.322 s in all; 310, 0.332.
+    held = {"a": learned(stats_holding(PROMPT)), "b": learned(stats_holding([]))}
+    assert decide(held, PROMPT).ranking == [("a", BY_PREFIX), ("b", BY_KV)]
+    assert decide(held, PROMPT).overlaps == {"a": 10, "b": 0}
+    queued = {**held, "a": learned(stats_holding(PROMPT, waiting_tokens=300))}  # 2 steps + 0.3 s
+    assert decide(queued, PROMPT).ranking[0] == ("a", BY_PREFIX)
+    queued = {**held, "a": learned(stats_holding(PROMPT, waiting_tokens=310))}
+    assert decide(queued, PROMPT).ranking[0] == ("b", BY_KV)
+
+
+def test_requests_already_on_a_replica_make_its_prefill_dearer():
+    # Equal queues; a holds half the prompt. Each request running on a replica waits out the
+    # prefill of a request sent there, so a busy replica's prefill counts that many times over.
+    half = {"a": learned(stats_holding(PROMPT[:5])), "b": learned(stats_holding([]))}
+    assert decide(half, PROMPT).ranking[0] == ("a", BY_PREFIX)
+    busy = {**half, "a": learned(stats_holding(PROMPT[:5]), num_running=8)}
+    assert decide(busy, PROMPT).ranking[0] == ("b", BY_KV)
+
+
+def test_a_replica_without_a_model_makes_every_replica_priced_in_tokens():
+    # Seconds: a's 300 queued tokens take 2 steps of a 1 s step, b's prompt one: b. In tokens
+    # (a step costs its decodes, each token 1): a 2 + 300 + 1 + 1, b 1 + 160 + 160: a.
+    slow_steps = (1.0, 0.001, 0.0, 0.0, 0.0, 0.0)
+    a = stats_holding(PROMPT, waiting_tokens=300)
+    both = {"a": learned(a, slow_steps), "b": learned(stats_holding([]), slow_steps)}
+    assert decide(both, PROMPT).ranking[0][0] == "b"
+    one = {**both, "b": stats_holding([])}
+    assert decide(one, PROMPT).ranking[0][0] == "a"
+
+
+def test_a_prefix_nobody_holds_goes_home_to_the_replica_with_the_least_idle_content():
+    # Equal load; a's cache holds an idle tenant's 60 blocks, b's 20: a new tenant goes to b.
     stats = {
-        "a": replace(stats_holding([], free=90), num_cached_free_blocks=60),
-        "b": replace(stats_holding([], free=90), num_cached_free_blocks=20),
+        "a": learned(stats_holding([]), num_cached_free_blocks=60),
+        "b": learned(stats_holding([]), num_cached_free_blocks=20),
     }
-    assert decide(stats, PROMPT, DYNAMO).ranking[0] == ("b", BY_KV)
-    # but the tenant's own idle prefix keeps it there (held blocks save 2 each, cost 0.5): a 0 +
-    # 10 used + 0.5 * 50 = 35 against b's 10 + 10 + 10 + 0.5 * 20 = 40
-    stats["a"] = replace(stats_holding(PROMPT, free=90), num_cached_free_blocks=50)
-    assert decide(stats, PROMPT, DYNAMO).ranking[0] == ("a", BY_PREFIX)
-
-
-def test_with_no_overlap_anywhere_it_ranks_as_kv_pressure():
-    stats = {
-        "a": stats_holding([], free=20),
-        "b": stats_holding([], free=70),
-        "c": stats_holding([], free=60),
-    }
-    assert decide(stats, PROMPT).ranking == PressureTracker().rank(list(stats), stats, {}, NOW)
-
-
-def test_the_load_guard_sends_a_hot_prefix_elsewhere_when_its_holder_is_much_busier():
-    policy = PrefixPolicy(prefill_weight=100.0, request_slack=8)  # the prefix alone would always win
-    idle = stats_holding([], free=90)  # 1 running request
-    busy = {"a": replace(stats_holding(PROMPT, free=90), num_running=10), "b": idle}
-    assert decide(busy, PROMPT, policy).ranking[0] == ("b", BY_LOAD_GUARD)
-    # within the slack (8 requests more) it stays with the prefix ...
-    near = {**busy, "a": replace(busy["a"], num_running=9)}
-    assert decide(near, PROMPT, policy).ranking[0] == ("a", BY_PREFIX)
-    # ... and within 50% of the least busy one's count, however many more that is
-    crowded = {"a": replace(busy["a"], num_running=30), "b": replace(idle, num_running=21)}
-    assert decide(crowded, PROMPT, policy).ranking[0] == ("a", BY_PREFIX)
-    # KV load alone never trips it: the cost weighs it
-    full = {**busy, "a": stats_holding(PROMPT, free=20)}
-    assert decide(full, PROMPT, policy).ranking[0] == ("a", BY_PREFIX)
+    assert decide(stats, PROMPT).ranking[0] == ("b", BY_NEW_PREFIX)
+    # Unless b's predicted cost is more than one own prefill (0.16 s) over a's (0.54 s against 0.33).
+    stats["b"] = learned(stats_holding([], waiting_tokens=200), num_cached_free_blocks=20)
+    assert decide(stats, PROMPT).ranking == [("a", BY_NEW_PREFIX), ("b", BY_KV)]
 
 
 def test_stale_and_missing_stats_rank_after_fresh_ones_whatever_they_hold():
@@ -153,7 +158,7 @@ def test_stale_and_missing_stats_rank_after_fresh_ones_whatever_they_hold():
     tracker = PressureTracker()
     tracker.observe("stale", stats["stale"], now=NOW - 10)
     ranking = decide(stats, PROMPT, tracker=tracker).ranking
-    assert ranking[0] == ("fresh", BY_KV) and ("stale", BY_QUEUE) in ranking
+    assert ranking[0][0] == "fresh" and ("stale", BY_QUEUE) in ranking
 
 
 REQUEST_IDS = itertools.count()

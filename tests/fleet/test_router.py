@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from types import SimpleNamespace
 
 import prometheus_client
@@ -103,6 +104,8 @@ def test_a_report_is_dated_by_its_arrival_on_the_routers_clock():
 def test_a_report_round_trips_and_a_malformed_one_is_rejected_naming_the_field():
     stats = report(free=50, waiting_tokens=33, seq=7)
     assert RoutingStats.from_report(stats.to_report()) == stats
+    timed = replace(stats, step_time_coefficients=(0.01, 1e-3, 0.0, 1e-7, 1e-6, 1e-4))
+    assert RoutingStats.from_report(timed.to_report()) == timed
     assert RoutingStats.from_report(None) is None and RoutingStats.from_report({}) is None  # not yet
     wire = stats.to_report()
     renamed = {("num_free" if k == "num_free_blocks" else k): v for k, v in wire.items()}
@@ -113,6 +116,10 @@ def test_a_report_round_trips_and_a_malformed_one_is_rejected_naming_the_field()
         ({**wire, "report_seq": True}, "report_seq"),
         ({**wire, "block_summary_bits": b""}, "block_summary_bits"),
         ({**wire, "block_hash_root": None}, "block_hash_root"),
+        ({**wire, "max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({**wire, "step_time_coefficients": [0.01, 0.001]}, "step_time_coefficients"),
+        ({**wire, "step_time_coefficients": [0.01, -1.0, 0, 0, 0, 0]}, "step_time_coefficients"),
+        ({**wire, "step_time_coefficients": [float("nan"), 0, 0, 0, 0, 0]}, "step_time_coefficients"),
     ]:
         with pytest.raises(MalformedRoutingStats, match=field):
             RoutingStats.from_report(bad)

@@ -96,4 +96,8 @@ def test_every_dashboard_query_returns_data(serve_cluster: ServeCluster, small_a
     queries = prometheus_server.dashboard_queries()
     assert len(queries) >= 16
     empty = prometheus_server.unanswered(prometheus, queries)
-    assert not empty, f"dashboard queries that return nothing: {json.dumps(empty, indent=1)}"
+    scraped = prometheus_server.targets(prometheus)
+    assert not empty, (
+        f"dashboard queries that return nothing: {json.dumps(empty, indent=1)}\n"
+        f"Prometheus's targets: {json.dumps(scraped, indent=1)}"
+    )
