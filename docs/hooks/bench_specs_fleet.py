@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from docs.hooks.bench_tables import BenchSpec, Col, Rows, Values
 
-ROUTERS = ("kv_prefix", "prefix_cache_affinity", "power_of_two", "kv_pressure", "round_robin")
+ROUTERS = (
+    "kv_prefix",
+    "prefix_cache_affinity",
+    "sglang_cache_aware",
+    "llmd_precise_prefix",
+    "power_of_two",
+    "kv_pressure",
+    "round_robin",
+)
 
 
 def _fleet_cell(router: str) -> Col:
@@ -123,9 +131,7 @@ FLEET_SPECS: dict[str, BenchSpec] = {
         "The fleet simulator: every router at 4 to 64 replicas, CPU and H100 profiles",
         (
             _fleet("results/*/*/*", ("profile", "workload", "replicas")),
-            _ratios(
-                "ratios", "kv_prefix over the others on (a) at 16 CPU replicas, median of seeds [spread]:"
-            ),
+            _ratios("ratios", "kv_prefix against the goals' baselines, per point, median of seeds [spread]:"),
             Rows(
                 "speed",
                 "Simulated over real time with kv_prefix (median of seeds):",
