@@ -8,6 +8,7 @@ replicas holding it first, unless they are overloaded (router/adapter_affinity.p
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from typing import Any
@@ -43,6 +44,13 @@ def routed_request(request: PendingRequest) -> RoutedRequest:
 
 
 class KVPressureRouter(FIFOMixin, RequestRouter):
+    # How long Serve waits for a replica to answer a queue-length probe (sent when its cached
+    # length is over 10 s old) before trying the next rank. Serve's 0.1 s is missed by a CPU
+    # replica whose event loop shares its cores with the model's step: the request then went
+    # past the replica holding its prefix or adapter. A dead replica is still found at once
+    # (ActorDiedError), a hung one within the 1 s Serve allows at most. Serve's variable still rules.
+    queue_len_response_deadline_s = float(os.environ.get("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", 1.0))
+
     def initialize_state(self, sink: MetricsSink | None = None, **kwargs: Any) -> None:
         sink = sink or RayServeSink()
         self.ranking = self.new_ranking()

@@ -28,7 +28,7 @@ from harness.multinode_cluster import ClusterNode, MultiNodeCluster
 from harness.serve_cluster import wait_for
 from harness.sse_client import StreamResult
 from router.kv_router import ROUTED_METRIC
-from router.prefix_policy import BY_PREFIX
+from router.prefix_policy import BY_NEW_PREFIX, BY_PREFIX
 from router.pressure import BY_KV
 from tests.serve import prometheus_server
 
@@ -150,7 +150,7 @@ def test_replicas_spread_over_nodes_and_every_nodes_router_finds_a_conversations
     wait_for(lambda: all(routed_since(node).total() >= 3 for node in nodes), "every node's routing counted")
     for node in nodes:
         routed = routed_since(node)
-        assert routed.total() == 3 and set(routed) <= {BY_PREFIX, BY_KV}, (node.name, routed)
+        assert routed.total() == 3 and set(routed) <= {BY_PREFIX, BY_NEW_PREFIX, BY_KV}, (node.name, routed)
 
 
 Answers = list[tuple[str, int]]  # (node, HTTP status; 0: no HTTP answer)
@@ -191,7 +191,11 @@ def test_prometheus_finds_every_node_and_the_dashboard_shows_each_nodes_replicas
         # Every panel's query returns data, except those of features off by default, which say so.
         queries = prometheus_server.dashboard_queries(with_optional=False)
         empty = prometheus_server.unanswered(url, queries)
-        assert not empty, f"dashboard queries that return nothing: {json.dumps(empty, indent=1)}"
+        scraped_targets = prometheus_server.targets(url)
+        assert not empty, (
+            f"dashboard queries that return nothing: {json.dumps(empty, indent=1)}\n"
+            f"Prometheus's targets: {json.dumps(scraped_targets, indent=1)}"
+        )
         # The per-replica panels show the replicas of every node.
         replicas = replicas_reporting(cluster.workers)
         assert len(replicas) == len(cluster.workers)
