@@ -12,6 +12,7 @@ Pure Python and numpy (no torch): the router imports it, and replicas build one 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 KEY_BYTES = 32  # a sha256 digest
+_WORD = (1 << 64) - 1  # probe arithmetic wraps at 64 bits, as numpy's uint64
 
 
 @dataclass(frozen=True)
@@ -46,18 +48,35 @@ class BlockSummary:
         return cls(num_bits, num_probes, np.packbits(bits, bitorder="little").tobytes())
 
     def __contains__(self, key: bytes) -> bool:
-        return bool(self.contains_each([key])[0])
+        """One key, in plain Python: cheaper than numpy's setup for a single lookup."""
+        h1, h2 = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:16], "little") | 1
+        for probe in range(self.num_probes):
+            position = ((h1 + probe * h2) & _WORD) % self.num_bits
+            if not self.bits[position >> 3] >> (position & 7) & 1:
+                return False
+        return True
 
     def contains_each(self, keys: Sequence[bytes]) -> np.ndarray:
         """One bool per key."""
         if not keys:
             return np.zeros(0, dtype=bool)
-        bits = np.unpackbits(np.frombuffer(self.bits, dtype=np.uint8), bitorder="little")
-        return bits[_probe_positions(b"".join(keys), self.num_bits, self.num_probes)].all(axis=1)
+        return self._unpacked[_lookup_positions(b"".join(keys), self.num_bits, self.num_probes)].all(axis=1)
+
+    @functools.cached_property
+    def _unpacked(self) -> np.ndarray:
+        """One bool per bit: a router probes each report's summary once per request it ranks."""
+        return np.unpackbits(np.frombuffer(self.bits, dtype=np.uint8), bitorder="little").astype(bool)
 
     def false_positive_rate(self, num_keys: int) -> float:
         """Expected, for a filter holding `num_keys` keys."""
         return (1 - math.exp(-self.num_probes * num_keys / self.num_bits)) ** self.num_probes
+
+
+@functools.lru_cache(maxsize=16)  # a router probes one prompt's keys in every replica's summary
+def _lookup_positions(joined_keys: bytes, num_bits: int, num_probes: int) -> np.ndarray:
+    positions = _probe_positions(joined_keys, num_bits, num_probes)
+    positions.flags.writeable = False  # shared by every caller
+    return positions
 
 
 def _probe_positions(joined_keys: bytes, num_bits: int, num_probes: int) -> np.ndarray:

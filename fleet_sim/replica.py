@@ -229,11 +229,12 @@ class SimReplica:
             self.loop.call_later(0.0, self._step)
 
     def _step(self) -> None:
-        for request in self._joining:
-            self.core.add_request(request)
-        self._joining.clear()
-        self.core.publish_stats()
-        self._published = self.core.stats
+        if self._joining:  # else the stats are the last step's, published as it ended
+            for request in self._joining:
+                self.core.add_request(request)
+            self._joining.clear()
+            self.core.publish_stats()
+            self._published = self.core.stats
         self.executor.last_step_s = None
         outputs = self.core.step()
         if self.executor.last_step_s is None:  # nothing was scheduled

@@ -69,12 +69,15 @@ class PrefixIndex:
         if not keys:
             return 0
         held = self._held.get(replica)
-        found = held.summary.contains_each(keys) if held is not None else np.zeros(len(keys), dtype=bool)
         recent = self._recent.get(replica)
         if recent:
             oldest = _now(now) - self.recent_ttl_s
             while recent and next(iter(recent.values())) < oldest:
                 recent.popitem(last=False)
+        if (held is None or keys[0] not in held.summary) and (not recent or keys[0] not in recent):
+            return 0  # most replicas, for most prompts: one lookup, not one per block
+        found = held.summary.contains_each(keys) if held is not None else np.zeros(len(keys), dtype=bool)
+        if recent:
             found |= np.fromiter((key in recent for key in keys), dtype=bool, count=len(keys))
         misses = np.flatnonzero(~found)
         return int(misses[0]) if misses.size else len(keys)

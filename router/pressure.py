@@ -57,10 +57,13 @@ class _Received:
 
 @dataclass
 class PressureTracker:
-    """In-flight bookkeeping of one router (each Ingress replica has its own)."""
+    """In-flight bookkeeping of one router (each Ingress replica has its own). Indexed per replica,
+    so that a decision costs the requests sent since the latest reports, not all in flight."""
 
     stale_after_s: float = STALE_AFTER_S
-    _sent: dict[Hashable, _Sent] = field(default_factory=dict)  # request id -> what it asks for
+    _sent: dict[Hashable, _Sent] = field(default_factory=dict)  # request id -> what it asks for, oldest first
+    _unreported: dict[Hashable, dict[Hashable, _Sent]] = field(default_factory=dict)  # replica -> id -> sent
+    _unfinished: dict[Hashable, int] = field(default_factory=dict)  # replica -> requests sent, not finished
     _freed: dict[Hashable, list[_Freed]] = field(default_factory=dict)  # replica -> finished since
     _received: dict[Hashable, _Received] = field(default_factory=dict)  # replica -> its latest report
 
@@ -69,14 +72,16 @@ class PressureTracker:
         seen = self._received.get(replica)
         if seen is None or seen.report_seq != load.report_seq:
             seen = self._received[replica] = _Received(load.report_seq, _now(now))
-            for sent in self._sent.values():
-                if sent.replica == replica and sent.sent_at <= seen.received_at:
+            unreported = self._unreported.get(replica, {})
+            for request_id, sent in list(unreported.items()):
+                if sent.sent_at <= seen.received_at:
                     sent.reported = True
-            self._sent = {
-                request_id: sent
-                for request_id, sent in self._sent.items()
-                if seen.received_at - sent.sent_at < MAX_IN_FLIGHT_S
-            }
+                    del unreported[request_id]
+            while self._sent:  # oldest first: forget what was never reported finished
+                request_id, sent = next(iter(self._sent.items()))
+                if seen.received_at - sent.sent_at < MAX_IN_FLIGHT_S:
+                    break
+                self._forget(request_id)
             self._freed[replica] = [
                 f for f in self._freed.get(replica, []) if seen.received_at - f.finished_at < REPORT_LAG_S
             ]
@@ -96,20 +101,30 @@ class PressureTracker:
         now: float | None = None,
         prefill_tokens: int = 0,
     ) -> None:
-        self._sent[request_id] = _Sent(replica, num_tokens, _now(now), prefill_tokens)
+        self._forget(request_id)  # ranked onto one replica, routed to another: it counts there
+        sent = self._sent[request_id] = _Sent(replica, num_tokens, _now(now), prefill_tokens)
+        self._unreported.setdefault(replica, {})[request_id] = sent
+        self._unfinished[replica] = self._unfinished.get(replica, 0) + 1
 
     def on_finished(self, request_id: Hashable, now: float | None = None) -> None:
-        sent = self._sent.pop(request_id, None)
+        sent = self._forget(request_id)
         if sent is not None and sent.reported:  # the replica's reports still count its blocks
             self._freed.setdefault(sent.replica, []).append(_Freed(sent.num_tokens, _now(now)))
 
+    def _forget(self, request_id: Hashable) -> _Sent | None:
+        sent = self._sent.pop(request_id, None)
+        if sent is not None:
+            self._unreported.get(sent.replica, {}).pop(request_id, None)
+            self._unfinished[sent.replica] -= 1
+        return sent
+
     def in_flight_tokens(self, replica: Hashable) -> int:
         """Tokens sent to `replica` that its latest report cannot know."""
-        return sum(s.num_tokens for s in self._sent.values() if s.replica == replica and not s.reported)
+        return sum(s.num_tokens for s in self._unreported.get(replica, {}).values())
 
     def in_flight_prefill_tokens(self, replica: Hashable) -> int:
         """Prompt tokens sent to `replica` that its latest report cannot know."""
-        return sum(s.prefill_tokens for s in self._sent.values() if s.replica == replica and not s.reported)
+        return sum(s.prefill_tokens for s in self._unreported.get(replica, {}).values())
 
     def freed_tokens(self, replica: Hashable) -> int:
         """Tokens of requests that finished on `replica` after its latest report counted them."""
@@ -117,11 +132,11 @@ class PressureTracker:
 
     def in_flight_requests(self, replica: Hashable) -> int:
         """Requests sent to `replica` that its latest report cannot know."""
-        return sum(1 for s in self._sent.values() if s.replica == replica and not s.reported)
+        return len(self._unreported.get(replica, {}))
 
     def unfinished_requests(self, replica: Hashable) -> int:
         """Requests this router sent to `replica` that have not finished, reported or not."""
-        return sum(1 for s in self._sent.values() if s.replica == replica)
+        return self._unfinished.get(replica, 0)
 
     def pressure(self, replica: Hashable, load: RoutingStats, now: float | None = None) -> float:
         self.observe(replica, load, now)

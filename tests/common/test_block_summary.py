@@ -39,3 +39,12 @@ def test_bad_geometry_is_refused():
         BlockSummary.of([], capacity=0)
     with pytest.raises(ValueError):
         BlockSummary.of([], capacity=10, false_positive_rate=1.5)
+
+
+def test_one_key_at_a_time_answers_as_the_batch_does():
+    # `in` probes in plain Python (the router's first-block check), contains_each in numpy: one filter.
+    summary = BlockSummary.of(_keys(4096, seed=1), capacity=4096)
+    keys = _keys(2000, seed=1)[:1000] + _keys(20_000, seed=3)
+    batch = summary.contains_each(keys)
+    assert [key in summary for key in keys] == batch.tolist()
+    assert batch[:1000].all() and 0 < batch[1000:].sum() < 1000  # held ones, and a few false positives

@@ -187,6 +187,28 @@ def test_a_newer_report_counts_the_sends_before_it_and_unfinished_ones_are_forgo
     # never reported finished: dropped once older than MAX_IN_FLIGHT_S (no leak)
     tracker.observe("a", report(free=50, seq=2), now=NOW + MAX_IN_FLIGHT_S + 1)
     assert "cancelled-before-accepted" not in tracker._sent
+    assert tracker.unfinished_requests("a") == tracker.unfinished_requests("b") == 0
+    assert tracker.in_flight_tokens("b") == 0
+
+
+def test_a_request_ranked_onto_one_replica_and_routed_to_another_counts_on_the_second_alone():
+    tracker = PressureTracker()
+    tracker.on_sent("r", "a", num_tokens=32, now=NOW, prefill_tokens=20)
+    tracker.on_sent("r", "b", num_tokens=32, now=NOW + 0.01, prefill_tokens=20)  # Serve chose b
+    counts = {
+        replica: (
+            tracker.in_flight_requests(replica),
+            tracker.in_flight_tokens(replica),
+            tracker.in_flight_prefill_tokens(replica),
+            tracker.unfinished_requests(replica),
+        )
+        for replica in "ab"
+    }
+    assert counts == {"a": (0, 0, 0, 0), "b": (1, 32, 20, 1)}
+    tracker.observe("b", report(free=50, seq=1), now=NOW + 0.5)  # b's report counts it now
+    assert (tracker.in_flight_requests("b"), tracker.unfinished_requests("b")) == (0, 1)
+    tracker.on_finished("r", now=NOW + 1)
+    assert tracker.unfinished_requests("b") == 0 and tracker.freed_tokens("b") == 32
 
 
 def test_equal_pressure_ties_go_to_the_shorter_queue():
