@@ -11,7 +11,9 @@ import json
 import os
 import platform
 import random
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -145,13 +147,21 @@ class Spread:
         return f"{self.median:{spec}} [{self.min:{spec}}-{self.max:{spec}}]"
 
 
+def _command(benchmark: str) -> str:
+    """How to rerun it: with this run's arguments when it was run as `python -m bench.<name>`."""
+    command = f"python -m bench.{benchmark}"
+    if Path(sys.argv[0]).resolve() == (Path(__file__).parent / f"{benchmark}.py").resolve():
+        return shlex.join([*command.split(), *sys.argv[1:]])
+    return command
+
+
 def result_header(benchmark: str) -> dict[str, object]:
     """What every result file starts with: which benchmark, how to rerun it, when, and where."""
     import torch
 
     return {
         "benchmark": benchmark,
-        "command": f"python -m bench.{benchmark}",
+        "command": _command(benchmark),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {
             "platform": platform.platform(),

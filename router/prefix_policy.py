@@ -17,7 +17,9 @@ The lowest TTFT wins, with the request's own prefill counted once more for each 
 on the replica (waiting, running, or sent since): they wait out that prefill too, a step being
 shared. Without it, greedy TTFT sent a tenant away from a replica whose queue had grown; each
 move cost a full prefill and a second copy of the context, and under load the fleet's hit rate
-fell and its queues grew.
+fell and its queues grew. For the same reason a prompt stays with the replica holding most of it
+while that replica's cost is within one own prefill (the best replica's) of the best: a move then
+buys less than the copy it makes (docs/benchmarks/fleet.md has the effect).
 
 A new prefix goes home: when no replica holds a block of it, it goes, among the replicas whose
 predicted cost is within one own prefill of the best and whose KV pool has room for it, to the
@@ -123,6 +125,11 @@ def rank_by_prefix(
     overlaps = {c.replica: c.overlap for c in candidates}
     stale = [(replica, reason) for replica, reason in by_load if reason != BY_KV]
     best = candidates[0]
+    holder = max(candidates, key=lambda c: (c.overlap, -c.ttft_s))  # ties: the cheaper
+    if holder is not best and holder.fits and holder.ttft_s <= best.ttft_s + best.own_prefill_s:
+        candidates.remove(holder)  # it stays with its prefix: moving costs a copy for little gain
+        candidates.insert(0, holder)
+        best = holder
     if any(c.overlap for c in candidates) or not best.fits:
         ranked = [(c.replica, BY_PREFIX if c.overlap else BY_KV) for c in candidates]
         return Decision(ranked + stale, overlaps)

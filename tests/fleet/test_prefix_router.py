@@ -108,17 +108,20 @@ def test_predicted_ttft_prices_the_queue_the_decodes_and_the_own_prefill_by_the_
     assert own_prefill_s == pytest.approx(own_s)
 
 
-def test_the_holder_wins_until_its_queue_costs_more_than_the_prefill_it_saves():
+def test_the_holder_keeps_a_prompt_until_its_queue_costs_more_than_a_moves_prefill():
     # b computes the 160-token prompt (one step: 0.01 + 0.16 s) and delays its one running request
     # by that prefill (0.16 s): 0.33 s. a holds the prompt (1 token to compute: 0.001 s, and as long
-    # for its running one): a queue of 300 tokens costs 2 steps + 0.3 s, 0.322 s in all; 310, 0.332.
+    # for its running one): a queue of 310 tokens costs 2 steps + 0.31 s, 0.332 s in all, more than
+    # b, yet within b's own prefill (0.16 s) of it: a keeps it, as a move would copy the prompt.
+    # 460 tokens: 0.482 s, still within 0.49; 470: 0.492, and b takes it.
     held = {"a": learned(stats_holding(PROMPT)), "b": learned(stats_holding([]))}
     assert decide(held, PROMPT).ranking == [("a", BY_PREFIX), ("b", BY_KV)]
     assert decide(held, PROMPT).overlaps == {"a": 10, "b": 0}
-    queued = {**held, "a": learned(stats_holding(PROMPT, waiting_tokens=300))}  # 2 steps + 0.3 s
-    assert decide(queued, PROMPT).ranking[0] == ("a", BY_PREFIX)
-    queued = {**held, "a": learned(stats_holding(PROMPT, waiting_tokens=310))}
-    assert decide(queued, PROMPT).ranking[0] == ("b", BY_KV)
+    for waiting_tokens in (310, 460):
+        queued = {**held, "a": learned(stats_holding(PROMPT, waiting_tokens=waiting_tokens))}
+        assert decide(queued, PROMPT).ranking == [("a", BY_PREFIX), ("b", BY_KV)], waiting_tokens
+    queued = {**held, "a": learned(stats_holding(PROMPT, waiting_tokens=470))}
+    assert decide(queued, PROMPT).ranking == [("b", BY_KV), ("a", BY_PREFIX)]
 
 
 def test_requests_already_on_a_replica_make_its_prefill_dearer():
