@@ -40,11 +40,17 @@ REPORT_WAIT_S = 60
 # failed. Ray starts its workers (Serve's replicas, proxy and controller among them) at nice 15:
 # beside any busy process at nice 0 they got a few percent of a core and every wait ran out, so
 # the test cluster's workers run at the same priority as everything else.
+# A node's metrics agent drops a gauge series not re-sent within two report intervals (2 s here),
+# and Serve's controller re-sends an unchanged status gauge (replicas healthy, app status) only
+# every 10 s: its series showed ~2 s in 10 and Prometheus's 5 s scrapes could miss it for minutes.
+# The controller re-sends them twice per report interval instead (at Ray's default 10 s interval
+# the agent keeps a series 20 s, so a default cluster has no gap).
 TEST_CLUSTER_ENV = {
     "RAY_worker_niceness": "0",
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_metrics_report_interval_ms": "1000",
+    "RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S": "0.5",
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
 }
