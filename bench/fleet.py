@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import multiprocessing
 import os
 import random
@@ -176,8 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument(
-        "--run", action="append", metavar="PROFILE:WORKLOADS:SIZES",
-        help=f"e.g. cpu:a,b:4,16 (repeatable; default: {' '.join(PLAN)}); profiles: {list(PROFILES)}",
+        "--run", action="append", metavar="PROFILE:WORKLOADS:SIZES[:ROUTERS]",
+        help=f"e.g. cpu:a,b:4,16 (repeatable; default: {' '.join(PLAN)}); profiles: {list(PROFILES)}; "
+        f"routers (default all): {list(ROUTERS)}",
     )  # fmt: skip
     parser.add_argument("--processes", type=int, default=os.cpu_count(), help="simulations at once")
     parser.add_argument("--output", type=Path, default=Path("bench/results/fleet.json"))
@@ -186,10 +188,10 @@ def main(argv: list[str] | None = None) -> None:
     points = [
         (profile, workload, int(size), router, seed)
         for entry in args.run or PLAN
-        for profile, workloads, sizes in [entry.split(":")]
+        for profile, workloads, sizes, routers in [_plan_entry(entry)]
         for workload in workloads.split(",")
         for size in sizes.split(",")
-        for router in ROUTERS
+        for router in routers
         for seed in SEEDS
     ]
     results: dict[str, dict[str, dict[str, dict[str, list[dict]]]]] = {}
@@ -211,6 +213,18 @@ def main(argv: list[str] | None = None) -> None:
     plot(args.output.with_suffix(".png"), results)
     print_verdicts(goals_met)
     run.write(body, goals_met)
+
+
+def _plan_entry(entry: str) -> tuple[str, str, str, list[str]]:
+    """PROFILE:WORKLOADS:SIZES[:ROUTERS] -> its parts; every router unless some are named (a slow
+    profile's run can leave out the routers no goal compares)."""
+    parts = entry.split(":")
+    if len(parts) not in (3, 4):
+        raise SystemExit(f"--run {entry}: expected PROFILE:WORKLOADS:SIZES[:ROUTERS]")
+    routers = parts[3].split(",") if len(parts) == 4 else list(ROUTERS)
+    if unknown := [r for r in routers if r not in ROUTERS]:
+        raise SystemExit(f"--run {entry}: routers {unknown} are not among {list(ROUTERS)}")
+    return parts[0], parts[1], parts[2], routers
 
 
 def describe(profile: Profile) -> dict:
@@ -284,7 +298,10 @@ def plot(path: Path, results: dict) -> None:
         for i, router in enumerate(ROUTERS):
             xs = [j + i * width for j in range(len(sizes))]
             for axis, key in ((ttft_axis, "ttft_p90_s"), (hit_axis, "hit_rate")):
-                medians = [Spread.of_runs(by_size[size][router], key).median for size in sizes]
+                medians = [  # no bar for a router the run left out
+                    Spread.of_runs(by_size[size][router], key).median if router in by_size[size] else math.nan
+                    for size in sizes
+                ]
                 axis.bar(xs, medians, width, label=router)
         for axis, title in ((ttft_axis, "TTFT p90 (s)"), (hit_axis, "prefix-cache hit rate")):
             axis.set_xticks(
