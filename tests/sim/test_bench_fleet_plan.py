@@ -18,7 +18,11 @@ def test_an_entry_names_the_routers_it_runs():
 
 @pytest.mark.parametrize(
     ("entry", "says"),
-    [("cpu:a:4:kv_prefix,nope", "['nope']"), ("cpu:a", "PROFILE:WORKLOADS:SIZES"), ("cpu:a:4:x:y", "PROFILE")],
+    [
+        ("cpu:a:4:kv_prefix,nope", "['nope']"),
+        ("cpu:a", "PROFILE:WORKLOADS:SIZES"),
+        ("cpu:a:4:x:y", "PROFILE:WORKLOADS:SIZES"),
+    ],
 )
 def test_a_bad_entry_is_refused_naming_what_is_wrong(entry: str, says: str):
     with pytest.raises(SystemExit, match=f"--run {entry}: .*{says}".replace("[", r"\[").replace("]", r"\]")):
