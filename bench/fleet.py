@@ -292,13 +292,15 @@ def plot(path: Path, results: dict) -> None:
         for name, by_size in by_workload.items()
     ]
     figure, axes = plt.subplots(len(rows), 2, figsize=(12, 3.6 * len(rows)), squeeze=False)
-    width = 0.8 / len(ROUTERS)
+    # the routers this run had (a run may name some): a bar slot and a legend entry each
+    routers = [r for r in ROUTERS if any(r in runs for _, _, by_size in rows for runs in by_size.values())]
+    width = 0.8 / len(routers)
     for (profile, name, by_size), (ttft_axis, hit_axis) in zip(rows, axes, strict=True):
         sizes = list(by_size)
-        for i, router in enumerate(ROUTERS):
+        for i, router in enumerate(routers):
             xs = [j + i * width for j in range(len(sizes))]
             for axis, key in ((ttft_axis, "ttft_p90_s"), (hit_axis, "hit_rate")):
-                medians = [  # no bar for a router the run left out
+                medians = [  # no bar where a router did not run at this size
                     Spread.of_runs(by_size[size][router], key).median if router in by_size[size] else math.nan
                     for size in sizes
                 ]
