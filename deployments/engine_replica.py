@@ -190,7 +190,8 @@ class EngineReplica:
         # Ray sets OMP_NUM_THREADS to the actor's CPU count (often 1); the CPU engine wants its cores.
         if cpu_threads or not torch.cuda.is_available():
             torch.set_num_threads(cpu_threads or len(os.sched_getaffinity(0)))
-        self.engine = AsyncEngine(engine_config, EngineMetrics(RayServeSink(), model_name))
+        self.metrics = EngineMetrics(RayServeSink(), model_name)
+        self.engine = AsyncEngine(engine_config, self.metrics)
         inputs = self.engine.inputs
         self._reporter = RoutingReporter(
             inputs.config.block_size,
@@ -246,7 +247,9 @@ class EngineReplica:
         return {KV_USAGE: stats.kv_cache_usage, WAITING: stats.num_waiting}
 
     def check_health(self) -> None:
-        """Serve calls this periodically; raising marks the replica unhealthy and replaces it."""
+        """Serve calls this periodically; raising marks the replica unhealthy and replaces it. The
+        call also re-sends the counters that start at zero (EngineMetrics.initialize_series)."""
+        self.metrics.initialize_series()
         if not self.engine.is_healthy:
             raise RuntimeError(f"engine step loop died: {self.engine.error!r}")
 

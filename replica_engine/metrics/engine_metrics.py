@@ -115,19 +115,29 @@ class EngineMetrics:
         self.generation_tokens = counter("generation_tokens", "Output tokens generated")
         self.requests_finished = counter("requests_finished", "Requests finished, by reason", (REASON_LABEL,))
         self.preemptions = counter("num_preemptions", "Requests preempted for want of KV blocks")
-        zero_at_start_counters = (
-            self.prompt_tokens,
-            self.prefix_cache_queries,
-            self.prefix_cache_hits,
-            self.generation_tokens,
-            self.preemptions,
-            self.steps_over_slo,
-            self.steps_decodes_over_slo,
-        )
-        for zero_at_start in zero_at_start_counters:
-            zero_at_start.initialize(self.labels)
-        for reason in FinishReason:
-            self.requests_finished.initialize({**self.labels, REASON_LABEL: reason.value})
+        self._zero_at_start_series: list[tuple[Counter, dict[str, str]]] = [
+            (instrument, self.labels)
+            for instrument in (
+                self.prompt_tokens,
+                self.prefix_cache_queries,
+                self.prefix_cache_hits,
+                self.generation_tokens,
+                self.preemptions,
+                self.steps_over_slo,
+                self.steps_decodes_over_slo,
+            )
+        ]
+        self._zero_at_start_series += [
+            (self.requests_finished, {**self.labels, REASON_LABEL: reason.value}) for reason in FinishReason
+        ]
+        self.initialize_series()
+
+    def initialize_series(self) -> None:
+        """Export the counters that start at zero, adding 0. Ray's workers export counters as deltas
+        and never re-send a 0 that a first export lost (a fresh replica's panels then show no data
+        until its first count, CI saw it): the replica calls this again now and then."""
+        for instrument, labels in self._zero_at_start_series:
+            instrument.initialize(labels)
 
     def replay(self, ops: list[MetricOp]) -> None:
         """Apply updates another process's EngineMetrics recorded (over a BufferedSink)."""

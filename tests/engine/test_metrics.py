@@ -40,6 +40,16 @@ def test_counters_start_at_zero_before_anything_is_counted():
         )
 
 
+def test_initializing_the_series_again_keeps_every_count():
+    """The replica re-sends the zero-at-start series now and then (Ray loses a first export's 0)."""
+    registry = prometheus_client.CollectorRegistry()
+    metrics = EngineMetrics(PrometheusSink(registry), "smollm2")
+    metrics.generation_tokens.inc(3, LABELS)
+    metrics.initialize_series()
+    assert sample(registry, "stallfree_generation_tokens_total") == 3
+    assert sample(registry, "stallfree_num_preemptions_total") == 0
+
+
 def test_counts_add_up_after_a_run():
     engine, registry = run_engine({}, PROMPTS, max_tokens=6)
     num_requests, num_tokens = len(PROMPTS), len(PROMPTS) * 6
