@@ -6,7 +6,8 @@ tokens, 32-128 out), Poisson arrivals ramping linearly from 4 to 16 requests/s o
 Fleet: replicas as shipped on this CPU (bench.fleet's), kv_prefix routing, 2 to 16 replicas,
 upscale delay 10 s, downscale delay 60 s, look-back 30 s, a new replica serving 30 s after the
 decision; the step time this machine's engine learned in bench.fleet_validation's run. Policies:
-`kv_pressure` with serve_config's targets (KV usage 0.6, 4 waiting, 4 ongoing), and Serve's default
+`kv_pressure` with serve_config's targets (KV usage 0.6, utilization 0.5, backlog drained in 30 s;
+4 waiting and 4 ongoing before a request has finished), and Serve's default
 (`target_ongoing_requests` 2, Serve's default value).
 
 Issue 25's goal: our policy holds a TTFT p90 target (here 5 s) with <= 0.8x the replica-seconds of

@@ -94,8 +94,8 @@ class AppArgs(BaseModel):
     )
     num_replicas: int | Literal["auto"] = Field(
         default=1,
-        description="Engine replicas, or `auto`: our autoscaling policy (KV cache usage, queue "
-        "depth and ongoing requests against the targets below), bounded by `autoscaling_config`",
+        description="Engine replicas, or `auto`: our autoscaling policy (KV cache usage and the "
+        "load the arriving requests bring, against the targets below), bounded by `autoscaling_config`",
     )
     autoscaling_config: dict[str, Any] | None = Field(
         default=None,
@@ -111,6 +111,16 @@ class AppArgs(BaseModel):
     )
     target_ongoing_requests: float = Field(
         default=4, gt=0, description="Autoscaling target: running + queued requests per replica"
+    )
+    target_utilization: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="Autoscaling target: each replica's share of time in step work (step time beyond "
+        "its fastest step's) that the arriving requests may fill",
+    )
+    backlog_drain_s: float = Field(
+        default=30, gt=0, description="Autoscaling: replicas enough to drain the queued requests in this time"
     )
     request_router: Literal[
         "kv_prefix", "kv_pressure", "power_of_two", "round_robin", "prefix_cache_affinity"
@@ -276,6 +286,8 @@ def _autoscaling(args: AppArgs) -> dict[str, Any]:
             "target_kv_cache_usage": args.target_kv_cache_usage,
             "target_waiting_requests": args.target_waiting_requests,
             "target_ongoing_requests": args.target_ongoing_requests,
+            "target_utilization": args.target_utilization,
+            "backlog_drain_s": args.backlog_drain_s,
         },
     )
     return {"autoscaling_config": AutoscalingConfig(**(args.autoscaling_config or {}), policy=policy)}

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import functools
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
@@ -13,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 from ray import serve
 
-from common.autoscaling_stats import KV_USAGE, WAITING
+from common.autoscaling_stats import KV_USAGE, WAITING, LoadMeter
 from common.block_hash import root_hash
 from common.finish_reason import FinishReason
 from common.messages import ChoiceDelta, Embeddings, EmbedRequest, GenerateError, GenerateRequest
@@ -193,6 +194,7 @@ class EngineReplica:
         self.metrics = EngineMetrics(RayServeSink(), model_name)
         self.engine = AsyncEngine(engine_config, self.metrics)
         inputs = self.engine.inputs
+        self._load_meter = LoadMeter()
         self._reporter = RoutingReporter(
             inputs.config.block_size,
             root_hash(inputs.config.model, None),
@@ -242,9 +244,13 @@ class EngineReplica:
         return self._reporter.report(self.engine.stats()).to_report()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """For the KV-pressure autoscaling policy (router.autoscaling)."""
+        """For the KV-pressure autoscaling policy (router.autoscaling): KV usage, queue depth and,
+        from the second call on, the load's rates since the previous one."""
         stats = self.engine.stats()
-        return {KV_USAGE: stats.kv_cache_usage, WAITING: stats.num_waiting}
+        rates = self._load_meter.rates(
+            time.monotonic(), stats.num_requests_added, stats.num_requests_finished, stats.step_work_s
+        )
+        return {KV_USAGE: stats.kv_cache_usage, WAITING: stats.num_waiting, **rates}
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy and replaces it. The

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from router.autoscaling import KVPressurePolicy
+from common.autoscaling_stats import ARRIVALS, FINISHED, WORK
+from router.autoscaling import FleetLoad, KVPressurePolicy
 
 POLICIES = ("kv_pressure", "ongoing_requests")  # ours (router/autoscaling.py), Serve's default
 
@@ -27,6 +28,8 @@ class AutoscalingSpec:
     target_ongoing_requests: float = 2.0  # per replica: Serve's default policy's (2); ours uses it too
     target_kv_cache_usage: float = 0.6  # ours
     target_waiting_requests: float = 4.0  # ours
+    target_utilization: float = 0.5  # ours
+    backlog_drain_s: float = 30.0  # ours
     metrics_period_s: float = 0.5  # replicas record their autoscaling metrics this often
     control_period_s: float = 0.1  # Serve's controller loop
 
@@ -58,6 +61,7 @@ class ReplicaSample:
     ongoing_requests: float
     kv_cache_usage: float
     num_waiting: float
+    rates: dict[str, float]  # LoadMeter's since the replica's previous sample (none on its first)
 
 
 class Autoscaler:
@@ -70,7 +74,11 @@ class Autoscaler:
         self._serve = autoscaling_policy
         self._config = spec.serve_config()
         self._policy = KVPressurePolicy(
-            spec.target_kv_cache_usage, spec.target_waiting_requests, spec.target_ongoing_requests
+            spec.target_kv_cache_usage,
+            spec.target_waiting_requests,
+            spec.target_ongoing_requests,
+            target_utilization=spec.target_utilization,
+            backlog_drain_s=spec.backlog_drain_s,
         )
         self._state: dict[str, Any] = {}
         self._samples: dict[str, deque[tuple[float, ReplicaSample]]] = {}
@@ -98,7 +106,11 @@ class Autoscaler:
         total = sum(m.ongoing_requests for m in means) + queued  # Serve's total_num_requests
         if self.spec.policy == "kv_pressure":
             kv_usage, waiting = [m.kv_cache_usage for m in means], [m.num_waiting for m in means]
-            desired: float = self._policy.desired_replicas(num_running, kv_usage, waiting, total)
+            rated = [m.rates for m in means if m.rates]
+            load = FleetLoad(*(sum(r[name] for r in rated) for name in (ARRIVALS, FINISHED, WORK)))
+            desired: float = self._policy.desired_replicas(
+                num_running, kv_usage, waiting, total, load if rated else None, queued
+            )
         else:  # Serve's default: total ongoing (and queued) requests over target_ongoing_requests
             desired = total / self.spec.target_ongoing_requests
         scaled = self._serve._apply_scaling_factors(desired, num_running, self._config)
@@ -109,9 +121,12 @@ class Autoscaler:
 
 
 def _mean(window: Sequence[tuple[float, ReplicaSample]]) -> ReplicaSample:
+    """As Serve averages each metric over the window: rates over the samples that have them."""
     n = len(window)
+    rated = [s.rates for _, s in window if s.rates]
     return ReplicaSample(
         ongoing_requests=sum(s.ongoing_requests for _, s in window) / n,
         kv_cache_usage=sum(s.kv_cache_usage for _, s in window) / n,
         num_waiting=sum(s.num_waiting for _, s in window) / n,
+        rates={name: sum(r[name] for r in rated) / len(rated) for name in rated[0]} if rated else {},
     )

@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.autoscaling_stats import LoadMeter
 from fleet_sim.autoscaling import Autoscaler, AutoscalingSpec, ReplicaSample
 from fleet_sim.clock import EventLoop
 from fleet_sim.records import RequestRecord
@@ -60,6 +61,7 @@ class Fleet:
             self._serve(self._new_replica())
         spec = config.autoscaling
         self.autoscaler = Autoscaler(spec) if spec is not None else None
+        self._load_meters: dict[str, LoadMeter] = {}
 
     def run(self, requests: Sequence[SimRequest]) -> list[RequestRecord]:
         """Serve every request; their records, in the order given, then the conversations'
@@ -181,9 +183,17 @@ class Fleet:
         assert self.autoscaler is not None
         if not self._num_unfinished:
             return
-        samples = {replica.replica_id: _sample(replica) for replica in self.replicas}
+        now = self.loop.now
+        samples = {replica.replica_id: self._sample(replica, now) for replica in self.replicas}
         self.autoscaler.record(self.loop.now, samples, len(self._at_router))
         self.loop.call_later(self.autoscaler.spec.metrics_period_s, self._record_metrics)
+
+    def _sample(self, replica: SimReplica, now: float) -> ReplicaSample:
+        """What the replica's record_autoscaling_stats would report now."""
+        stats = replica.stats()
+        meter = self._load_meters.setdefault(replica.replica_id, LoadMeter())
+        rates = meter.rates(now, stats.num_requests_added, stats.num_requests_finished, stats.step_work_s)
+        return ReplicaSample(replica.num_ongoing, stats.kv_cache_usage, stats.num_waiting, rates)
 
     def _control(self) -> None:
         """Serve's controller: every control period, a target replica count from the metrics."""
@@ -222,8 +232,3 @@ class Fleet:
             self._draining.append(replica)
         else:
             self._retire(replica)
-
-
-def _sample(replica: SimReplica) -> ReplicaSample:
-    stats = replica.stats()
-    return ReplicaSample(replica.num_ongoing, stats.kv_cache_usage, stats.num_waiting)

@@ -7,6 +7,7 @@ publishes, and nothing else. "The step thread" elsewhere means that owner."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -25,7 +26,7 @@ from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from replica_engine.scheduler.plan import ScheduledBatch, StepSummary
 from replica_engine.scheduler.step_time_model import StepTime, StepTimeModel
 from replica_engine.scheduler.token_budget import SLOTokenBudget
-from replica_engine.step_listeners import StepListener, StepTimeLearner
+from replica_engine.step_listeners import StepListener, StepLoad, StepTimeLearner
 
 if TYPE_CHECKING:
     import torch  # an embedding's parts; the core itself needs no torch
@@ -94,7 +95,8 @@ class EngineCore:
             scheduler_config, self.kv_cache_manager, self.slo_budget
         )
         self.metrics = metrics
-        self.step_listeners: list[StepListener] = []
+        self.step_load = StepLoad()
+        self.step_listeners: list[StepListener] = [self.step_load]
         if metrics is not None:
             self.step_listeners.append(metrics.record_step)
         if self.slo_budget is not None and step_time is None:
@@ -149,7 +151,7 @@ class EngineCore:
 
     def publish_stats(self) -> None:
         """Snapshot the gauges (queue depth, running, KV usage) for readers on any thread."""
-        self.stats = self.scheduler.stats()
+        self.stats = dataclasses.replace(self.scheduler.stats(), step_work_s=self.step_load.work_s)
         if self.metrics is not None:
             self.metrics.record_stats(self.stats)
 

@@ -26,6 +26,11 @@ class EngineStats:
     lora_adapters: tuple[str, ...] = ()  # names of the LoRA adapters loaded, least recent first
     num_running_context_tokens: int = 0  # tokens the running requests attend to
     step_time_coefficients: tuple[float, ...] = ()  # the TBT budget's step-time model (none: empty)
+    # Since the engine started, for rates (autoscaling): requests added and finished, and the
+    # seconds of step time beyond the fastest step's (StepLoad).
+    num_requests_added: int = 0
+    num_requests_finished: int = 0
+    step_work_s: float = 0.0
 
 
 @dataclass(frozen=True)

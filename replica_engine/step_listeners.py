@@ -1,6 +1,7 @@
 """What listens to the engine's steps: each is called on the step thread with the StepSummary of
-every step in which some request ran. The engine registers the metrics (EngineMetrics.record_step)
-and, with a TBT target, the step-time model's learning; tests and benchmarks add their own."""
+every step in which some request ran. The engine registers its step work (StepLoad, which the
+autoscaling report reads), the metrics (EngineMetrics.record_step) and, with a TBT target, the
+step-time model's learning; tests and benchmarks add their own."""
 
 from __future__ import annotations
 
@@ -15,6 +16,20 @@ if TYPE_CHECKING:
     from replica_engine.metrics import EngineMetrics
 
 StepListener = Callable[[StepSummary], None]
+
+
+@dataclass
+class StepLoad:
+    """Seconds of step time beyond the fastest step seen so far: the load more requests would add
+    to. Every step pays a fixed cost (on a GPU, reading the weights), which is not load: a replica
+    whose steps are all small decodes is nearly idle, however continuously it steps."""
+
+    fastest_step_s: float = float("inf")
+    work_s: float = 0.0
+
+    def __call__(self, step: StepSummary) -> None:
+        self.fastest_step_s = min(self.fastest_step_s, step.duration_s)
+        self.work_s += step.duration_s - self.fastest_step_s
 
 
 @dataclass(frozen=True)

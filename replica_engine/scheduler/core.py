@@ -5,7 +5,6 @@ Not thread-safe, by design: one thread (the engine's step thread) owns it and ev
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -43,7 +42,8 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
-        self._arrivals = itertools.count()
+        self.num_finished = 0
+        self.num_added = 0  # the next request's arrival_seq
         self._released: list[str] = []  # held by the runner, since finished or preempted
         # In a batch not yet updated (a pipeline holds several): not scheduled again, nor
         # preempted, until its tokens are known.
@@ -55,7 +55,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in flight")
         self.requests[request.request_id] = request
-        request.arrival_seq = next(self._arrivals)
+        request.arrival_seq = self.num_added
+        self.num_added += 1
         self._expect_cache_hit(request)
         self.waiting.push(request)
 
@@ -83,6 +84,8 @@ class Scheduler:
             kv_cache_usage=kv.usage,
             num_cached_free_blocks=kv.num_free_cached_blocks,
             num_preemptions=self.num_preemptions,
+            num_requests_added=self.num_added,
+            num_requests_finished=self.num_finished,
             cached_block_hashes=kv.cached_hashes(),
             lora_adapters=tuple(self.loaded_adapters),
             num_running_context_tokens=sum(r.num_tokens for r in self.running),
@@ -107,6 +110,7 @@ class Scheduler:
         self.in_flight.discard(request.request_id)  # its batch's output, if one is out, is dropped
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self.num_finished += 1
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:

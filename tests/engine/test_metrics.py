@@ -5,8 +5,12 @@ from __future__ import annotations
 import prometheus_client
 import pytest
 
+from common.autoscaling_stats import ARRIVALS, FINISHED, WORK, LoadMeter
 from replica_engine import EngineConfig, LLMEngine, SamplingParams
 from replica_engine.metrics import EngineMetrics, PrometheusSink
+from replica_engine.scheduler.plan import StepSummary
+from replica_engine.scheduler.step_time_model import StepShape
+from replica_engine.step_listeners import StepLoad
 
 LABELS = {"model_name": "smollm2"}
 
@@ -132,3 +136,34 @@ def test_an_engine_core_in_its_own_process_records_into_this_process_metrics():
     assert sample(registry, "stallfree_inter_token_latency_seconds_count") == 8
     assert sample(registry, "stallfree_iteration_tokens_count") >= 5  # a step listener's, too
     assert sample(registry, "stallfree_num_requests_running") == 0  # the gauges after the last step
+
+
+def test_stats_count_requests_and_step_work_for_the_autoscaler():
+    """The running totals a replica turns into rates for its autoscaling report (LoadMeter)."""
+    engine, _ = run_engine({}, PROMPTS, max_tokens=6)
+    request_id = engine.add_request("Aborted before it ran", SamplingParams(max_tokens=4))
+    engine.abort_request(request_id)  # an abort finishes it too
+    engine.abort_request("never-added")  # not in flight: nothing counted
+    stats = engine.stats()
+    num_requests = len(PROMPTS) + 1
+    assert (stats.num_requests_added, stats.num_requests_finished) == (num_requests, num_requests)
+    load = engine.core.step_load
+    # Every step beyond the fastest counted, the fastest itself not: work is less than all steps.
+    assert 0 < stats.step_work_s == pytest.approx(load.work_s)
+    assert load.fastest_step_s > 0
+
+
+def test_step_work_leaves_out_the_fixed_cost_of_a_step():
+    load = StepLoad()
+    for seconds in (0.05, 0.02, 0.02, 0.08):
+        load(StepSummary(StepShape.of([]), 0, seconds))
+    assert load.fastest_step_s == 0.02
+    assert load.work_s == pytest.approx(0.0 + 0.0 + 0.0 + 0.06)  # the first step was the fastest then
+
+
+def test_the_load_meter_turns_running_totals_into_rates_since_the_last_report():
+    meter = LoadMeter()
+    assert meter.rates(10.0, 4, 2, 1.0) == {}  # nothing to compare with yet
+    rates = meter.rates(12.0, 10, 6, 2.0)
+    assert rates == {ARRIVALS: 3.0, FINISHED: 2.0, WORK: 0.5}
+    assert meter.rates(12.0, 10, 6, 2.0) == {}  # no time has passed

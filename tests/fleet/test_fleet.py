@@ -124,19 +124,50 @@ def replica_count(app: str) -> int:
     return deployment.replica_states.get("RUNNING", 0)
 
 
+def wait_for_replica_count(app: str, count: int, why: str) -> None:
+    deadline = time.monotonic() + SCALING_DEADLINE_S
+    while replica_count(app) != count:
+        assert time.monotonic() < deadline, f"not {count} replicas {why}: {replica_count(app)}"
+        time.sleep(1)
+
+
+def autoscaled(**settings) -> AppArgs:
+    """1 to 2 replicas, scaling on a 2 s look-back after 2 s (up) or 5 s (down)."""
+    autoscaling_config = {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "upscale_delay_s": 2,
+        "downscale_delay_s": 5,
+        "look_back_period_s": 2,
+        "metrics_interval_s": 0.5,
+    }
+    return AppArgs(
+        num_replicas="auto", num_cpus=0, cpu_threads=1, autoscaling_config=autoscaling_config, **settings
+    )
+
+
+def load_until_two_replicas(app: str, url: str, body: dict) -> set[int]:
+    """One request after another until Serve runs 2 replicas; their HTTP statuses."""
+    scaled_up, statuses = threading.Event(), set()
+
+    def send() -> None:
+        while not scaled_up.is_set():
+            statuses.add(httpx.post(url, json=body, timeout=600).status_code)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        wait_for_replica_count(app, 2, "under load")
+    finally:
+        scaled_up.set()
+        sender.join()
+    return statuses
+
+
 def test_kv_pressure_scales_up_under_load_and_back_down_when_idle(serve_cluster: ServeCluster):
-    args = AppArgs(
-        num_replicas="auto",
-        num_cpus=0,
-        cpu_threads=1,
-        autoscaling_config={
-            "min_replicas": 1,
-            "max_replicas": 2,
-            "upscale_delay_s": 2,
-            "downscale_delay_s": 5,
-            "look_back_period_s": 2,
-            "metrics_interval_s": 0.5,
-        },
+    """~9 to 21 of 24 blocks held, one request after another: usage 0.4-0.9 against a target of
+    0.3, however fast a request runs."""
+    args = autoscaled(
         target_kv_cache_usage=0.3,
         target_waiting_requests=8,
         engine={"num_kv_blocks": 24, "max_model_len": 384, "dtype": "float32"},
@@ -145,31 +176,28 @@ def test_kv_pressure_scales_up_under_load_and_back_down_when_idle(serve_cluster:
     try:
         assert replica_count("autoscale") == 1
         url = f"{serve_cluster.base_url}/autoscale/v1/completions"
-        load = {"prompt": LONG_PROMPT, "max_tokens": 200, "ignore_eos": True}
-        scaled_up = threading.Event()
-
-        def hog() -> None:
-            """~9 to 21 of 24 blocks held, one request after another, until the fleet grows:
-            usage 0.4-0.9 against a target of 0.3, however fast a request runs."""
-            while not scaled_up.is_set():
-                httpx.post(url, json=load, timeout=600)
-
-        hog_thread = threading.Thread(target=hog)
-        hog_thread.start()
-        deadline = time.monotonic() + SCALING_DEADLINE_S
-        try:
-            while replica_count("autoscale") < 2:
-                assert time.monotonic() < deadline, "did not scale up to 2 replicas under KV pressure"
-                time.sleep(1)
-        finally:
-            scaled_up.set()
-            hog_thread.join()
-        deadline = time.monotonic() + SCALING_DEADLINE_S
-        while replica_count("autoscale") > 1:
-            assert time.monotonic() < deadline, "did not scale back to 1 replica when idle"
-            time.sleep(1)
+        load_until_two_replicas(
+            "autoscale", url, {"prompt": LONG_PROMPT, "max_tokens": 200, "ignore_eos": True}
+        )
+        wait_for_replica_count("autoscale", 1, "when idle")
     finally:
         serve.delete("autoscale")
+
+
+def test_the_load_the_replicas_report_scales_up_and_back_down(serve_cluster: ServeCluster):
+    """The rates each replica reports (requests added and finished, step work) reach the policy:
+    one short request at a time, against a `target_utilization` far below any real load, asks
+    for the maximum, where queue depth and ongoing requests (1 against a target of 4) say 1.
+    `dummy:tiny-llama` replicas: what the load is made of does not matter here."""
+    deploy("autoscale-rates", autoscaled(model="dummy:tiny-llama", target_utilization=0.001))
+    try:
+        assert replica_count("autoscale-rates") == 1
+        url = f"{serve_cluster.base_url}/autoscale-rates/v1/completions"
+        statuses = load_until_two_replicas("autoscale-rates", url, {"prompt": [7] * 20, "max_tokens": 8})
+        assert statuses == {200}, statuses
+        wait_for_replica_count("autoscale-rates", 1, "when idle")  # the rates fall to 0
+    finally:
+        serve.delete("autoscale-rates")
 
 
 def test_killing_a_replica_mid_load_fails_only_its_requests_and_serve_replaces_it(

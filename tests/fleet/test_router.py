@@ -18,7 +18,7 @@ from common.messages import GenerateRequest
 from common.metrics_sinks import PrometheusSink
 from common.routing_stats import MalformedRoutingStats, RoutingStats
 from common.sampling_params import SamplingParams
-from router.autoscaling import KVPressurePolicy
+from router.autoscaling import FleetLoad, KVPressurePolicy
 from router.kv_router import MALFORMED_METRIC, KVPressureRouter
 from router.pressure import (
     BY_KV,
@@ -242,6 +242,50 @@ def test_policy_scales_replicas_by_the_worst_of_kv_usage_queue_depth_and_ongoing
     assert policy.desired_replicas(replicas, kv_usage, waiting, ongoing) == desired
 
 
+@pytest.mark.parametrize(
+    ("replicas", "kv_usage", "waiting", "ongoing", "load", "desired"),
+    [
+        # 4 requests/s at 0.5 s of step work each: 2 replicas' worth, at half of each: 4
+        (2, [0.1, 0.1], [0, 0], 8, FleetLoad(4.0, 4.0, 2.0), 4),
+        # the same, with 30 requests queued: 1 more request/s to drain them in 30 s
+        (2, [0.1, 0.1], [20, 10], 38, FleetLoad(4.0, 4.0, 2.0), 5),
+        # 200 ongoing requests (a backlog that would ask for 50 replicas) do not count once the
+        # rates say what the load is: 2 requests/s at 0.25 s each, 1 replica's worth: 2, but at
+        # most half of the 8 go in one decision
+        (8, [0.1] * 8, [0] * 8, 200, FleetLoad(2.0, 2.0, 0.5), 4),
+        # KV usage still counts: 0.9 / 0.6 of 2
+        (2, [0.9, 0.9], [0, 0], 4, FleetLoad(1.0, 1.0, 0.1), 3),
+        # nothing finished yet: queue depth and ongoing requests stand in (12 / 4 = 3)
+        (1, [0.1], [12], 12, FleetLoad(5.0, 0.0, 1.0), 3),
+    ],
+)
+def test_policy_sizes_the_fleet_for_the_work_the_arrivals_bring(
+    replicas, kv_usage, waiting, ongoing, load, desired
+):
+    policy = KVPressurePolicy(target_utilization=0.5, backlog_drain_s=30)
+    assert policy.desired_replicas(replicas, kv_usage, waiting, ongoing, load) == desired
+
+
+def test_policy_reads_what_the_replicas_report_to_serve():
+    """Serve's AutoscalingContext, as Serve 2.60 fills it: per metric, each replica's window mean."""
+    from ray.serve.config import AutoscalingContext
+
+    from common.autoscaling_stats import ARRIVALS, FINISHED, KV_USAGE, WAITING, WORK
+
+    per_replica = {KV_USAGE: 0.1, WAITING: 0.0, ARRIVALS: 2.0, FINISHED: 2.0, WORK: 0.5}
+    metrics = {name: {"a": value, "b": value} for name, value in per_replica.items()}
+    ctx = AutoscalingContext(
+        deployment_id=None, deployment_name="EngineReplica", app_name="app", current_num_replicas=2,
+        target_num_replicas=2, running_replicas=[], total_num_requests=100, total_queued_requests=15,
+        aggregated_metrics=metrics, raw_metrics=None, capacity_adjusted_min_replicas=1,
+        capacity_adjusted_max_replicas=8, policy_state={}, last_scale_up_time=None,
+        last_scale_down_time=None, current_time=None, config=None,
+    )  # fmt: skip
+    # 4 requests/s and 15 queued at the routers (0.5/s more to drain them in 30 s), at 0.25 s of
+    # step work each: 1.125 replicas' worth, at half of each: 3
+    assert KVPressurePolicy(target_utilization=0.5, backlog_drain_s=30)(ctx)[0] == 3
+
+
 def test_policy_targets_are_checked():
     with pytest.raises(ValueError, match="target_kv_cache_usage"):
         KVPressurePolicy(target_kv_cache_usage=1.5)
@@ -251,3 +295,7 @@ def test_policy_targets_are_checked():
         KVPressurePolicy(target_ongoing_requests=0)
     with pytest.raises(ValueError, match="max_downscale_fraction"):
         KVPressurePolicy(max_downscale_fraction=0)
+    with pytest.raises(ValueError, match="target_utilization"):
+        KVPressurePolicy(target_utilization=0)
+    with pytest.raises(ValueError, match="backlog_drain_s"):
+        KVPressurePolicy(backlog_drain_s=-1)
