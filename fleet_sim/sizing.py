@@ -65,7 +65,7 @@ APP_IGNORED = {"served_model_name", "num_gpus", "num_cpus", "resources", "cpu_th
                "lora_modules", "lora_root", "allow_runtime_lora_updating",
                # autoscaling's: only read with num_replicas "auto", which is refused
                "autoscaling_config", "target_kv_cache_usage", "target_waiting_requests",
-               "target_ongoing_requests"}  # fmt: skip
+               "target_ongoing_requests", "target_utilization", "backlog_drain_s"}  # fmt: skip
 DTYPE_BYTES = {
     "bfloat16": 2,
     "float16": 2,
