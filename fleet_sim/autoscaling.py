@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.autoscaling_stats import ARRIVALS, FINISHED, WORK
 from router.autoscaling import FleetLoad, KVPressurePolicy
 
 POLICIES = ("kv_pressure", "ongoing_requests")  # ours (router/autoscaling.py), Serve's default
@@ -106,10 +105,9 @@ class Autoscaler:
         total = sum(m.ongoing_requests for m in means) + queued  # Serve's total_num_requests
         if self.spec.policy == "kv_pressure":
             kv_usage, waiting = [m.kv_cache_usage for m in means], [m.num_waiting for m in means]
-            rated = [m.rates for m in means if m.rates]
-            load = FleetLoad(*(sum(r[name] for r in rated) for name in (ARRIVALS, FINISHED, WORK)))
+            load = FleetLoad.of(lambda name: sum(m.rates.get(name, 0.0) for m in means))
             desired: float = self._policy.desired_replicas(
-                num_running, kv_usage, waiting, total, load if rated else None, queued
+                num_running, kv_usage, waiting, total, load, queued
             )
         else:  # Serve's default: total ongoing (and queued) requests over target_ongoing_requests
             desired = total / self.spec.target_ongoing_requests

@@ -185,7 +185,7 @@ class Fleet:
             return
         now = self.loop.now
         samples = {replica.replica_id: self._sample(replica, now) for replica in self.replicas}
-        self.autoscaler.record(self.loop.now, samples, len(self._at_router))
+        self.autoscaler.record(now, samples, len(self._at_router))
         self.loop.call_later(self.autoscaler.spec.metrics_period_s, self._record_metrics)
 
     def _sample(self, replica: SimReplica, now: float) -> ReplicaSample:

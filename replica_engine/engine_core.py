@@ -7,7 +7,6 @@ publishes, and nothing else. "The step thread" elsewhere means that owner."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -151,7 +150,7 @@ class EngineCore:
 
     def publish_stats(self) -> None:
         """Snapshot the gauges (queue depth, running, KV usage) for readers on any thread."""
-        self.stats = dataclasses.replace(self.scheduler.stats(), step_work_s=self.step_load.work_s)
+        self.stats = self.scheduler.stats(step_work_s=self.step_load.work_s)
         if self.metrics is not None:
             self.metrics.record_stats(self.stats)
 

@@ -20,6 +20,7 @@ One decision never removes more than half the replicas."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,11 @@ class FleetLoad:
     arrivals_per_s: float
     finished_per_s: float
     work_fraction: float  # replicas' worth of step work
+
+    @classmethod
+    def of(cls, total: Callable[[str], float]) -> FleetLoad:
+        """From `total(name)`: a rate (common.autoscaling_stats) summed over the replicas."""
+        return cls(total(ARRIVALS), total(FINISHED), total(WORK))
 
 
 class KVPressurePolicy:
@@ -98,8 +104,7 @@ class KVPressurePolicy:
         metrics = ctx.aggregated_metrics or {}
         kv_usage = list(metrics.get(KV_USAGE, {}).values())
         waiting = list(metrics.get(WAITING, {}).values())
-        rates = [sum(metrics.get(name, {}).values()) for name in (ARRIVALS, FINISHED, WORK)]
-        load = FleetLoad(*rates) if metrics.get(FINISHED) else None
+        load = FleetLoad.of(lambda name: sum(metrics.get(name, {}).values()))
         queued = ctx.total_queued_requests or 0.0
         desired = self.desired_replicas(
             ctx.current_num_replicas, kv_usage, waiting, ctx.total_num_requests, load, queued

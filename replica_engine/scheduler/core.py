@@ -69,8 +69,8 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def stats(self) -> EngineStats:
-        """The queues and the KV pool, as a snapshot."""
+    def stats(self, step_work_s: float = 0.0) -> EngineStats:
+        """The queues and the KV pool, as a snapshot, with the step work the engine measured."""
         kv = self.kv_cache_manager
         return EngineStats(
             num_waiting=len(self.waiting),
@@ -86,6 +86,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_requests_added=self.num_added,
             num_requests_finished=self.num_finished,
+            step_work_s=step_work_s,
             cached_block_hashes=kv.cached_hashes(),
             lora_adapters=tuple(self.loaded_adapters),
             num_running_context_tokens=sum(r.num_tokens for r in self.running),
