@@ -14,13 +14,11 @@ from dataclasses import dataclass
 
 import httpx
 
-from bench.text_prompts import english_text
+from bench.text_prompts import english_text, excerpt
 from common.latency import RequestTiming
 from harness.pacing import open_loop
 from harness.random_workload import zipf_weights
 from harness.sse_client import stream_completion
-
-CHARS_PER_TOKEN = 4.4  # of this English text through SmolLM2's tokenizer (measured, for sizing only)
 
 
 @dataclass(frozen=True)
@@ -42,12 +40,6 @@ class Turn:
     timing: RequestTiming | None  # None: it failed
 
 
-def _excerpt(rng: random.Random, text: str, num_tokens: int) -> str:
-    length = round(num_tokens * CHARS_PER_TOKEN)
-    start = rng.randrange(len(text) - length)
-    return text[start : start + length]
-
-
 def multi_tenant_chat(
     seed: int,
     num_tenants: int,
@@ -64,7 +56,7 @@ def multi_tenant_chat(
     rng = random.Random(seed)
     text = english_text()
     systems = [
-        f"You are the assistant of tenant {t}. " + _excerpt(rng, text, system_tokens)
+        f"You are the assistant of tenant {t}. " + excerpt(rng, text, system_tokens)
         for t in range(num_tenants)
     ]
     users = [(t, u) for t in range(num_tenants) for u in range(users_per_tenant)]
@@ -75,7 +67,7 @@ def multi_tenant_chat(
     conversations, now = [], 0.0
     for tenant, user in users:
         now += rng.expovariate(1 / mean_gap_s)
-        questions = [_excerpt(rng, text, question_tokens) for _ in range(turns)]
+        questions = [excerpt(rng, text, question_tokens) for _ in range(turns)]
         think = [rng.expovariate(1 / mean_think_s) for _ in range(turns)]
         conversations.append(Conversation(tenant, user, now, systems[tenant], questions, think))
     return conversations

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Arrival:
     at_s: float  # from the run's start (at rate r, at_s / r); closed loops ignore it
-    prompt: list[int]  # token ids
+    prompt: list[int] | str  # token ids, or text (the server tokenizes it)
     max_tokens: int  # exact: greedy with ignore_eos, so every system does the same work
 
 

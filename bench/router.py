@@ -94,7 +94,7 @@ def run_once(cluster: serve_cluster.ServeCluster, workload: str, router: str, se
         wall, timings = asyncio.run(
             http_load.open_loop(f"{url}/completions", load_workload(workload, seed), salted=False)
         )
-        summary = http_load.summarize(wall, timings)
+        summary = summarize(wall, timings)
     time.sleep(3)  # replicas report metrics every second
     run = EngineCounters.scrape(cluster, router).since(before)
     served = sorted(run.finished_by_replica.values(), reverse=True)

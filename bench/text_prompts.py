@@ -41,6 +41,9 @@ def _is_prose(paragraph: str) -> bool:
     )
 
 
+CHARS_PER_TOKEN = 4.4  # of this English text through SmolLM2's tokenizer (measured, for sizing only)
+
+
 @functools.cache
 def english_text() -> str:
     paragraphs = []
@@ -61,3 +64,10 @@ def text_prompts(tokenizer, lengths: list[int], seed: int) -> list[list[int]]:
         start = rng.randrange(len(ids) - length + 1)
         windows.append(ids[start : start + length])
     return windows
+
+
+def excerpt(rng: random.Random, text: str, num_tokens: int) -> str:
+    """About `num_tokens` tokens of `text` (sized by CHARS_PER_TOKEN) from a seeded offset."""
+    length = round(num_tokens * CHARS_PER_TOKEN)
+    start = rng.randrange(len(text) - length)
+    return text[start : start + length]
