@@ -255,6 +255,47 @@ FLEET_SPECS: dict[str, BenchSpec] = {
             ),
         ),
     ),
+    "fleet_routing_validation": BenchSpec(
+        "benchmarks/fleet_validation.md",
+        "The fleet simulator's routing against 2 real replicas behind each router",
+        (
+            Rows(
+                "runs",
+                "Per workload and router, real / simulated, median of seeds (TTFT p90: [spread]):",
+                "real/*/*",
+                ("workload", "router"),
+                (
+                    Col("TTFT p90 real", "ttft_p90_s", "s", agg="spread"),
+                    Col("simulated", "/simulated/{0}/{1}/ttft_p90_s", "s", agg="spread"),
+                    Col(
+                        "TTFT p50 real / sim.",
+                        ("ttft_p50_s", "/simulated/{0}/{1}/ttft_p50_s"),
+                        "s",
+                        agg="median",
+                    ),
+                    Col(
+                        "hit rate real / sim.",
+                        ("hit_rate", "/simulated/{0}/{1}/hit_rate"),
+                        "pct",
+                        agg="median",
+                    ),
+                    Col(
+                        "tok/s real / sim.",
+                        ("output_tok_per_s", "/simulated/{0}/{1}/output_tok_per_s"),
+                        agg="median",
+                    ),
+                ),
+            ),
+            Rows(
+                "ratios",
+                "TTFT p90 of kv_prefix over the other router, paired by seed, median [spread]; the "
+                "simulator's error on the median:",
+                "ratios",
+                ("ratio",),
+                (Col("real", "real", "x"), Col("simulated", "simulated", "x"), Col("error", "error", "pct")),
+            ),
+        ),
+    ),
     "soak_cpu": BenchSpec(
         "benchmarks/soak_cpu.md",
         "1,000 streams with hang-ups and a replica killed half-way",
