@@ -21,13 +21,16 @@ fell and its queues grew. For the same reason a prompt stays with the replica ho
 while that replica's cost is within one own prefill (the best replica's) of the best: a move then
 buys less than the copy it makes (docs/benchmarks/fleet.md has the effect).
 
-A new prefix goes home: when no replica holds a block of it, it goes, among the replicas whose
-predicted cost is within one own prefill of the best and whose KV pool has room for it, to the
-one with the least idle cached
-content (free blocks still holding a prefix: what it would crowd out). As Ray's
-PrefixCacheAffinityRouter sends a new prompt to its "smallest tenant", tenants divide between
-replicas instead of piling on whichever was idle when they first came, and their later requests
-find them where they went."""
+A new prefix (no replica holds a block of it) goes to the replica, among those whose KV pool
+has room for it, where its own first token would come soonest: its predicted TTFT without the
+term for the requests already there. Every replica would compute the whole prompt, so that term
+would only weigh how many requests run there (on an H100, a hundred or more each), and sent every
+new prompt to the replica running the fewest, however much prompt work was already queued there:
+new prompts waited behind each other there. The queue, with what this router sent since the
+last report, spreads a burst of new tenants between replicas instead. Replicas that price alike
+(idle ones) go by the least idle cached content (free blocks still holding a prefix: what the
+prompt would crowd out), so that, as Ray's PrefixCacheAffinityRouter sends a new prompt to its
+smallest tenant, tenants divide between replicas and their later requests find them there."""
 
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ from router.prefix_index import PrefixIndex
 from router.pressure import BY_KV, PressureTracker
 
 BY_PREFIX = "prefix-hit"  # fresh stats, chosen replica holds part of the prompt
-BY_NEW_PREFIX = "new-prefix-home"  # nobody holds the prompt: the replica with the least idle content
+BY_NEW_PREFIX = "new-prefix-home"  # nobody holds the prompt: where its first token comes soonest
 
 # c0, c_prefill, c_decode, c_prompt_attention, c_decode_attention, c_request: a token a unit.
 TOKEN_COST = (0.0, 1.0, 1.0, 0.0, 0.0, 0.0)
@@ -57,8 +60,9 @@ class Decision:
 class _Candidate:
     replica: Hashable
     overlap: int  # blocks
-    ttft_s: float
+    ttft_s: float  # with the term for the requests already there
     own_prefill_s: float
+    own_ttft_s: float  # its own: when its first token would come
     fits: bool
     idle_cached_blocks: int
     queue_len: float
@@ -111,16 +115,16 @@ def rank_by_prefix(
         own_start = overlap * load.block_size
         own = max(1, len(prompt_keys) * load.block_size - own_start)
         queued = load.num_pending_prompt_tokens + tracker.in_flight_prefill_tokens(replica)
-        ttft_s, own_s = predicted_ttft(coefficients, load, queued, own, own_start)
+        own_ttft_s, own_s = predicted_ttft(coefficients, load, queued, own, own_start)
         # Every request already there waits out this one's prefill too: a step is shared.
         others = load.num_waiting + load.num_running + tracker.in_flight_requests(replica)
-        ttft_s += own_s * others
+        ttft_s = own_ttft_s + own_s * others
         new_blocks = len(prompt_keys) - overlap
         in_use = tracker.pressure(replica, load, now) * load.num_total_blocks
         fits = in_use + new_blocks <= load.num_total_blocks
         queue_len = queue_lens.get(replica, math.inf)
         idle = load.num_cached_free_blocks
-        candidates.append(_Candidate(replica, overlap, ttft_s, own_s, fits, idle, queue_len))
+        candidates.append(_Candidate(replica, overlap, ttft_s, own_s, own_ttft_s, fits, idle, queue_len))
     candidates.sort(key=_Candidate.key)
     overlaps = {c.replica: c.overlap for c in candidates}
     stale = [(replica, reason) for replica, reason in by_load if reason != BY_KV]
@@ -133,7 +137,8 @@ def rank_by_prefix(
     if any(c.overlap for c in candidates) or not best.fits:
         ranked = [(c.replica, BY_PREFIX if c.overlap else BY_KV) for c in candidates]
         return Decision(ranked + stale, overlaps)
-    near = [c for c in candidates if c.fits and c.ttft_s <= best.ttft_s + best.own_prefill_s]
-    home = min(near, key=lambda c: (c.idle_cached_blocks, c.key()))
+    home = min(
+        (c for c in candidates if c.fits), key=lambda c: (c.own_ttft_s, c.idle_cached_blocks, c.queue_len)
+    )
     ranked = [(home.replica, BY_NEW_PREFIX)] + [(c.replica, BY_KV) for c in candidates if c is not home]
     return Decision(ranked + stale, overlaps)

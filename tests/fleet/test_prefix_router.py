@@ -144,14 +144,26 @@ def test_a_replica_without_a_model_makes_every_replica_priced_in_tokens():
     assert decide(one, PROMPT).ranking[0][0] == "a"
 
 
-def test_a_prefix_nobody_holds_goes_home_to_the_replica_with_the_least_idle_content():
+def test_a_prefix_nobody_holds_goes_where_its_first_token_comes_soonest_whatever_runs_there():
+    # a runs 40 requests, b 1 and owes 200 prompt tokens: the prompt (160 tokens) starts in a's
+    # next step (0.01 + 0.16 s) and after b's queue (2 steps + 0.36 s). Weighing the requests
+    # already there, as a held prompt's move is weighed, would send it to b (0.16 s for each of
+    # a's 40 against 0.16 for b's one).
+    stats = {
+        "a": learned(stats_holding([]), num_running=40),
+        "b": learned(stats_holding([], waiting_tokens=200)),
+    }
+    assert decide(stats, PROMPT).ranking[0] == ("a", BY_NEW_PREFIX)
+
+
+def test_replicas_that_price_alike_give_a_new_prefix_to_the_least_idle_cached_content():
     # Equal load; a's cache holds an idle tenant's 60 blocks, b's 20: a new tenant goes to b.
     stats = {
         "a": learned(stats_holding([]), num_cached_free_blocks=60),
         "b": learned(stats_holding([]), num_cached_free_blocks=20),
     }
     assert decide(stats, PROMPT).ranking[0] == ("b", BY_NEW_PREFIX)
-    # Unless b's predicted cost is more than one own prefill (0.16 s) over a's (0.54 s against 0.33).
+    # Unless b's first token would come later (0.38 s against 0.17).
     stats["b"] = learned(stats_holding([], waiting_tokens=200), num_cached_free_blocks=20)
     assert decide(stats, PROMPT).ranking == [("a", BY_NEW_PREFIX), ("b", BY_KV)]
 
