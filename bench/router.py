@@ -100,7 +100,7 @@ def run_once(cluster: serve_cluster.ServeCluster, workload: str, router: str, se
     served = sorted(run.finished_by_replica.values(), reverse=True)
     fewest = served[1] if len(served) > 1 else 0.0  # a replica that served none reports none
     return {
-        "hit_rate": run.prefix_cache_hits / run.prefix_cache_queries if run.prefix_cache_queries else 0.0,
+        "hit_rate": run.hit_rate,
         **summary,  # its own hit rate where a killed replica's counters went with it
         "preemptions": run.preemptions,
         "requests_per_replica": served,

@@ -79,6 +79,12 @@ class EngineCounters:
             page.by_replica(finished, labels),
         )
 
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens found cached over those looked up (0 when none were)."""
+        queries = self.prefix_cache_queries
+        return self.prefix_cache_hits / queries if queries else 0.0
+
     def since(self, before: EngineCounters) -> EngineCounters:
         return EngineCounters(
             self.preemptions - before.preemptions,

@@ -64,9 +64,9 @@ def test_two_busy_tenants_settle_on_different_replicas_and_keep_their_hits(
     """First in the module, so both replicas start empty. Each tenant's first request computes
     its system prompt somewhere; once the replicas have reported it (every 0.5 s), the second
     tenant's (both replicas idle: they price alike) goes where less idle cached content would be
-    crowded out: the other replica. Then a
-    burst of both tenants at once goes to the two holders and finds the prompts there, the load
-    guard never having a reason to move it (6 requests each side)."""
+    crowded out: the other replica. Then a burst of both tenants at once goes to the two holders
+    and finds the prompts there, the load guard never having a reason to move it (6 requests each
+    side)."""
     before = scrape_by_replica(serve_cluster, HITS, {"application": APP})
     for system in TENANTS.values():
         ask(client, [{"role": "system", "content": system}, {"role": "user", "content": "Hello"}])
