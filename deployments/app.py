@@ -27,6 +27,7 @@ from router.autoscaling import KVPressurePolicy
 from router.kv_router import KVPressureRouter
 from router.prefix_router import KVPrefixRouter
 from router.round_robin import RoundRobinRouter
+from router.same_node import SameNodeRouter
 
 # EngineConfig fields a deployment may set under `engine:` (model is its own arg; offline is for LLM).
 ENGINE_KNOBS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model", "offline"}
@@ -146,8 +147,8 @@ class AppArgs(BaseModel):
         ge=1,
         description="Ingress replicas, each with its own routers, at most one per node: with "
         "`proxy_location: EveryNode`, one per node keeps a request on the node whose proxy it "
-        "entered (Serve's proxy prefers its own node's). More than the cluster has nodes: the "
-        "rest wait for nodes",
+        "entered (its node's Ingress takes it whenever one runs there). More than the cluster "
+        "has nodes: the rest wait for nodes",
     )
     sampling_defaults: dict[str, Any] = Field(
         default_factory=dict,
@@ -377,5 +378,7 @@ def build_app(args: AppArgs) -> Application:
         max_ongoing_requests=args.ingress_max_ongoing_requests,
         num_replicas=args.ingress_replicas,
         max_replicas_per_node=1 if args.ingress_replicas > 1 else None,
+        # A request stays on its node's Ingress (router/same_node.py says why).
+        request_router_config=RequestRouterConfig(request_router_class=SameNodeRouter),
     )
     return ingress.bind(replica, settings)

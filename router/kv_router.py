@@ -8,7 +8,6 @@ replicas holding it first, unless they are overloaded (router/adapter_affinity.p
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 from typing import Any
@@ -25,6 +24,7 @@ from ray.serve.request_router import (
 from common.messages import RoutedMessage
 from common.metrics_sinks import Counter, MetricsSink, RayServeSink
 from common.routing_stats import MalformedRoutingStats, RoutingStats
+from router.queue_probe import QUEUE_LEN_RESPONSE_DEADLINE_S
 from router.ranking import PressureRanking, Routed, RoutedRequest
 
 ROUTED_METRIC = "stallfree_router_requests_routed"
@@ -44,12 +44,7 @@ def routed_request(request: PendingRequest) -> RoutedRequest:
 
 
 class KVPressureRouter(FIFOMixin, RequestRouter):
-    # How long Serve waits for a replica to answer a queue-length probe (sent when its cached
-    # length is over 10 s old) before trying the next rank. Serve's 0.1 s is missed by a CPU
-    # replica whose event loop shares its cores with the model's step: the request then went
-    # past the replica holding its prefix or adapter. A dead replica is still found at once
-    # (ActorDiedError), a hung one within the 1 s Serve allows at most. Serve's variable still rules.
-    queue_len_response_deadline_s = float(os.environ.get("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", 1.0))
+    queue_len_response_deadline_s = QUEUE_LEN_RESPONSE_DEADLINE_S  # Serve's 0.1 s: too short for CPU replicas
 
     def initialize_state(self, sink: MetricsSink | None = None, **kwargs: Any) -> None:
         sink = sink or RayServeSink()
@@ -105,12 +100,18 @@ class KVPressureRouter(FIFOMixin, RequestRouter):
         self.observe_reports(replicas)
 
     def observe_reports(self, replicas: list[RunningReplica]) -> None:
-        """Note when each report was received; forget replicas that are gone."""
+        """Note when each report was received; forget replicas that are gone.
+
+        A new report also refreshes Serve's cached queue length of its replica (the requests its
+        engine holds). Serve probes a replica whose cached length is over 10 s old before sending
+        to it, and on a loaded host a probe can miss even our 1 s: the request then went past the
+        replica holding its adapter or prefix (CI saw it). A replica that reports answered its
+        controller within the last 0.5 s; one over its max_ongoing_requests still refuses."""
         now = time.monotonic()
         for replica in replicas:
             stats = self.read_stats(replica)
-            if stats is not None:
-                self.ranking.observe(replica.replica_id, stats, now)
+            if stats is not None and self.ranking.observe(replica.replica_id, stats, now) == now:
+                self.replica_queue_len_cache.update(replica.replica_id, stats.num_waiting + stats.num_running)
         self.ranking.keep_only(replica.replica_id for replica in replicas)
         self._malformed_replicas &= {replica.replica_id for replica in replicas}
 

@@ -52,9 +52,10 @@ class PressureRanking:
         self.adapter_policy = adapter_policy
         self.adapters = AdapterIndex()
 
-    def observe(self, replica: Hashable, stats: RoutingStats, now: float | None = None) -> None:
-        self.tracker.observe(replica, stats, now)
+    def observe(self, replica: Hashable, stats: RoutingStats, now: float | None = None) -> float:
+        """When this router first saw the report (now, if it is new)."""
         self.adapters.observe(replica, stats)
+        return self.tracker.observe(replica, stats, now)
 
     def keep_only(self, replicas: Iterable[Hashable]) -> None:
         """Forget replicas that are gone."""
