@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,6 +27,11 @@ class MetricsSource(Protocol):
 # RayServeSink's instruments are exported as ray_<name>.
 ENGINE_PREFIX = "ray_" + PREFIX
 DRAIN_TIMEOUT_S = 60  # a deadline on state: drained within a few report periods when idle
+# Ray exports a process's counters about once a second (RAY_metrics_report_interval_ms in the test
+# clusters): counts unchanged over three periods have every event counted before the first read.
+SETTLE_S = 3.0
+SETTLE_TIMEOUT_S = 300  # a deadline on state: counts settle within seconds once the requests end
+Counts = TypeVar("Counts")
 
 
 class MetricsPage:
@@ -131,3 +137,17 @@ def wait_drained(cluster: MetricsSource, app: str) -> tuple[float, dict[str, dic
         if time.monotonic() - started > DRAIN_TIMEOUT_S:
             return math.inf, held
         time.sleep(0.5)
+
+
+def settled(read: Callable[[], Counts]) -> Counts:
+    """`read()` once it stops changing: a counter read right after a request can miss it (it is
+    exported later), so a test that compares counts before and after takes both settled."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    counts = read()
+    while True:
+        time.sleep(SETTLE_S)
+        again = read()
+        if again == counts:
+            return counts
+        assert time.monotonic() < deadline, f"counts still changing after {SETTLE_TIMEOUT_S} s: {again}"
+        counts = again

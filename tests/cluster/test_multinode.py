@@ -23,7 +23,7 @@ import pytest
 
 from harness import metrics_scrape, multinode_cluster, redis_server, soak_load
 from harness.debian_package import find_or_install
-from harness.metrics_scrape import EngineCounters, MetricsPage, wait_drained
+from harness.metrics_scrape import EngineCounters, MetricsPage, settled, wait_drained
 from harness.multinode_cluster import ClusterNode, MultiNodeCluster
 from harness.serve_cluster import wait_for
 from harness.sse_client import StreamResult
@@ -122,8 +122,7 @@ def test_replicas_spread_over_nodes_and_every_nodes_router_finds_a_conversations
         openai.OpenAI(base_url=f"{node.http_url}/v1", api_key="unused").completions.create(
             model=model, prompt=[1, 2, 3], max_tokens=1
         )
-    time.sleep(TURN_GAP_S)
-    before = {node.name: routed_reasons(node) for node in nodes}
+    before = {node.name: settled(lambda node=node: routed_reasons(node)) for node in nodes}
     system = [i % 400 + 50 for i in range(300)]  # token ids: the model (vocab 512) has no tokenizer
     for conversation in range(3):
         prompt, last_prompt_tokens = system, 0

@@ -13,7 +13,7 @@ import pytest
 from ray import serve
 
 from deployments.app import AppArgs, build_app
-from harness.metrics_scrape import ENGINE_PREFIX, scrape, scrape_by_replica
+from harness.metrics_scrape import ENGINE_PREFIX, scrape, scrape_by_replica, settled
 from harness.replicas import kill_actor, replica_actor_names, wait_replaced
 from harness.serve_cluster import ServeCluster, wait_for
 from harness.sse_client import StreamResult, stream_completion
@@ -93,28 +93,27 @@ def test_skewed_load_spreads_without_preemption(serve_cluster: ServeCluster, fle
 
 
 def test_router_steers_away_from_a_loaded_replica(serve_cluster: ServeCluster, fleet: str):
-    before = routed_by_replica(serve_cluster, "fleet")
-    # One long, slow request pins a replica: 20 blocks of its 24 for ~30 s.
+    short = {"prompt": SHORT_PROMPT, "max_tokens": 4}
+    # The Ingress asks a replica its KV pool size on its first request (a routed call of its own):
+    # one request first, so the counts below are the test's requests only.
+    assert httpx.post(f"{fleet}/v1/completions", json=short, timeout=HANG_S).status_code == 200
+    before = settled(lambda: routed_by_replica(serve_cluster, "fleet"))
+    # One long, slow request pins a replica: 20 blocks of its 24 while it runs.
     hog = threading.Thread(
         target=httpx.post,
         args=(f"{fleet}/v1/completions",),
-        kwargs={"json": {"prompt": LONG_PROMPT, "max_tokens": 180, "ignore_eos": True}, "timeout": 300},
+        kwargs={"json": {"prompt": LONG_PROMPT, "max_tokens": 180, "ignore_eos": True}, "timeout": HANG_S},
     )
     hog.start()
-    # Its replica runs it, in the stats it reports, and its routing is counted (deadlines on state)
+    # Its replica runs it, in the stats it reports (a deadline on state); it is the only request
     wait_for(lambda: any(running_by_replica(serve_cluster).values()), "the long request runs")
-    wait_for(lambda: sum(routed_by_replica(serve_cluster, "fleet").values()) > sum(before.values()), "routed")
-    busy = {r: n - before.get(r, 0) for r, n in routed_by_replica(serve_cluster, "fleet").items()}
-    short = {"prompt": SHORT_PROMPT, "max_tokens": 4}
+    running = running_by_replica(serve_cluster)
+    hog_replica = max(running, key=running.get)
     for _ in range(6):
-        assert httpx.post(f"{fleet}/v1/completions", json=short, timeout=300).status_code == 200
+        assert httpx.post(f"{fleet}/v1/completions", json=short, timeout=HANG_S).status_code == 200
     hog.join()
-    wait_for(
-        lambda: sum(routed_by_replica(serve_cluster, "fleet").values()) - sum(before.values()) >= 7,
-        "routing counted",
-    )
-    after = routed_by_replica(serve_cluster, "fleet")
-    hog_replica = max(busy, key=busy.get)
+    after = settled(lambda: routed_by_replica(serve_cluster, "fleet"))
+    assert sum(after.values()) - sum(before.values()) == 7, (before, after)
     shorts_on_hog = after.get(hog_replica, 0) - before.get(hog_replica, 0) - 1
     assert shorts_on_hog == 0, f"{shorts_on_hog} of 6 short requests went to the loaded replica"
 
