@@ -166,7 +166,7 @@ FLEET_SPECS: dict[str, BenchSpec] = {
         (
             _fleet("results/*/*/*", ("profile", "workload", "replicas"), GOAL_ROUTERS),
             _ratios("ratios", "kv_prefix against the goals' baselines, per point, median of seeds [spread]:"),
-            _workloads(("a", "b")),
+            _workloads(("a", "b", "c")),
         ),
     ),
     "fleet_autoscaling": BenchSpec(
