@@ -97,6 +97,19 @@ def _soak(fault: tuple[Col, ...]) -> tuple[Rows | Values, ...]:
     )
 
 
+def _fleet_goal_routers(size: str, workloads: tuple[str, ...]) -> BenchSpec:
+    """A run of the H100 profile with kv_prefix and the goals' three baselines only."""
+    return BenchSpec(
+        "benchmarks/fleet.md",
+        f"The fleet simulator on the H100 profile {size}: kv_prefix and the goals' three baselines",
+        (
+            _fleet("results/*/*/*", ("profile", "workload", "replicas"), GOAL_ROUTERS),
+            _ratios("ratios", "kv_prefix against the goals' baselines, per point, median of seeds [spread]:"),
+            _workloads(workloads),
+        ),
+    )
+
+
 FLEET_SPECS: dict[str, BenchSpec] = {
     "router_cpu": BenchSpec(
         "benchmarks/router_cpu.md",
@@ -160,15 +173,8 @@ FLEET_SPECS: dict[str, BenchSpec] = {
             _workloads(("a", "b", "c", "d", "e")),
         ),
     ),
-    "fleet_h100": BenchSpec(
-        "benchmarks/fleet.md",
-        "The fleet simulator on the H100 profile: kv_prefix and the goals' three baselines",
-        (
-            _fleet("results/*/*/*", ("profile", "workload", "replicas"), GOAL_ROUTERS),
-            _ratios("ratios", "kv_prefix against the goals' baselines, per point, median of seeds [spread]:"),
-            _workloads(("a", "b", "c")),
-        ),
-    ),
+    "fleet_h100": _fleet_goal_routers("at 4 replicas", ("a", "b", "c")),
+    "fleet_h100_16": _fleet_goal_routers("at 16 replicas", ("b",)),
     "fleet_autoscaling": BenchSpec(
         "benchmarks/fleet_autoscaling.md",
         "Simulated autoscaling on a 4x ramp: our policy against Serve's default",
