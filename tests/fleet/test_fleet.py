@@ -105,9 +105,15 @@ def test_router_steers_away_from_a_loaded_replica(serve_cluster: ServeCluster, f
         kwargs={"json": {"prompt": LONG_PROMPT, "max_tokens": 180, "ignore_eos": True}, "timeout": HANG_S},
     )
     hog.start()
-    # Its replica runs it, in the stats it reports (a deadline on state); it is the only request
-    wait_for(lambda: any(running_by_replica(serve_cluster).values()), "the long request runs")
-    running = running_by_replica(serve_cluster)
+    # Its replica runs it, in the stats it reports (a deadline on state); it is the only request.
+    # The replica is read from the scrape that saw it run: a later one may come after it ended.
+    running: dict[str, float] = {}
+
+    def hog_runs() -> bool:
+        running.update(running_by_replica(serve_cluster))
+        return any(running.values())
+
+    wait_for(hog_runs, "the long request runs")
     hog_replica = max(running, key=running.get)
     for _ in range(6):
         assert httpx.post(f"{fleet}/v1/completions", json=short, timeout=HANG_S).status_code == 200
