@@ -239,6 +239,13 @@ class EngineReplica:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def pause(self) -> None:
+        """AsyncEngine.pause, on this replica only (a handle's call reaches one replica)."""
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
     def record_routing_stats(self) -> dict[str, Any]:
         """For the routers, every ~0.5 s: a RoutingStats, as the plain dict Serve carries."""
         return self._reporter.report(self.engine.stats()).to_report()

@@ -25,7 +25,7 @@ from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from replica_engine.config import EngineConfig
 from replica_engine.core_client import CoreClient, ThreadCore
-from replica_engine.core_loop import AbortRequest, AddRequest, EngineOutputs
+from replica_engine.core_loop import AbortRequest, AddRequest, EngineOutputs, SetPaused
 from replica_engine.core_process import ProcessCore
 from replica_engine.errors import EngineDeadError
 from replica_engine.input_processor import Prompt
@@ -167,6 +167,16 @@ class AsyncEngine:
     def _send_abort(self, key: str, reason: FinishReason) -> None:
         self._sinks.pop(key, None)  # its stream has ended (or is ending): later outputs are stale
         self.client.send(AbortRequest(key, reason))
+
+    def pause(self) -> None:
+        """Stop stepping until `resume`: running requests keep their KV blocks and go on from where
+        they were, requests added meanwhile wait (the scheduler orders them on resume), aborts
+        and the callers' deadlines still end requests. For handing the replica's compute to other
+        work for a while without failing its requests."""
+        self.client.send(SetPaused(True))
+
+    def resume(self) -> None:
+        self.client.send(SetPaused(False))
 
     def stats(self) -> EngineStats:
         """The snapshot the core published after its latest step (or message)."""

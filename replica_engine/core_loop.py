@@ -1,7 +1,7 @@
 """The engine core's busy loop, wherever it runs (a thread of the replica's process, or a process of
 its own): apply the frontend's messages, step, and send back one EngineOutputs per step.
 
-Messages in are AddRequest, AbortRequest and SHUTDOWN; out, per step, every request's new tokens
+Messages in are AddRequest, AbortRequest, SetPaused and SHUTDOWN; out, per step, every request's new tokens
 (and the finals of aborted ones), the published stats and, where the core's metrics cannot reach
 the exporter itself (another process), the metric updates it buffered."""
 
@@ -44,8 +44,17 @@ class AbortRequest:
     reason: FinishReason
 
 
+@dataclass(frozen=True)
+class SetPaused:
+    """Paused, the core takes no step: its requests keep their KV blocks and state, new ones
+    wait, aborts still end them. Messages keep their order, so whatever the frontend sent after a
+    pause waits for the resume (vLLM's pause_generation, in its mode that keeps requests)."""
+
+    paused: bool
+
+
 SHUTDOWN = "shutdown"
-CoreMessage = AddRequest | AbortRequest | str
+CoreMessage = AddRequest | AbortRequest | SetPaused | str
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,7 @@ class CoreLoop:
         self._hashes_sent: tuple[bytes, ...] | None = None
         self._hashes_sent_at = 0.0
         self._num_applied = 0  # messages the latest drain applied
+        self._paused = False
 
     def run(self) -> None:
         """Until SHUTDOWN; an error outside any one request's work ends the loop after one last
@@ -90,11 +100,10 @@ class CoreLoop:
     def _run(self) -> None:
         consecutive_failures = 0
         while True:
-            idle = not self.core.has_unfinished_requests()
-            finals = self._apply_messages(wait=idle)
+            finals = self._apply_messages(wait=not self._has_work())
             if finals is None:
                 return
-            busy = self.core.has_unfinished_requests()
+            busy = self._has_work()
             if self._num_applied or not busy:
                 # What the messages changed (queue depth, aborts' finals) is visible at once, not
                 # only after the next step: routers and autoscaling read these stats.
@@ -132,9 +141,15 @@ class CoreLoop:
                 final = self.core.abort_request(message.request_id, message.reason)
                 if final is not None:
                     finals.append(final)
+            elif isinstance(message, SetPaused):
+                self._paused = message.paused
             message = self.receive(None)
         self.core.publish_stats()
         return finals
+
+    def _has_work(self) -> bool:
+        """A step to take: requests, and not paused."""
+        return not self._paused and self.core.has_unfinished_requests()
 
     def _send(self, outputs: list[CoreOutput], idle: bool) -> None:
         stats = self.core.stats

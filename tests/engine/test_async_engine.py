@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from replica_engine import AsyncEngine, EngineConfig, InvalidRequestError, SamplingParams
+from replica_engine import AsyncEngine, EngineConfig, EngineStats, InvalidRequestError, SamplingParams
 from tests.engine.engine_idle import is_idle, wait_idle
 
 
@@ -100,3 +100,63 @@ def test_bad_request_raises_at_add_time(async_engine):
     with pytest.raises(InvalidRequestError):
         asyncio.run(main())
     assert async_engine.is_healthy
+
+
+def test_a_paused_engine_holds_its_requests_orders_new_ones_on_resume_and_loses_nothing(llm):
+    """One request at a time (max_num_seqs 1). A runs; paused, the core takes no step: A's context
+    stays put across snapshots, B (priority 5) and C (-5) wait, and D is aborted while it waits.
+    On resume A ends as if never paused, then C before B: both waited together when the
+    scheduler next chose (had the core stepped after B arrived, B would have run first)."""
+    engine = AsyncEngine(EngineConfig(dtype="float32", core_process=True, max_num_seqs=1))
+    params = SamplingParams(max_tokens=16, temperature=0)
+    (expected,) = llm.generate(["Count: 1, 2, 3,"], params)
+
+    async def until(predicate) -> EngineStats:
+        deadline = asyncio.get_running_loop().time() + 60  # a hang detector on a loaded host
+        while not predicate(latest := engine.stats()):
+            assert asyncio.get_running_loop().time() < deadline, f"not within 60 s: {latest}"
+            await asyncio.sleep(0.005)
+        return latest
+
+    async def read(stream, firsts: list[str], name: str) -> str:
+        text = ""
+        async for out in stream:
+            if not text:
+                firsts.append(name)
+            text += out.text_delta
+        return text
+
+    async def main() -> tuple[str, list[str]]:
+        firsts: list[str] = []
+        a_stream = await engine.add_request("Count: 1, 2, 3,", params)
+        first = await anext(a_stream)
+        engine.pause()
+        b = asyncio.create_task(
+            read(await engine.add_request("Hi", SamplingParams(max_tokens=2, priority=5)), firsts, "b")
+        )
+        paused = await until(lambda s: s.num_waiting == 1)  # the pause came first: no step since
+        c = asyncio.create_task(
+            read(await engine.add_request("Yo", SamplingParams(max_tokens=2, priority=-5)), firsts, "c")
+        )
+        await until(lambda s: s.num_waiting == 2)
+        d = asyncio.create_task(
+            read(await engine.add_request("Go", SamplingParams(max_tokens=2)), firsts, "d")
+        )
+        await until(lambda s: s.num_waiting == 3)
+        d.cancel()  # its reader leaves: an abort, applied while paused
+        latest = await until(lambda s: s.num_waiting == 2)
+        assert (
+            latest.num_running == 1 and latest.num_running_context_tokens == paused.num_running_context_tokens
+        )
+        engine.resume()
+        a_text = first.text_delta + await read(a_stream, [], "a")
+        await asyncio.gather(b, c)
+        return a_text, firsts
+
+    try:
+        a_text, firsts = asyncio.run(main())
+        assert a_text == expected.text
+        assert firsts == ["c", "b"]
+        wait_idle(engine.stats)
+    finally:
+        engine.shutdown()
