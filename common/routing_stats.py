@@ -53,6 +53,9 @@ class RoutingStats:
     # names of the LoRA adapters the replica holds loaded (its host LRU), least recent first
     lora_adapters: tuple[str, ...] = ()
     max_num_batched_tokens: int = 256  # the step's token budget: decodes first, then prompt chunks
+    # generate and embed calls the replica is serving: what Serve's max_ongoing_requests counts (a
+    # request of n choices is one call, n engine requests)
+    num_ongoing_requests: int = 0
     num_running_context_tokens: int = 0  # tokens the running requests attend to (decode attention)
     # The replica's step-time model (replica_engine/scheduler/step_time_model.py: c0, c_prefill,
     # c_decode, c_prompt_attention, c_decode_attention, c_request, in seconds); empty: none learned.
@@ -166,7 +169,7 @@ class RoutingReporter:
         self._next_seq = 0
         self._summary: tuple[tuple[bytes, ...], BlockSummary] | None = None  # (of these keys, summary)
 
-    def report(self, stats: PoolStats) -> RoutingStats:
+    def report(self, stats: PoolStats, num_ongoing_requests: int) -> RoutingStats:
         self._next_seq += 1
         return RoutingStats(
             num_total_blocks=stats.num_total_blocks,
@@ -181,6 +184,7 @@ class RoutingReporter:
             hash_root=self.hash_root,
             lora_adapters=tuple(stats.lora_adapters),
             max_num_batched_tokens=self.max_num_batched_tokens,
+            num_ongoing_requests=num_ongoing_requests,
             num_running_context_tokens=stats.num_running_context_tokens,
             step_time_coefficients=tuple(stats.step_time_coefficients),
         )

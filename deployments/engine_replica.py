@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -195,6 +196,7 @@ class EngineReplica:
         self.engine = AsyncEngine(engine_config, self.metrics)
         inputs = self.engine.inputs
         self._load_meter = LoadMeter()
+        self.num_ongoing_requests = 0  # generate and embed calls running (a request of n choices: one)
         self._reporter = RoutingReporter(
             inputs.config.block_size,
             root_hash(inputs.config.model, None),
@@ -215,9 +217,12 @@ class EngineReplica:
             functools.partial(self.engine.add_request, prompt, params, f"{request.request_id}-{index}")
             for index, (prompt, params) in enumerate(jobs)
         ]
-        async with aclosing(_serve(starts, _choice_deltas)) as items:  # closing it (a cancel) aborts at once
-            async for item in items:
-                yield item
+        with self._ongoing():
+            async with aclosing(
+                _serve(starts, _choice_deltas)
+            ) as items:  # closing it (a cancel) aborts at once
+                async for item in items:
+                    yield item
 
     async def embed(self, request: EmbedRequest) -> AsyncIterator[Embeddings | GenerateError]:
         """Every input's embedding, in one Embeddings; or one GenerateError, as for generate. A
@@ -227,9 +232,19 @@ class EngineReplica:
             functools.partial(self.engine.add_embedding_request, prompt, f"{request.request_id}-{index}")
             for index, prompt in enumerate(request.prompt_token_ids)
         ]
-        async with aclosing(_serve(starts, _embeddings)) as items:  # closing it (a cancel) aborts at once
-            async for item in items:
-                yield item
+        with self._ongoing():
+            async with aclosing(_serve(starts, _embeddings)) as items:  # closing it (a cancel) aborts at once
+                async for item in items:
+                    yield item
+
+    @contextlib.contextmanager
+    def _ongoing(self) -> Iterator[None]:
+        """Count a generate or embed call while it runs, for the routing report."""
+        self.num_ongoing_requests += 1
+        try:
+            yield
+        finally:
+            self.num_ongoing_requests -= 1
 
     def kv_pool_tokens(self) -> int:
         """Tokens the whole KV pool holds: the Ingress fits a default max_tokens to it."""
@@ -248,7 +263,7 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """For the routers, every ~0.5 s: a RoutingStats, as the plain dict Serve carries."""
-        return self._reporter.report(self.engine.stats()).to_report()
+        return self._reporter.report(self.engine.stats(), self.num_ongoing_requests).to_report()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """For the KV-pressure autoscaling policy (router.autoscaling): KV usage, queue depth and,

@@ -212,7 +212,7 @@ class SimReplica:
 
     def report(self) -> RoutingStats:
         """The routing report, with the step-time model a real replica would have learned."""
-        stats = self.reporter.report(self._published)
+        stats = self.reporter.report(self._published, self.num_ongoing)
         return replace(stats, step_time_coefficients=self.step_time_coefficients)
 
     def submit(self, request: Request) -> None:

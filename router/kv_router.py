@@ -102,16 +102,17 @@ class KVPressureRouter(FIFOMixin, RequestRouter):
     def observe_reports(self, replicas: list[RunningReplica]) -> None:
         """Note when each report was received; forget replicas that are gone.
 
-        A new report also refreshes Serve's cached queue length of its replica (the requests its
-        engine holds). Serve probes a replica whose cached length is over 10 s old before sending
-        to it, and on a loaded host a probe can miss even our 1 s: the request then went past the
-        replica holding its adapter or prefix (CI saw it). A replica that reports answered its
-        controller within the last 0.5 s; one over its max_ongoing_requests still refuses."""
+        A new report also refreshes Serve's cached queue length of its replica: the calls it
+        serves (a request of n choices once, as Serve counts). Serve probes a replica whose cached
+        length is over 10 s old before sending to it, and on a loaded host a probe can miss even
+        our 1 s: the request then went past the replica holding its adapter or prefix (CI saw
+        it). A replica that reports answered its controller within the last 0.5 s; one over its
+        max_ongoing_requests still refuses."""
         now = time.monotonic()
         for replica in replicas:
             stats = self.read_stats(replica)
             if stats is not None and self.ranking.observe(replica.replica_id, stats, now) == now:
-                self.replica_queue_len_cache.update(replica.replica_id, stats.num_waiting + stats.num_running)
+                self.replica_queue_len_cache.update(replica.replica_id, stats.num_ongoing_requests)
         self.ranking.keep_only(replica.replica_id for replica in replicas)
         self._malformed_replicas &= {replica.replica_id for replica in replicas}
 

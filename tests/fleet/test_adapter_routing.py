@@ -78,7 +78,7 @@ def test_a_replica_reports_the_adapters_its_engine_holds():
         num_running_context_tokens=0,
         step_time_coefficients=(),
     )
-    assert RoutingReporter(16, ROOT, 256).report(pool).lora_adapters == ("chat", "sql")
+    assert RoutingReporter(16, ROOT, 256).report(pool, 0).lora_adapters == ("chat", "sql")
 
 
 @pytest.mark.parametrize("make", [PressureRanking, PrefixRanking])

@@ -303,18 +303,18 @@ def test_policy_targets_are_checked():
 
 def test_a_new_report_refreshes_serves_cached_queue_length_of_its_replica():
     # Serve probes a replica whose cached queue length is stale before sending to it, and skips it
-    # when the probe is late; a replica that reports needs no probe.
+    # when the probe is late; a replica that reports needs no probe. Serve counts calls: one
+    # request of 4 choices is one, though the engine holds 4 requests.
     router = KVPressureRouter(DeploymentID("EngineReplica", "app"), DeploymentHandleSource.UNKNOWN)
     router.initialize_state(sink=PrometheusSink(prometheus_client.CollectorRegistry()))
-    replica = SimpleNamespace(
-        replica_id="a", routing_stats=replace(report(free=50), num_waiting=3).to_report()
-    )
+    one_call = replace(report(free=50), num_waiting=3, num_running=1, num_ongoing_requests=1)
+    replica = SimpleNamespace(replica_id="a", routing_stats=one_call.to_report())
     assert router.replica_queue_len_cache.get("a") is None
     router.observe_reports([replica])
-    assert router.replica_queue_len_cache.get("a") == 4  # 3 waiting, 1 running
+    assert router.replica_queue_len_cache.get("a") == 1
     router.replica_queue_len_cache.update("a", 9)  # Serve's own (an acceptance) since
     router.observe_reports([replica])  # the same report again: not new, no refresh
     assert router.replica_queue_len_cache.get("a") == 9
-    replica.routing_stats = replace(report(free=50, seq=1), num_running=0).to_report()
+    replica.routing_stats = replace(one_call, report_seq=1, num_ongoing_requests=0).to_report()
     router.observe_reports([replica])
     assert router.replica_queue_len_cache.get("a") == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from contextlib import aclosing
 
 import pytest
 
@@ -151,6 +152,23 @@ def test_the_routing_report_is_a_whole_routing_stats_message(replica):
     assert first.num_free_blocks == first.num_total_blocks == replica.engine.stats().num_total_blocks
     assert second.report_seq == first.report_seq + 1
     assert first.hash_root == root_hash(replica.engine.inputs.config.model, None)
+
+
+def test_the_routing_report_counts_a_request_of_n_choices_as_one_call_as_serve_does(replica):
+    """Routers set Serve's cached queue length from the report: the calls the replica serves."""
+
+    async def main() -> tuple[RoutingStats | None, RoutingStats | None]:
+        request = generate_request(replica, "r-n", ["Count: 1, 2, 3,"], n=3, max_tokens=200)
+        items = aclosing(replica.generate(request))
+        async with items as stream:
+            await anext(stream)  # the call is running, its 3 choices in the engine
+            during = RoutingStats.from_report(replica.record_routing_stats())
+        return during, RoutingStats.from_report(replica.record_routing_stats())
+
+    during, after = asyncio.run(main())
+    assert during is not None and during.num_ongoing_requests == 1
+    assert after is not None and after.num_ongoing_requests == 0
+    wait_idle(replica.stats)  # closing the call aborted its choices
 
 
 def test_the_core_process_dying_mid_stream_fails_its_streams_and_the_health_check(replica: EngineReplica):

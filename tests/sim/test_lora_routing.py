@@ -65,7 +65,7 @@ def test_a_replica_charges_the_load_to_its_step_and_reports_the_adapter():
     assert abs(ttft["again"] - ttft["base"]) < 1e-9  # held: no load
     assert fleet.adapter_loads() == {"sql": {"replica-0": 1}}
     replica = fleet.replicas[0]
-    assert replica.reporter.report(replica.stats()).lora_adapters == ("sql",)
+    assert replica.reporter.report(replica.stats(), 0).lora_adapters == ("sql",)
 
 
 def test_routing_by_adapter_loads_each_adapter_on_fewer_replicas_than_load_alone():
