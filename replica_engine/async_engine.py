@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
@@ -67,6 +68,25 @@ def _post(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *arg
     return True
 
 
+class RequestStream:
+    """One request's RequestOutputs. Closing it before its end, read or not, or cancelling the
+    task reading it, aborts the request."""
+
+    def __init__(self, outputs: AsyncGenerator[RequestOutput, None], close: Callable[[], None]) -> None:
+        self._outputs = outputs
+        self._close = close
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await anext(self._outputs)
+
+    async def aclose(self) -> None:
+        await self._outputs.aclose()
+        self._close()  # a generator closed before its first item runs no `finally`
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, metrics: EngineMetrics | None = None) -> None:
         config = config or EngineConfig()
@@ -93,7 +113,7 @@ class AsyncEngine:
 
     async def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> RequestStream:
         """Validate and send a request (raising InvalidRequestError at once if it is bad); return
         its stream. Closing the stream early (or cancelling the task reading it) aborts it."""
         self._check_alive()
@@ -103,15 +123,13 @@ class AsyncEngine:
             grammar = await asyncio.to_thread(self.inputs.compile_grammar, params)
         return self._submit(self.inputs.make_request(prompt, params, request_id, self._open_queues, grammar))
 
-    async def add_embedding_request(
-        self, prompt: Prompt, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    async def add_embedding_request(self, prompt: Prompt, request_id: str | None = None) -> RequestStream:
         """As add_request, for a prompt-only request: its stream's one output carries the
         prompt's embedding (none if it failed or was aborted)."""
         self._check_alive()
         return self._submit(self.inputs.make_embedding_request(prompt, request_id, self._open_queues))
 
-    def _submit(self, request: Request) -> AsyncIterator[RequestOutput]:
+    def _submit(self, request: Request) -> RequestStream:
         """Send a checked request to the core; its stream, read on this event loop."""
         request_id = request.request_id
         key = f"{request_id}#{next(self._keys)}"
@@ -127,13 +145,16 @@ class AsyncEngine:
             self._sinks.pop(key, None)
             self._check_alive()
         self.client.send(AddRequest(request))
-        return self._read(request_id, output_queue)
+        close = functools.partial(self._close_stream, request_id, output_queue)
+        return RequestStream(self._read(output_queue, close), close)
 
     def _check_alive(self) -> None:
         if not self.is_healthy:
             raise EngineDeadError(f"engine is not running: {self.error}")
 
-    async def _read(self, request_id: str, output_queue: _OutputQueue) -> AsyncIterator[RequestOutput]:
+    async def _read(
+        self, output_queue: _OutputQueue, close: Callable[[], None]
+    ) -> AsyncGenerator[RequestOutput, None]:
         try:
             while True:
                 item = await output_queue.ready.get()
@@ -143,10 +164,16 @@ class AsyncEngine:
                 if item.finished:
                     return
         finally:
-            self._open_queues.pop(request_id, None)
-            if not output_queue.state.finished:  # the reader left early
-                output_queue.state.finish(FinishReason.ABORT)
-                self._send_abort(output_queue.key, FinishReason.ABORT)
+            close()
+
+    def _close_stream(self, request_id: str, output_queue: _OutputQueue) -> None:
+        """Its stream is done with: forget it (not a later request of the same id); abort the
+        request if the reader left before its end."""
+        if self._open_queues.get(request_id) is output_queue:
+            del self._open_queues[request_id]
+        if not output_queue.state.finished:
+            output_queue.state.finish(FinishReason.ABORT)
+            self._send_abort(output_queue.key, FinishReason.ABORT)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         """Stop a request from any thread: its stream ends at once with this finish_reason; its KV

@@ -4,6 +4,7 @@ its blocks by the end of the step that was running."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -53,6 +54,25 @@ def test_closing_a_stream_early_aborts_and_frees_its_blocks(async_engine):
 
     asyncio.run(main())
     wait_idle(async_engine.stats)
+
+
+def test_closing_a_stream_never_read_aborts(async_engine):
+    added = async_engine.stats().num_requests_added
+
+    def added_and_idle() -> EngineStats:
+        """The stats once the core has taken the request (before, they are idle anyway)."""
+        latest = async_engine.stats()
+        return latest if latest.num_requests_added > added else replace(latest, num_running=1)
+
+    async def main():
+        stream = await async_engine.add_request(
+            "Count: 1, 2, 3,", SamplingParams(max_tokens=4000, ignore_eos=True, temperature=0)
+        )
+        await stream.aclose()  # its 4000 tokens would take many seconds
+        # on this loop: once it has closed, the engine drops the requests it read for anyway
+        await asyncio.to_thread(wait_idle, added_and_idle)
+
+    asyncio.run(main())
 
 
 def test_cancelling_the_reading_task_aborts(async_engine):
