@@ -22,12 +22,12 @@ from typing import Any
 
 import yaml
 
+from common.ports import free_port
 from harness.serve_cluster import (
     BIN,
     REPO,
     START_TIMEOUT_S,
     TEST_CLUSTER_ENV,
-    free_port,
     shipped_app_config,
     wait_for_http,
     with_app_args,

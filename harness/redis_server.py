@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness.serve_cluster import free_port
+from common.ports import free_port
 
 READY_TIMEOUT_S = 30
 

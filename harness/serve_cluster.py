@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import httpx
 import yaml
+
+from common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -80,12 +81,6 @@ def config_with_apps(path: Path, app_args: dict[str, dict], base: Path = SHIPPED
     ]
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

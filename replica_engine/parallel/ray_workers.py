@@ -17,13 +17,13 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from common.ports import free_port
 from replica_engine.parallel.worker import STOP, Worker, WorkerArgs, WorkerFailed, WorkerReady, start_worker
 from replica_engine.parallel.worker_links import (
     SHUTDOWN_TIMEOUT_S,
     StartedWorkers,
     WorkerGoneError,
     WorkerLink,
-    free_port,
 )
 
 PLACEMENT_TIMEOUT_S = 120  # an own placement group the cluster cannot hold fails, naming the setting
@@ -37,7 +37,7 @@ class RayWorker:
         self.worker: Worker | None = None
 
     def rendezvous_address(self) -> str:
-        return f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
+        return f"tcp://{ray.util.get_node_ip_address()}:{free_port('')}"
 
     def start(self, args: WorkerArgs) -> WorkerReady | WorkerFailed:
         self.worker, ready = start_worker(args)

@@ -6,12 +6,12 @@ order. Two carriers, one interface: child processes of the replica over a socket
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from common.ports import free_port
 from replica_engine.child_process import start_child
 from replica_engine.parallel.worker import STOP
 
@@ -90,9 +90,3 @@ def stop_all(links: list[WorkerLink]) -> None:
     for link in links:
         link.stop()
     links.clear()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]

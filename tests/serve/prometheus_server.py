@@ -13,7 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from harness.serve_cluster import REPO, free_port
+from common.ports import free_port
+from harness.serve_cluster import REPO
 
 READY_TIMEOUT_S = 120  # a deadline on state: Prometheus is ready in seconds on an idle machine
 DASHBOARD = REPO / "dashboards" / "stallfree.json"
