@@ -218,9 +218,8 @@ class EngineReplica:
             for index, (prompt, params) in enumerate(jobs)
         ]
         with self._ongoing():
-            async with aclosing(
-                _serve(starts, _choice_deltas)
-            ) as items:  # closing it (a cancel) aborts at once
+            # closing it (a cancel) aborts at once
+            async with aclosing(_serve(starts, _choice_deltas)) as items:
                 async for item in items:
                     yield item
 
