@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from ray import serve
@@ -32,7 +32,15 @@ from replica_engine import (
 from replica_engine.metrics import EngineMetrics, RayServeSink
 from replica_engine.outputs import RequestOutput
 
-ChoiceStream = AsyncIterator[RequestOutput]  # one choice's outputs, as AsyncEngine.add_request streams them
+
+class ChoiceStream(Protocol):
+    """One choice's outputs, as AsyncEngine.add_request streams them; closing it aborts the choice."""
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def aclose(self) -> None: ...
+
+
 Answer = TypeVar("Answer")  # what a replica method makes of its streams' outputs
 
 
@@ -74,7 +82,7 @@ async def merge_choice_streams(streams: list[ChoiceStream]) -> AsyncIterator[lis
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
 
 
 def wrap_int64(value: int) -> int:
@@ -146,7 +154,7 @@ async def _start_all(starts: list[Callable[[], Awaitable[ChoiceStream]]]) -> lis
             streams.append(await start())
     except BaseException:
         for stream in streams:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
         raise
     return streams
 
