@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.block_hash import BlockHash, adapter_root, next_block_hash, root_hash
+from common.block_hash import BlockHash, adapter_root, chain_block_hashes, root_hash
 from common.errors import InvalidRequestError
 from replica_engine.request import Request
 
@@ -109,10 +109,10 @@ class KVCacheManager:
         """The keys of the request's first `num_blocks` full blocks (computed once, kept on it)."""
         hashes = request.block_hashes
         num_blocks = min(num_blocks, request.num_tokens // self.block_size)
-        for index in range(len(hashes), num_blocks):
+        if len(hashes) < num_blocks:
             parent = hashes[-1] if hashes else self._root(request)
-            start = index * self.block_size
-            hashes.append(next_block_hash(parent, request.token_ids(start, start + self.block_size)))
+            tokens = request.token_ids(len(hashes) * self.block_size, num_blocks * self.block_size)
+            hashes += chain_block_hashes(parent, tokens, self.block_size)
         return hashes[:num_blocks]
 
     def _root(self, request: Request) -> BlockHash:

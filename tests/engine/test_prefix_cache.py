@@ -3,10 +3,13 @@ the scheduler admitting requests from their cached prefixes (random operation se
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.block_hash import next_block_hash, root_hash
+from common.block_hash import chain_block_hashes, root_hash
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from replica_engine.kv_cache_manager import KVCacheManager
@@ -32,13 +35,18 @@ def _compute_prompt(kv: KVCacheManager, request: Request) -> list[int]:
 
 def test_block_hashes_chain_over_every_earlier_token_and_the_salt():
     root = root_hash("m", None)
-    first = next_block_hash(root, [1, 2, 3, 4])
-    assert next_block_hash(first, [5, 6, 7, 8]) != next_block_hash(
-        next_block_hash(root, [9, 2, 3, 4]), [5, 6, 7, 8]
-    )
+    first, second = chain_block_hashes(root, [1, 2, 3, 4, 5, 6, 7, 8, 9], BLOCK)  # the partial block: none
+    assert second != chain_block_hashes(root, [9, 2, 3, 4, 5, 6, 7, 8], BLOCK)[1]
+    assert chain_block_hashes(first, [5, 6, 7, 8], BLOCK) == [second]  # a chain extends block by block
     assert root_hash("m", "tenant-a") != root_hash("m", "tenant-b") != root
     assert root_hash("other-model", None) != root
-    assert next_block_hash(root, [1, 2, 3, 4]) == first  # stable: the router can compute it too
+    # The documented format, packed here independently: sha256(parent || uint32 little-endian ids),
+    # so a router in another process (or language) computes the same keys.
+    expected = hashlib.sha256(root + struct.pack("<4I", 1, 2, 3, 4)).digest()
+    assert first == expected
+    large = [2**32 - 1, 0, 70000, 151646]  # every id a uint32 holds, beyond 16 bits too
+    packed = hashlib.sha256(root + struct.pack("<4I", *large)).digest()
+    assert chain_block_hashes(root, large, BLOCK) == [packed]
 
 
 def test_a_second_request_reuses_the_full_blocks_and_recomputes_at_least_its_last_token():
