@@ -175,12 +175,14 @@ def result_header(benchmark: str) -> dict[str, object]:
 
 def write_result(path: Path, result: dict, raw: dict | None = None) -> None:
     """A result file; every one says what it was judged by and how long it took. It holds
-    summaries only: per-request records (what a plot draws) go to `raw_path(path)`."""
+    summaries only, floats to 7 significant digits: per-request records (what a plot draws) go
+    to `raw_path(path)`."""
     missing = {"goals", "goals_met", "run_s"} - result.keys()
     if missing:
         raise ValueError(f"a result needs {sorted(missing)}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, default=str))  # default: settings may hold Paths
+    # default: settings may hold Paths
+    path.write_text(json.dumps(_significant(result), indent=2, default=str))
     print(f"wrote {path} ({result['run_s']} s)")
     if raw is not None:
         write_raw(path, raw)
@@ -198,6 +200,18 @@ def write_raw(result_path: Path, raw: dict) -> None:
     with gzip.GzipFile(path, "wb", mtime=0) as file:  # no timestamp: the same records, the same bytes
         file.write(data)
     print(f"wrote {path}")
+
+
+def _significant(value: object) -> object:
+    """Floats to 7 significant digits (a figure's 17 digits are noise, and they make a summary of
+    hundreds of runs twice the size), small coefficients included."""
+    if isinstance(value, float):
+        return float(f"{value:.7g}")
+    if isinstance(value, dict):
+        return {key: _significant(v) for key, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_significant(v) for v in value]
+    return value
 
 
 def _microseconds(value: object) -> object:

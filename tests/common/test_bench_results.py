@@ -31,8 +31,16 @@ def test_every_side_file_belongs_to_a_result():
 def test_write_result_puts_requests_beside_the_summary(tmp_path: Path):
     path = tmp_path / "bench.json"
     raw = {"ours": [{"ttft_s": 0.12345678, "token_intervals_s": [0.0200000049, 0.03]}]}
-    write_result(path, {"summary": {"ttft_p50_s": 0.1}, "goals": {}, "goals_met": {}, "run_s": 1.0}, raw)
-    assert "ours" not in json.loads(path.read_text())
+    summary = {"ttft_p50_s": 0.123456789, "coefficients": (1.23456789e-08, 2.0), "requests": 730}
+    write_result(path, {"summary": summary, "goals": {}, "goals_met": {}, "run_s": 1.0}, raw)
+    written = json.loads(path.read_text())
+    assert "ours" not in written
+    # figures to 7 significant digits, however small
+    assert written["summary"] == {
+        "ttft_p50_s": 0.1234568,
+        "coefficients": [1.234568e-08, 2.0],
+        "requests": 730,
+    }
     with gzip.open(raw_path(path), "rt") as file:
         assert json.load(file) == {"ours": [{"ttft_s": 0.123457, "token_intervals_s": [0.02, 0.03]}]}
     first = raw_path(path).read_bytes()
