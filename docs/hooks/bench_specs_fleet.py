@@ -174,7 +174,7 @@ FLEET_SPECS: dict[str, BenchSpec] = {
         ),
     ),
     "fleet_h100": _fleet_goal_routers("at 4 replicas", ("a", "b", "c")),
-    "fleet_h100_16": _fleet_goal_routers("at 16 replicas", ("b",)),
+    "fleet_h100_16": _fleet_goal_routers("at 16 replicas", ("a", "b", "c")),
     "fleet_autoscaling": BenchSpec(
         "benchmarks/fleet_autoscaling.md",
         "Simulated autoscaling on a 4x ramp: our policy against Serve's default",
