@@ -15,7 +15,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -182,7 +182,7 @@ def write_result(path: Path, result: dict, raw: dict | None = None) -> None:
         raise ValueError(f"a result needs {sorted(missing)}")
     path.parent.mkdir(parents=True, exist_ok=True)
     # default: settings may hold Paths
-    path.write_text(json.dumps(_significant(result), indent=2, default=str))
+    path.write_text(json.dumps(_rounded(result, _significant), indent=2, default=str))
     print(f"wrote {path} ({result['run_s']} s)")
     if raw is not None:
         write_raw(path, raw)
@@ -196,31 +196,30 @@ def write_raw(result_path: Path, raw: dict) -> None:
     """Per-request records beside a result, rounded to the microsecond (finer than a client's
     timings mean) and gzipped: about a tenth of them as plain JSON, which git carries per rerun."""
     path = raw_path(result_path)
-    data = json.dumps(_microseconds(raw), separators=(",", ":")).encode()
+    data = json.dumps(_rounded(raw, _microseconds), separators=(",", ":")).encode()
     with gzip.GzipFile(path, "wb", mtime=0) as file:  # no timestamp: the same records, the same bytes
         file.write(data)
     print(f"wrote {path}")
 
 
-def _significant(value: object) -> object:
-    """Floats to 7 significant digits (a figure's 17 digits are noise, and they make a summary of
-    hundreds of runs twice the size), small coefficients included."""
+def _significant(value: float) -> float:
+    """7 significant digits: a figure's 17 are noise, and they make a summary of hundreds of runs
+    twice the size (small coefficients keep theirs)."""
+    return float(f"{value:.7g}")
+
+
+def _microseconds(value: float) -> float:
+    return round(value, 6)
+
+
+def _rounded(value: object, rounding: Callable[[float], float]) -> object:
+    """Every float in nested dicts and lists (tuples become lists, as in JSON) rounded."""
     if isinstance(value, float):
-        return float(f"{value:.7g}")
+        return rounding(value)
     if isinstance(value, dict):
-        return {key: _significant(v) for key, v in value.items()}
+        return {key: _rounded(v, rounding) for key, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_significant(v) for v in value]
-    return value
-
-
-def _microseconds(value: object) -> object:
-    if isinstance(value, float):
-        return round(value, 6)
-    if isinstance(value, dict):
-        return {key: _microseconds(v) for key, v in value.items()}
-    if isinstance(value, list):
-        return [_microseconds(v) for v in value]
+        return [_rounded(v, rounding) for v in value]
     return value
 
 
