@@ -96,6 +96,7 @@ class SimExecutor:
     ) -> None:
         self.step_time = step_time
         self.pipeline_depth = pipeline_depth
+        self.schedules_ahead = False
         self.adapters = adapters or SimAdapters(1, 1, 0.0)
         self.elapsed_s = 0.0
         self.last_step_s: float | None = None  # of the latest step call; 0: it only submitted

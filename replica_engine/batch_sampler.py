@@ -1,21 +1,23 @@
 """The sampling half of a step, wherever the logits come from (this process's model, or the
 last parallel worker's): the constrained rows' grammar bitmasks, filled on a thread while the
-model runs; each row's penalty state from the persistent batch; one token per sampling row."""
+model runs; each row's penalty state from the persistent batch; one token per sampling row. The
+tokens stay on the device; a PendingOutput reads them on the host when the core collects the step
+(at once, or under async scheduling after the next step is on its way)."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
 
 from common.logprobs import TokenLogprob
+from replica_engine.device_transfer import HostCopy
 from replica_engine.executor import RunnerOutput, SampledTokens
 from replica_engine.persistent_batch import PersistentBatch
-from replica_engine.sampler import sample
+from replica_engine.sampler import DeviceSample, sample
 from replica_engine.scheduler.plan import SamplingRow, ScheduledBatch, ScheduledRow
 from replica_engine.structured import new_bitmask
 
@@ -30,21 +32,42 @@ class StepLogits:
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding rows' parts, by request id
 
 
+class PendingOutput:
+    """A step's output before its sampled tokens reach the host: their copies are queued behind
+    the step's work, and `result` waits for them (on a CPU they are there already). With CUDA
+    events around the step, its model time is the device's, read then too."""
+
+    def __init__(
+        self,
+        step: StepLogits,
+        sampled: DeviceSample | None,
+        sample_s: float,
+        events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
+    ) -> None:
+        self._step = step
+        self._sampled = sampled
+        self._sample_s = sample_s
+        self._events = events
+        self._copy = HostCopy(sampled.tensors()) if sampled is not None else None
+
+    def result(self) -> RunnerOutput:
+        step = self._step
+        sampled = SampledTokens([], [])
+        if self._copy is not None and self._sampled is not None:
+            sampled = self._sampled.read(self._copy.get())
+        model_s = step.model_s + self._sample_s
+        if self._events is not None:
+            start, end = self._events
+            end.synchronize()  # done already where tokens were copied: the copies came after it
+            model_s = start.elapsed_time(end) / 1000
+        return RunnerOutput(sampled, step.prompt_logprobs, model_s, step.pooled)
+
+
 class BatchSampler:
     def __init__(self, rows: PersistentBatch) -> None:
         self.rows = rows
         # Fills grammar bitmasks while the model runs (the forward releases the GIL in its kernels).
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmasks")
-
-    def execute(self, batch: ScheduledBatch, forward: Callable[[], StepLogits]) -> RunnerOutput:
-        """A whole step: `forward` computes the logits while the bitmasks fill; then a token per
-        sampling row."""
-        bitmasks = self.start(batch)
-        try:
-            step = forward()
-        finally:  # the matchers are free again before anything (a rerun) touches them
-            self.settle(bitmasks)
-        return self.finish(batch, step, bitmasks)
 
     def start(self, batch: ScheduledBatch) -> Future[torch.Tensor] | None:
         """Before the batch's forward: its constrained rows' bitmasks, one batch mask filled on
@@ -69,27 +92,26 @@ class BatchSampler:
             wait([bitmasks])
 
     def finish(
-        self, batch: ScheduledBatch, step: StepLogits, bitmasks: Future[torch.Tensor] | None
-    ) -> RunnerOutput:
-        """After the forward: a token per sampling row."""
-        if step.logits is None:
-            return RunnerOutput(
-                prompt_logprobs=step.prompt_logprobs, model_s=step.model_s, pooled=step.pooled
-            )
-        sampled, sample_s = self._sample(batch.sampling_rows, step.logits, bitmasks)
-        return RunnerOutput(sampled, step.prompt_logprobs, step.model_s + sample_s, step.pooled)
-
-    def _sample(
-        self, rows: list[ScheduledRow], logits: torch.Tensor, bitmasks: Future[torch.Tensor] | None
-    ) -> tuple[SampledTokens, float]:
-        """A token per row (and the seconds it took); the rows' penalty counts take them in."""
-        sampling = self._sampling(rows, bitmasks.result() if bitmasks is not None else None)
-        started = time.perf_counter()
-        sampled = sample(logits, sampling)
-        seconds = time.perf_counter() - started
-        # Last: a batch that raised before here counted nothing, so its rows can be rerun alone.
-        self.rows.count_sampled([row.request_id for row in rows], sampled.token_ids)
-        return sampled, seconds
+        self,
+        batch: ScheduledBatch,
+        step: StepLogits,
+        bitmasks: Future[torch.Tensor] | None,
+        events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
+    ) -> PendingOutput:
+        """After the forward: a token per sampling row, on the device. `events`: the step's
+        start, recorded before its forward, and its end, recorded here after sampling."""
+        sampled, sample_s = None, 0.0
+        if step.logits is not None:
+            rows = batch.sampling_rows
+            sampling = self._sampling(rows, bitmasks.result() if bitmasks is not None else None)
+            started = time.perf_counter()
+            sampled = sample(step.logits, sampling)
+            sample_s = time.perf_counter() - started
+            # Last: a batch that raised before here took nothing, so its rows can be rerun alone.
+            self.rows.take_sampled([row.request_id for row in rows], sampled.token_ids)
+        if events is not None:
+            events[1].record()
+        return PendingOutput(step, sampled, sample_s, events)
 
     def _sampling(self, rows: list[ScheduledRow], bitmask: torch.Tensor | None) -> list[SamplingRow]:
         """Each sampling row with what the runner adds: its bitmask and its penalty counts."""

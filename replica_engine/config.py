@@ -169,6 +169,18 @@ class EngineConfig:
             "off on a CPU. `true` on a CPU runs the same padded batches eagerly (what the tests check)"
         ),
     )
+    async_scheduling: bool | None = field(
+        default=None,
+        metadata=_doc(
+            "Schedule and prepare step N+1 while step N runs (vLLM's async scheduling): the tokens "
+            "N samples stay on the device, N+1 reads them there, and the host learns them a step "
+            "later, so the GPU does not wait for the host between steps. Same tokens as synchronous "
+            "steps. Steps go one at a time while a structured-output request runs or the KV pool "
+            "is short (then preemption decides as without it). Unset: on for a GPU replica of one "
+            "worker, off on a CPU (where the step computes on the host anyway, and a token would "
+            "reach the client a step later). Not with tensor or pipeline parallelism"
+        ),
+    )
     scheduling_policy: str = field(
         default="stall_free",
         metadata=_doc(
@@ -281,6 +293,15 @@ class EngineConfig:
         for flag in ("enable_prefix_caching", "core_process", "normalize_embeddings", "enable_lora"):
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidRequestError(flag, f"must be true or false, got {getattr(self, flag)!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise InvalidRequestError(
+                "async_scheduling", f"must be true, false or unset, got {self.async_scheduling!r}"
+            )
+        if self.async_scheduling and self.num_workers > 1:
+            raise InvalidRequestError(
+                "async_scheduling",
+                "not yet with tensor or pipeline parallelism (the workers take the tokens)",
+            )
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise InvalidRequestError(
                 "distributed_executor_backend",
@@ -358,6 +379,9 @@ class EngineConfig:
             cuda_graphs=self.cuda_graphs
             if self.cuda_graphs is not None
             else on_gpu and attention_backend == "triton" and self.pipeline_parallel_size == 1,
+            async_scheduling=self.async_scheduling
+            if self.async_scheduling is not None
+            else on_gpu and self.num_workers == 1,
         )
 
     def _dtype(self, on_gpu: bool) -> str:

@@ -100,10 +100,12 @@ class EngineCore:
             self.step_listeners.append(metrics.record_step)
         if self.slo_budget is not None and step_time is None:
             self.step_listeners.append(StepTimeLearner(self.slo_budget, metrics))
-        # Under pipeline parallelism: the batches in the pipeline, oldest first, with when each
-        # was scheduled.
+        # Under pipeline parallelism or async scheduling: the batches in flight, oldest first,
+        # with when each was scheduled.
         self._pipeline = cast(PipelinedExecutor, runner) if runner.pipeline_depth > 1 else None
         self._in_pipeline: deque[tuple[ScheduledBatch, float]] = deque()
+        self._ahead = runner.schedules_ahead  # async scheduling: a batch in flight holds none back
+        self._last_collected_at = 0.0
         self.stats = self.scheduler.stats()
         self.publish_stats()
 
@@ -167,27 +169,59 @@ class EngineCore:
         return self._finish_step(self._execute(batch), started)
 
     def _step_pipelined(self, pipeline: PipelinedExecutor) -> list[CoreOutput]:
-        """vLLM v1's batch queue: while the pipeline has room, schedule (requests in flight sit
-        out) and submit, returning at once; wait for the oldest batch when the pipeline is full or
-        nothing more could be scheduled. A batch that fails finishes its requests, reason error
-        (its rows are not rerun alone: the batches behind it are already in the pipeline)."""
+        """vLLM v1's batch queue: while the pipeline has room, schedule and submit, returning at
+        once; wait for the oldest batch when the pipeline is full or nothing more could be
+        scheduled. Pipeline stages: requests in flight sit out. Async scheduling (two batches):
+        step N+1 is scheduled and submitted while step N runs, its requests' tokens from N as
+        placeholders, and N's tokens reach the host after. A batch that fails in the pipeline
+        finishes its requests, reason error (its rows are not rerun alone: the batches behind it
+        are already in the pipeline); one that fails on submit (async) is rerun row by row."""
         if len(self._in_pipeline) < pipeline.pipeline_depth:
-            started = self.clock()
-            batch = self.scheduler.schedule()
+            scheduled_at = self.clock()
+            batch = self.scheduler.schedule(ahead=self._ahead and bool(self._in_pipeline))
             if not batch.is_empty:
-                pipeline.submit(batch)
-                self._in_pipeline.append((batch, started))
+                try:
+                    pipeline.submit(batch)
+                except Exception:
+                    if not self._ahead:
+                        raise
+                    logger.exception("a step of %d requests failed", len(batch.rows))
+                    return self._rerun_after_flight(batch, scheduled_at)
+                self._in_pipeline.append((batch, scheduled_at))
                 if len(self._in_pipeline) < pipeline.pipeline_depth:
                     return []
         if not self._in_pipeline:
             return []
-        batch, started = self._in_pipeline.popleft()
+        return self._collect_oldest(pipeline)
+
+    def _collect_oldest(self, pipeline: PipelinedExecutor) -> list[CoreOutput]:
+        batch, scheduled_at = self._in_pipeline.popleft()
+        # Async: the batch ran once the one before it was back; its time is from then on (what
+        # its requests wait between tokens). Stages: from its scheduling on (it sat out the rest).
+        started = max(scheduled_at, self._last_collected_at) if self._ahead else scheduled_at
         try:
             executed = ExecutedBatch(batch, pipeline.collect(), [])
         except Exception:
             logger.exception("a step of %d requests failed", len(batch.rows))
             executed = ExecutedBatch(batch.only([]), RunnerOutput(), [row.request_id for row in batch.rows])
+        self._last_collected_at = self.clock()
         return self._finish_step(executed, started)
+
+    def _rerun_after_flight(self, batch: ScheduledBatch, scheduled_at: float) -> list[CoreOutput]:
+        """A batch scheduled ahead failed on submit: the batches in flight come back first (its
+        placeholders' tokens), then its rows run as a synchronous step's would, alone where the
+        whole fails. Every output goes out, also when the rerun fails whole."""
+        outputs: list[CoreOutput] = []
+        try:
+            while self._in_pipeline:
+                outputs += self._collect_oldest(cast(PipelinedExecutor, self.runner))
+            requests = self.scheduler.requests
+            awaited = batch.only(row.request_id for row in batch.rows if row.request_id in requests)
+            if not awaited.is_empty:  # else every request of it ended with the batches before
+                outputs += self._finish_step(self._execute(awaited), scheduled_at)
+        except StepFailedError as failure:
+            raise StepFailedError(outputs + failure.outputs) from failure
+        return outputs
 
     def _finish_step(self, executed: ExecutedBatch, started: float) -> list[CoreOutput]:
         outputs = self._update(executed)
@@ -230,7 +264,7 @@ class EngineCore:
         """Advance the requests that ran (an output each); finish the failed ones, reason error."""
         ran, sampled = self._still_awaited(executed.ran, executed.output.sampled)
         for request_id, logprobs in executed.output.prompt_logprobs.items():
-            if request_id in self.scheduler.in_flight:
+            if request_id in self.scheduler.requests:
                 self.scheduler.requests[request_id].prompt_logprobs += logprobs
         advanced = self.scheduler.update(ran, sampled.token_ids)
         now = time.monotonic()
@@ -275,8 +309,9 @@ class EngineCore:
         self, batch: ScheduledBatch, sampled: SampledTokens
     ) -> tuple[ScheduledBatch, SampledTokens]:
         """The batch without the rows of requests that finished while it ran (aborted while in a
-        pipeline): what they computed is dropped."""
-        awaited = [row.request_id for row in batch.rows if row.request_id in self.scheduler.in_flight]
+        pipeline, or stopped by the batch before it): what they computed is dropped."""
+        requests = self.scheduler.requests
+        awaited = [row.request_id for row in batch.rows if row.request_id in requests]
         if len(awaited) == len(batch.rows):
             return batch, sampled
         kept = [
@@ -284,7 +319,7 @@ class EngineCore:
             for row, token_id, logprob in zip(
                 batch.sampling_rows, sampled.token_ids, sampled.logprobs, strict=True
             )
-            if row.request_id in self.scheduler.in_flight
+            if row.request_id in requests
         ]
         return batch.only(awaited), SampledTokens([t for t, _ in kept], [lp for _, lp in kept])
 

@@ -34,6 +34,9 @@ class RunnerOutput:
 
 class Executor(Protocol):
     pipeline_depth: int  # batches it can hold at once; above 1, a PipelinedExecutor
+    # Async scheduling: a batch may hold requests of the batch before it, whose sampled tokens
+    # it takes on the device (placeholders); else a request in flight sits out.
+    schedules_ahead: bool
 
     def allocate_kv_cache(self, pool_size: int) -> None:
         """`pool_size` blocks of K/V per layer, the null block included."""
@@ -44,8 +47,9 @@ class Executor(Protocol):
 
 
 class PipelinedExecutor(Executor, Protocol):
-    """One that runs a batch through stages (pipeline parallelism): the core submits the next
-    batch while earlier ones are still in the pipeline, and collects their outputs in order."""
+    """One that holds several batches at once (pipeline stages, or async scheduling's two): the
+    core submits the next batch while earlier ones are still running, and collects their
+    outputs in order."""
 
     def submit(self, batch: ScheduledBatch) -> None:
         """Start the batch behind those in flight."""

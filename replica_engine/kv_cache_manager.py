@@ -153,7 +153,7 @@ class KVCacheManager:
 
     # -- allocation ---------------------------------------------------------------------
     def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
-        needed = blocks_for_tokens(request.num_computed_tokens + num_new_tokens, self.block_size)
+        needed = blocks_for_tokens(request.num_planned_tokens + num_new_tokens, self.block_size)
         return max(0, needed - len(request.block_ids))
 
     def allocate(self, request: Request, num_new_tokens: int, cached_block_ids: Sequence[int] = ()) -> bool:

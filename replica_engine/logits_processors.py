@@ -7,19 +7,22 @@ from __future__ import annotations
 
 import torch
 
+from replica_engine.device_transfer import to_device
 from replica_engine.scheduler.plan import SamplingRow
 from replica_engine.structured import apply_token_bitmasks
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Apply every row's processing to `logits` ([len(rows), vocab], float32), in place."""
+    """Apply every row's processing to `logits` ([len(rows), vocab], float32), in place (the
+    rows' values go over without waiting for the device: device_transfer.py)."""
+    device = logits.device
     for index, row in enumerate(rows):
         bias = row.params.logit_bias
         if bias:
-            ids = torch.tensor(list(bias), device=logits.device)
-            logits[index, ids] += torch.tensor(list(bias.values()), device=logits.device)
+            ids = to_device(list(bias), torch.int64, device)
+            logits[index, ids] += to_device(list(bias.values()), torch.float32, device)
         if row.banned_token_ids:
-            logits[index, list(row.banned_token_ids)] = float("-inf")
+            logits[index, to_device(list(row.banned_token_ids), torch.int64, device)] = float("-inf")
     penalized = [i for i, row in enumerate(rows) if row.params.needs_token_history]
     if penalized:
         _apply_penalties(logits, penalized, [rows[i] for i in penalized])
@@ -35,18 +38,20 @@ def _apply_penalties(logits: torch.Tensor, index: list[int], rows: list[Sampling
     output, presence once. Each row's counts are the runner's, kept across steps
     (persistent_batch.py): nothing is recounted per step."""
     device, vocab = logits.device, logits.shape[-1]
-    selected = torch.tensor(index, device=device)
+    selected = to_device(index, torch.int64, device)
     sub = logits[selected]
     output_counts = torch.stack([_vocab_row(row.output_counts, vocab, torch.float32, device) for row in rows])
     in_output = output_counts > 0
-    repetition = torch.tensor([row.params.repetition_penalty for row in rows], device=device)[:, None]
-    if bool((repetition != 1).any()):
+    if any(row.params.repetition_penalty != 1 for row in rows):
+        repetition = to_device([row.params.repetition_penalty for row in rows], torch.float32, device)[
+            :, None
+        ]
         prompt_seen = torch.stack([_vocab_row(row.prompt_seen, vocab, torch.bool, device) for row in rows])
         seen = in_output | prompt_seen
         penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
         sub = torch.where(seen, penalized, sub)
-    frequency = torch.tensor([row.params.frequency_penalty for row in rows], device=device)[:, None]
-    presence = torch.tensor([row.params.presence_penalty for row in rows], device=device)[:, None]
+    frequency = to_device([row.params.frequency_penalty for row in rows], torch.float32, device)[:, None]
+    presence = to_device([row.params.presence_penalty for row in rows], torch.float32, device)[:, None]
     sub = sub - frequency * output_counts - presence * in_output
     logits[selected] = sub
 

@@ -1,52 +1,61 @@
 """Logprobs, read from the logits a request is sampled from (after its processing, before
 temperature): of each sampled token, and of prompt tokens for requests that ask (prompt_logprobs),
-each with its rank and the likeliest alternatives."""
+each with its rank and the likeliest alternatives. Computed on the logits' device; read on the host
+(for sampled tokens, a step later under async scheduling: device_transfer.py)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from common.logprobs import TokenLogprob
-from replica_engine.scheduler.plan import SamplingRow
 
 
-def logprobs_of(logits: torch.Tensor, targets: list[int], num_top: list[int]) -> list[TokenLogprob]:
-    """For row i of `logits`: targets[i]'s logprob and rank, and the num_top[i] likeliest tokens."""
-    logprobs = logits.log_softmax(dim=-1)
-    index = torch.arange(len(targets), device=logits.device)
-    target_ids = torch.tensor(targets, device=logits.device)
-    chosen = logprobs[index, target_ids]
-    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
-    most = max(num_top, default=0)
-    top_values, top_ids = logprobs.topk(most, dim=-1) if most else (logprobs[:, :0], logprobs[:, :0])
-    chosen_l, ranks_l, values_l, ids_l = (
-        chosen.tolist(),
-        ranks.tolist(),
-        top_values.tolist(),
-        top_ids.tolist(),
-    )
+@dataclass(frozen=True)
+class LogprobTensors:
+    """Row i's target's logprob and rank, and its likeliest tokens' logprobs and ids."""
+
+    chosen: torch.Tensor  # [n] float32
+    ranks: torch.Tensor  # [n] int64
+    top_values: torch.Tensor  # [n, most] float32
+    top_ids: torch.Tensor  # [n, most] int64
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, targets: torch.Tensor, most: int) -> LogprobTensors:
+        """Of row i of `logits`: targets[i]'s logprob and rank, and the `most` likeliest tokens."""
+        logprobs = logits.log_softmax(dim=-1)
+        chosen = logprobs.gather(-1, targets[:, None])[:, 0]
+        ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+        top_values, top_ids = (
+            logprobs.topk(most, dim=-1) if most else (logprobs[:, :0], logprobs[:, :0].long())
+        )
+        return cls(chosen, ranks, top_values, top_ids)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.chosen, self.ranks, self.top_values, self.top_ids]
+
+
+def read_logprobs(
+    host: Sequence[torch.Tensor], targets: Sequence[int], num_top: Sequence[int]
+) -> list[TokenLogprob]:
+    """`LogprobTensors.tensors()` copied to the host, as each row's TokenLogprob with its own
+    number of alternatives."""
+    chosen, ranks, values, ids = (t.tolist() for t in host)
     return [
         TokenLogprob(
             targets[i],
-            chosen_l[i],
-            ranks_l[i],
-            tuple(zip(ids_l[i][: num_top[i]], values_l[i][: num_top[i]], strict=True)),
+            chosen[i],
+            ranks[i],
+            tuple(zip(ids[i][: num_top[i]], values[i][: num_top[i]], strict=True)),
         )
         for i in range(len(targets))
     ]
 
 
-def token_logprobs(
-    logits: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]
-) -> list[TokenLogprob | None]:
-    """The sampled tokens' logprobs, for the rows that asked."""
-    asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-    results: list[TokenLogprob | None] = [None] * len(rows)
-    if not asked:
-        return results
-    computed = logprobs_of(
-        logits[asked], [token_ids[i] for i in asked], [rows[i].params.logprobs or 0 for i in asked]
-    )
-    for i, result in zip(asked, computed, strict=True):
-        results[i] = result
-    return results
+def logprobs_of(logits: torch.Tensor, targets: list[int], num_top: list[int]) -> list[TokenLogprob]:
+    """For row i of `logits`: targets[i]'s logprob and rank, and the num_top[i] likeliest tokens."""
+    target_ids = torch.tensor(targets, device=logits.device)
+    tensors = LogprobTensors.of(logits, target_ids, max(num_top, default=0))
+    return read_logprobs(tensors.tensors(), targets, num_top)

@@ -2,11 +2,17 @@
 flat batch, samples. It reads only the ScheduledBatch it is given and what it kept of earlier
 ones, never a live request (but a constrained request's grammar, read-only during the step).
 `forward` is the half a parallel worker runs: every worker computes the step, and the last one's
-logits go to the sampler in the engine core (parallel/executor.py)."""
+logits go to the sampler in the engine core (parallel/executor.py).
+
+With async scheduling the core submits a step and collects it after submitting the next: on a
+GPU, `submit` only queues the step's work (its sampled tokens stay on the device, the next step's
+placeholders read them there) and `collect` waits for its tokens' copies to the host; on a CPU,
+`submit` computes the step."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 from transformers import PretrainedConfig
@@ -15,7 +21,7 @@ from common.logprobs import TokenLogprob
 from common.model_source import ModelSource
 from common.sampling_params import SamplingParams
 from replica_engine.attention import get_backend
-from replica_engine.batch_sampler import BatchSampler, StepLogits
+from replica_engine.batch_sampler import BatchSampler, PendingOutput, StepLogits
 from replica_engine.config import EngineConfig
 from replica_engine.decode_graphs import DecodeGraphs
 from replica_engine.executor import RunnerOutput
@@ -33,14 +39,15 @@ PROMPT_LOGPROBS_SLICE = 512  # positions per logits pass: 512 x a 128k vocabular
 
 
 class ModelRunner:
-    """The Executor of a real replica."""
-
-    pipeline_depth = 1
+    """The Executor of a real replica: a PipelinedExecutor of two batches under async scheduling."""
 
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig) -> None:
         self.model = model
         self.config = config
         self.device = config.torch_device
+        self.schedules_ahead = bool(config.async_scheduling)
+        self.pipeline_depth = 2 if self.schedules_ahead else 1
+        self._pending: deque[PendingOutput] = deque()  # submitted, not yet collected
         attention = model.model.layers[0].self_attn
         self.kv_shape = (config.block_size, attention.num_kv_heads, attention.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -137,10 +144,28 @@ class ModelRunner:
         """Forget rows outside the scheduler's batches (a startup profile's)."""
         self.rows.release(request_ids)
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Compute every scheduled token; sample one token per `batch.sampling_rows`."""
-        return self.sampler.execute(batch, lambda: self.forward(batch))
+        self.submit(batch)
+        return self.collect()
+
+    @torch.inference_mode()
+    def submit(self, batch: ScheduledBatch) -> None:
+        """Queue the step behind those submitted before (on a CPU: compute it)."""
+        events = None
+        if self.device.type == "cuda":  # the step's device time, read when it is collected
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        bitmasks = self.sampler.start(batch)
+        try:
+            step = self.forward(batch)
+        finally:  # the matchers are free again before anything (a rerun) touches them
+            self.sampler.settle(bitmasks)
+        self._pending.append(self.sampler.finish(batch, step, bitmasks, events))
+
+    def collect(self) -> RunnerOutput:
+        """The oldest submitted step's output, once its tokens are on the host."""
+        return self._pending.popleft().result()
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> StepLogits:
@@ -149,6 +174,7 @@ class ModelRunner:
         tables = self.rows.block_tables(batch)
         on_gpu = self.device.type == "cuda"
         flat = build_flat_batch(batch, tables, self.config.block_size, pin_memory=on_gpu).to(self.device)
+        self.rows.fill_placeholders(batch, flat.input_ids)
         started = time.perf_counter()
         if self.lora is not None:
             self.lora.prepare((row.lora, row.num_tokens) for row in batch.rows)

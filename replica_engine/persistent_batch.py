@@ -1,8 +1,9 @@
 """The model runner's rows, kept across steps (vLLM v1's persistent batch): each running request's
-block table row and, for requests with penalties, its token counts. A sealed batch carries only
-what changed since the runner last saw a request (its new blocks; its history once, when the
-runner does not hold it yet) and the requests it may forget; the runner adds the tokens it samples
-to the counts itself. So a step costs what changed, not every request's whole state.
+block table row, its latest sampled token (on the device: a placeholder in the next batch reads
+it there) and, for requests with penalties, its token counts. A sealed batch carries only what
+changed since the runner last saw a request (its new blocks; its history once, when the runner
+does not hold it yet) and the requests it may forget; the runner adds the tokens it samples to
+the counts itself. So a step costs what changed, not every request's whole state.
 
 Applying a batch is idempotent: a row's blocks are written from their offset, and a row at offset
 0 (a new or resumed request) is set afresh, so the rows of a failed batch can be rerun one by one."""
@@ -13,8 +14,9 @@ from collections.abc import Iterable
 
 import torch
 
+from replica_engine.device_transfer import to_device
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens
-from replica_engine.scheduler.plan import ScheduledBatch, ScheduledRow, TokenHistory
+from replica_engine.scheduler.plan import PLACEHOLDER_TOKEN_ID, ScheduledBatch, ScheduledRow, TokenHistory
 
 _HOST = torch.device("cpu")
 
@@ -40,6 +42,8 @@ class PersistentBatch:
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._output_counts: dict[str, torch.Tensor] = {}  # [vocab] float32: each output token's count
         self._prompt_seen: dict[str, torch.Tensor] = {}  # [vocab] bool: the prompt's tokens (repetition)
+        # request id -> (a step's sampled token ids, its row there): its latest token, on the device
+        self._latest_token: dict[str, tuple[torch.Tensor, int]] = {}
 
     @property
     def num_held(self) -> int:
@@ -57,6 +61,7 @@ class PersistentBatch:
                 self._free_slots.append(slot)
             self._output_counts.pop(request_id, None)
             self._prompt_seen.pop(request_id, None)
+            self._latest_token.pop(request_id, None)
 
     def apply(self, batch: ScheduledBatch) -> None:
         """Forget the batch's released requests, then take each row's changes."""
@@ -104,9 +109,28 @@ class PersistentBatch:
     def prompt_seen(self, request_id: str) -> torch.Tensor | None:
         return self._prompt_seen.get(request_id)
 
-    def count_sampled(self, request_ids: list[str], token_ids: list[int]) -> None:
-        """Add the tokens a step sampled to their requests' counts (penalty requests only)."""
-        for request_id, token_id in zip(request_ids, token_ids, strict=True):
+    def take_sampled(self, request_ids: list[str], token_ids: torch.Tensor) -> None:
+        """The tokens a step sampled ([rows], on the device): each request's latest, and one
+        more in its counts (penalty requests only). Nothing waits for the device."""
+        for row, request_id in enumerate(request_ids):
+            self._latest_token[request_id] = (token_ids, row)
             counts = self._output_counts.get(request_id)
             if counts is not None:
-                counts[token_id] += 1
+                counts.index_add_(0, token_ids[row : row + 1], torch.ones(1, device=counts.device))
+
+    def fill_placeholders(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> None:
+        """Put each row's latest sampled token where the batch has a placeholder (a row's last
+        token, sampled by the batch before, which was still in flight when this one was sealed)."""
+        sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # by the step's tensor
+        end = 0
+        for row in batch.rows:
+            end += row.num_tokens
+            if row.token_ids[-1] != PLACEHOLDER_TOKEN_ID:
+                continue
+            tokens, index = self._latest_token[row.request_id]
+            _, into, taken = sources.setdefault(id(tokens), (tokens, [], []))
+            into.append(end - 1)
+            taken.append(index)
+        for tokens, into, taken in sources.values():
+            device = input_ids.device
+            input_ids[to_device(into, torch.int64, device)] = tokens[to_device(taken, torch.int64, device)]

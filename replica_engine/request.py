@@ -1,5 +1,10 @@
 """One request's state. The work it owes is `num_tokens - num_computed_tokens`: no phase flags.
-Only the engine's step thread reads or changes it once the request is added."""
+Only the engine's step thread reads or changes it once the request is added.
+
+Under async scheduling a request can be scheduled again while a batch holding it is still on its
+way (in flight): the tokens of such batches are planned but not yet computed, and a token they
+sample is a placeholder until its batch comes back (vLLM v1's output placeholders). The work owed
+is then counted from what is planned: `num_tokens + placeholders - planned tokens`."""
 
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ class Request:
     arrival_seq: int = 0  # the scheduler's count when added: FCFS among equal priorities
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_in_flight_tokens: int = 0  # in batches sent to the runner whose outputs are not back yet
+    num_output_placeholders: int = 0  # tokens those batches sample, not known yet
     block_ids: list[int] = field(default_factory=list)
     num_blocks_in_runner: int = 0  # of block_ids, how many the model runner holds (sent in a batch)
     status: RequestStatus = RequestStatus.WAITING
@@ -63,8 +70,18 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_planned_tokens(self) -> int:
+        """Computed, or in a batch in flight: the position of the next token to schedule."""
+        return self.num_computed_tokens + self.num_in_flight_tokens
+
+    @property
     def num_owed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens to schedule: the known ones and the placeholders not yet planned; none once
+        the placeholders reach max_tokens (the last of them ends the request)."""
+        placeholders = self.num_output_placeholders
+        if placeholders and len(self.output_token_ids) + placeholders >= self.sampling_params.max_tokens:
+            return 0
+        return self.num_tokens + placeholders - self.num_planned_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -7,12 +7,43 @@ samples the same tokens whatever else shares its batch)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from common.logprobs import TokenLogprob
+from replica_engine.device_transfer import to_device
 from replica_engine.executor import SampledTokens
 from replica_engine.logits_processors import process_logits
-from replica_engine.logprobs import token_logprobs
+from replica_engine.logprobs import LogprobTensors, read_logprobs
 from replica_engine.scheduler.plan import SamplingRow
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    """A step's sampled tokens, still on the logits' device (the next step's placeholders read
+    them there), with the logprobs of the rows that asked."""
+
+    token_ids: torch.Tensor  # [rows] int64
+    logprob_rows: tuple[int, ...] = ()  # the rows that asked for logprobs
+    num_top: tuple[int, ...] = ()  # alternatives each of them asked for
+    logprobs: LogprobTensors | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the host reads: copied behind the step (device_transfer.HostCopy)."""
+        return [self.token_ids, *(self.logprobs.tensors() if self.logprobs is not None else ())]
+
+    def read(self, host: list[torch.Tensor]) -> SampledTokens:
+        """From `tensors()`' host copies: the tokens, and each asking row's logprobs."""
+        token_ids = host[0].tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
+        if self.logprobs is not None:
+            targets = [token_ids[i] for i in self.logprob_rows]
+            for row, logprob in zip(
+                self.logprob_rows, read_logprobs(host[1:], targets, self.num_top), strict=True
+            ):
+                logprobs[row] = logprob
+        return SampledTokens(token_ids, logprobs)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -30,31 +61,37 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
-    """One token per row of `logits` ([num_requests, vocab], float32; changed in place)."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+    """One token per row of `logits` ([num_requests, vocab], float32; changed in place). Nothing
+    here waits for the device: the per-row settings go over from the host without a sync."""
     if all(row.is_plain for row in rows):
-        token_ids = _sample(logits, rows)
-        return SampledTokens(token_ids, [None] * len(rows))
+        return DeviceSample(_sample(logits, rows))
     process_logits(logits, rows)
     token_ids = _sample(logits, rows)
-    return SampledTokens(token_ids, token_logprobs(logits, rows, token_ids))
+    asked = tuple(i for i, row in enumerate(rows) if row.params.logprobs is not None)
+    if not asked:
+        return DeviceSample(token_ids)
+    num_top = tuple(rows[i].params.logprobs or 0 for i in asked)
+    index = to_device(asked, torch.int64, logits.device)
+    tensors = LogprobTensors.of(logits[index], token_ids[index], max(num_top))
+    return DeviceSample(token_ids, asked, num_top, tensors)
 
 
-def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     greedy_ids = logits.argmax(dim=-1)
-    if all(r.params.greedy for r in rows):
-        return greedy_ids.tolist()
-    device = logits.device
     params = [r.params for r in rows]
-    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    if all(p.greedy for p in params):
+        return greedy_ids
+    device = logits.device
+    temperature = to_device([p.temperature if not p.greedy else 1.0 for p in params], torch.float32, device)
     logits = logits / temperature[:, None]
-    top_k = torch.tensor([p.top_k for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        top_k = to_device([p.top_k for p in params], torch.int64, device)
+        top_p = to_device([p.top_p for p in params], torch.float32, device)
         logits = _apply_top_k_top_p(logits, top_k, top_p)
     probs = logits.softmax(dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
-    if bool((min_p > 0).any()):  # below min_p times the likeliest token's probability: out
+    if any(p.min_p > 0 for p in params):  # below min_p times the likeliest token's probability: out
+        min_p = to_device([p.min_p for p in params], torch.float32, device)
         probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
     # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p; seeded rows use
     # their own generator.
@@ -63,5 +100,5 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         if row.generator is not None:
             noise[index].exponential_(generator=row.generator)
     sampled = (probs / noise).argmax(dim=-1)
-    is_greedy = torch.tensor([p.greedy for p in params], device=device)
-    return torch.where(is_greedy, greedy_ids, sampled).tolist()
+    is_greedy = to_device([p.greedy for p in params], torch.bool, device)
+    return torch.where(is_greedy, greedy_ids, sampled)

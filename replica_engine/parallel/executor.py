@@ -65,6 +65,7 @@ class ParallelExecutor:
         self.sampler = BatchSampler(self.rows)
         # Pipeline stages each hold a batch: the core submits that many before it collects.
         self.pipeline_depth = config.pipeline_parallel_size
+        self.schedules_ahead = False  # the workers would need the core's sampled tokens
         self._in_flight: deque[tuple[ScheduledBatch, Future[torch.Tensor] | None]] = deque()
 
     def num_kv_blocks(self) -> int:
@@ -101,7 +102,7 @@ class ParallelExecutor:
             self.sampler.settle(bitmasks)
         assert isinstance(step, StepLogits)
         self.rows.apply(batch)
-        return self.sampler.finish(batch, step, bitmasks)
+        return self.sampler.finish(batch, step, bitmasks).result()
 
     def stage_busy_s(self) -> list[float]:
         """Each worker's seconds computing steps since it started (not waiting on another stage)."""

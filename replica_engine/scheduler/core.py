@@ -45,9 +45,6 @@ class Scheduler:
         self.num_finished = 0
         self.num_added = 0  # the next request's arrival_seq
         self._released: list[str] = []  # held by the runner, since finished or preempted
-        # In a batch not yet updated (a pipeline holds several): not scheduled again, nor
-        # preempted, until its tokens are known.
-        self.in_flight: set[str] = set()
         self.loaded_adapters: OrderedDict[str, None] = OrderedDict()  # names, least recent first
 
     # -- queue management -------------------------------------------------------------
@@ -107,20 +104,29 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self._free(request)
-        del self.requests[request.request_id]
-        self.in_flight.discard(request.request_id)  # its batch's output, if one is out, is dropped
+        del self.requests[request.request_id]  # its batches in flight: their rows are dropped
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.num_finished += 1
 
+    @property
+    def in_flight(self) -> set[str]:
+        """The requests in a batch whose outputs are not back yet."""
+        return {r.request_id for r in self.running if r.num_in_flight_tokens}
+
     # -- one step -----------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
-        plan = StepPlan(self.config.max_num_batched_tokens)
-        self._fill(plan)
-        if plan.is_empty:  # not run: the runner hears of the released ones in the next batch
+    def schedule(self, ahead: bool = False) -> ScheduledBatch:
+        """The next step. `ahead` (async scheduling, a batch in flight): requests in flight are
+        scheduled on, their sampled tokens as placeholders; except while a constrained request
+        runs (its grammar needs each token before the next mask), and except when the pool runs
+        short (an empty batch: wait for the batch in flight, then preempt as a synchronous step)."""
+        plan = StepPlan(self.config.max_num_batched_tokens, ahead=ahead)
+        if ahead and any(r.grammar is not None for r in self.running):
             return plan.seal()
+        self._fill(plan)
+        if plan.is_empty or plan.blocked:  # not run: its blocks stay allocated for the next plan
+            return StepPlan(plan.token_budget).seal()  # the runner hears of the released ones later
         released, self._released = tuple(self._released), []
-        self.in_flight.update(request.request_id for request in plan.num_scheduled_tokens)
         return plan.seal(released)
 
     def _free(self, request: Request) -> None:
@@ -138,13 +144,14 @@ class Scheduler:
         """Advance the requests a step computed; `sampled_token_ids` follows `batch.sampling_rows`.
         Returns the requests that got a token (some may now be finished)."""
         for row in batch.rows:
-            self.in_flight.remove(row.request_id)
             request = self.requests[row.request_id]
+            request.num_in_flight_tokens -= row.num_tokens
             request.num_computed_tokens += row.num_tokens
             self.kv_cache_manager.cache_computed_blocks(request)
         advanced = []
         for row, token_id in zip(batch.sampling_rows, sampled_token_ids, strict=True):
             request = self.requests[row.request_id]
+            request.num_output_placeholders -= 1
             reason = request.append_output_token(token_id)
             if reason is not None:
                 self.finish_request(request, reason)
@@ -154,19 +161,25 @@ class Scheduler:
     # -- building blocks for policies ---------------------------------------------------
     def _schedule_running(self, plan: StepPlan, select: Callable[[Request], bool], chunked: bool) -> None:
         """Schedule running requests that `select` picks, oldest first. When the pool is dry,
-        preempt the least urgent running request until this one fits (or is itself the victim)."""
+        preempt the least urgent running request until this one fits (or is itself the victim).
+        A request in flight sits out (a pipeline's batches) unless the plan is ahead."""
+        if plan.blocked:
+            return
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or request in plan.num_scheduled_tokens:
                 continue
-            if request.request_id in self.in_flight:
+            if request.num_in_flight_tokens and not plan.ahead:
                 continue
-            if not select(request):
+            if not request.num_owed_tokens or not select(request):
                 continue
             owed = request.num_owed_tokens
             num_tokens = self._chunk(plan, request, owed) if chunked else owed
             if num_tokens <= 0 or num_tokens > plan.budget_left:
                 break
             while not self.kv_cache_manager.allocate(request, num_tokens):
+                if plan.ahead:
+                    plan.blocked = True
+                    return
                 victim = self._preemption_victim()
                 self._preempt(victim, plan)
                 if victim is request:
@@ -177,8 +190,9 @@ class Scheduler:
     def _admit_waiting(self, plan: StepPlan, chunked: bool) -> None:
         """Admit waiting requests by (priority, arrival) while budget, width and blocks last. A request
         starts from its prompt's longest cached prefix: only the rest is charged to the budget
-        and the pool. Nothing new is admitted in a step that had to preempt: the pool is short."""
-        if plan.preempted:
+        and the pool. Nothing new is admitted in a step that had to preempt (or, ahead, would
+        have): the pool is short."""
+        if plan.preempted or plan.blocked:
             return
         while self.waiting and len(self.running) < self.config.max_num_seqs and plan.budget_left > 0:
             request = self.waiting.first()
@@ -241,7 +255,7 @@ class Scheduler:
         """vLLM's priority victim: the highest value, then the latest arrival. At one priority
         `running` is in arrival order, so this is the newest, as plain FCFS preempts. Never one in
         flight: its batch's update is still to come."""
-        return max((r for r in self.running if r.request_id not in self.in_flight), key=admission_key)
+        return max((r for r in self.running if not r.num_in_flight_tokens), key=admission_key)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Free the request's blocks and queue it again to recompute later, ahead of every later

@@ -5,7 +5,10 @@ last saw each request, sampling rows), so nothing the runner reads can change un
 happens to the requests afterwards. The runner keeps the rest across steps
 (replica_engine/persistent_batch.py). One thing is shared, not copied: a constrained request's
 grammar, which the runner reads while the model runs and only the scheduler's update advances,
-after the step."""
+after the step.
+
+A token not known when its row is sealed (async scheduling: the token a batch in flight samples)
+is sent as PLACEHOLDER_TOKEN_ID; the runner puts in the token it sampled for that request last."""
 
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ if TYPE_CHECKING:
     import torch  # a seeded request's generator; the scheduler itself needs no torch
 
     from replica_engine.structured import RequestGrammar
+
+PLACEHOLDER_TOKEN_ID = -1  # a row's last token, sampled by a batch still in flight
 
 
 @dataclass(frozen=True)
@@ -179,10 +184,15 @@ class StepPlan:
     num_scheduled_tokens: dict[Request, int] = field(default_factory=dict)  # insertion order = batch order
     preempted: list[Request] = field(default_factory=list)
     budget_decision: BudgetDecision | None = None
+    # Scheduled while a batch is in flight (async scheduling): its requests may be scheduled on.
+    ahead: bool = False
+    # Ahead, the pool ran short: the step waits for the batch in flight, then decides (and
+    # preempts) as a synchronous step would.
+    blocked: bool = False
 
     def shape(self) -> StepShape:
         return StepShape.of(
-            (request.num_computed_tokens, num_tokens, _is_decode(request, num_tokens))
+            (request.num_planned_tokens, num_tokens, _is_decode(request, num_tokens))
             for request, num_tokens in self.num_scheduled_tokens.items()
         )
 
@@ -201,7 +211,8 @@ class StepPlan:
     def seal(self, released_request_ids: tuple[str, ...] = ()) -> ScheduledBatch:
         """Copy out, from the requests' state before the step runs: a request samples when this
         step computes its last owed token; a decode is one token for a request past its prompt.
-        Sealing is sending: each request's blocks so far count as held by the runner."""
+        Sealing is sending: each request's blocks so far count as held by the runner, and its
+        tokens (and the one it samples) as in flight until the scheduler's update."""
         return ScheduledBatch(
             tuple(_row(request, num_tokens) for request, num_tokens in self.num_scheduled_tokens.items()),
             len(self.preempted),
@@ -211,13 +222,13 @@ class StepPlan:
 
 
 def _row(request: Request, num_tokens: int) -> ScheduledRow:
-    start = request.num_computed_tokens
+    start = request.num_planned_tokens
     samples = num_tokens == request.num_owed_tokens and request.pooling is None  # embeddings: none
     offset = request.num_blocks_in_runner
-    request.num_blocks_in_runner = len(request.block_ids)
-    return ScheduledRow(
+    known = request.token_ids(start, start + num_tokens)  # short of a placeholder, if one is owed
+    row = ScheduledRow(
         request_id=request.request_id,
-        token_ids=tuple(request.token_ids(start, start + num_tokens)),
+        token_ids=(*known, *[PLACEHOLDER_TOKEN_ID] * (num_tokens - len(known))),
         start_position=start,
         new_block_ids=tuple(request.block_ids[offset:]),
         is_decode=_is_decode(request, num_tokens),
@@ -228,13 +239,20 @@ def _row(request: Request, num_tokens: int) -> ScheduledRow:
         pooling=request.pooling,
         lora=request.sampling_params.lora,
     )
+    request.num_blocks_in_runner = len(request.block_ids)
+    request.num_in_flight_tokens += num_tokens
+    request.num_output_placeholders += samples
+    return row
 
 
 def _sampling_row(request: Request) -> SamplingRow:
     params = request.sampling_params
     grammar = request.grammar
     # A grammar decides when output may end; min_tokens holds back stop tokens otherwise.
-    holding = grammar is None and len(request.output_token_ids) < params.min_tokens
+    holding = (
+        grammar is None
+        and len(request.output_token_ids) + request.num_output_placeholders < params.min_tokens
+    )
     banned = request.stop_token_ids if holding else frozenset()
     return SamplingRow(params, request.generator, banned_token_ids=banned, grammar=grammar)
 
@@ -262,4 +280,4 @@ def _prompt_logprobs_slice(request: Request, start: int, end: int) -> PromptLogp
 
 def _is_decode(request: Request, num_tokens: int) -> bool:
     """One token, past the prompt (read before the step runs)."""
-    return num_tokens == 1 and request.num_computed_tokens >= request.num_prompt_tokens
+    return num_tokens == 1 and request.num_planned_tokens >= request.num_prompt_tokens
