@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from common.latency import RequestTiming
 from harness.random_workload import random_tokens
-from harness.serve_cluster import shipped_app_config, with_app_args
+from harness.serve_cluster import SHIPPED_CONFIG, shipped_app_config, with_app_args
 
 if TYPE_CHECKING:
     from replica_engine import AsyncEngine, SamplingParams
@@ -69,18 +69,23 @@ def greedy(max_tokens: int, **settings: object) -> SamplingParams:
 
 
 def engine_as_served(
-    engine_settings: dict | None = None, metrics: EngineMetrics | None = None, num_threads: int | None = None
+    engine_settings: dict | None = None,
+    metrics: EngineMetrics | None = None,
+    num_threads: int | None = None,
+    *,
+    app_args: dict | None = None,
+    base: Path = SHIPPED_CONFIG,
 ) -> AsyncEngine:
-    """An AsyncEngine in this process, built as serve_config.yaml's app builds its replica's
-    (`engine_settings` over the shipped ones, every core for torch unless `num_threads`): the
-    engine without Ray."""
+    """An AsyncEngine in this process, built as a shipped config's app builds its replica's
+    (serve_config.yaml, or `base`; `app_args` and `engine_settings` over its own, every core for
+    torch unless `num_threads`): the engine without Ray."""
     import torch
 
     from deployments.app import AppArgs
     from replica_engine import AsyncEngine
 
-    shipped = shipped_app_config()["applications"][0]["args"]
-    settings = with_app_args(shipped, {"engine": engine_settings or {}})
+    shipped = shipped_app_config(base)["applications"][0]["args"]
+    settings = with_app_args(shipped, {**(app_args or {}), "engine": engine_settings or {}})
     torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))  # as the replica sets it
     return AsyncEngine(AppArgs.model_validate(settings).engine_config(), metrics)
 

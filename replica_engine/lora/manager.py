@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.lora import AdapterInfo, LoRARequest, read_adapter
+from replica_engine.device_transfer import move_to
 from replica_engine.lora.linear import LoRALinear, LoRAStep
 from replica_engine.lora.slots import AdapterSlots
 from replica_engine.models.llama import LlamaForCausalLM, MergedLinear
@@ -85,7 +86,7 @@ class LoRAManager:
         row_slots = torch.tensor([-1 if lora is None else slot_of[lora] for lora, _ in rows])
         token_slots = row_slots.repeat_interleave(torch.tensor([n for _, n in rows]))
         step_rank = max(self._slot_ranks[slot] for slot in slot_of.values())
-        self.step.set(token_slots.to(self.device), step_rank, len(self._slot_ranks), self.dtype)
+        self.step.set(move_to(token_slots, self.device), step_rank, len(self._slot_ranks), self.dtype)
 
     def _write(self, slot: int, weights: AdapterWeights) -> None:
         for linear in self.linears.values():

@@ -23,14 +23,21 @@ def test_the_gpu_benchmark_rehearses_on_the_cpu(tmp_path: Path):
     result = json.loads(output.read_text())
     assert result["dry_run"]
     parts = result["parts"]
-    assert result["goals_met"] == {"every exactness check passes": True, "every part ran": True}, {
-        name: part["error"] for name, part in parts.items() if "error" in part
-    }
+    assert result["goals_met"] == {
+        "every exactness check passes": True,
+        "greedy tokens with async scheduling identical to synchronous steps (up to ties)": True,
+        "every part ran": True,
+    }, {name: part["error"] for name, part in parts.items() if "error" in part}
     checks = parts["exactness"]["against_transformers"]
     assert [(c["dtype"], c["cuda_graphs"], c["attention_backend"]) for c in checks] == [
         ("float32", False, "triton"),
         ("bfloat16", False, "triton"),
         ("bfloat16", True, "triton"),
+    ]
+    async_checks = parts["exactness"]["async_against_sync"]
+    assert [(c["dtype"], c["cuda_graphs"], c["async_scheduling"]) for c in async_checks] == [
+        ("float32", False, True),
+        ("bfloat16", True, True),
     ]
     assert parts["exactness"]["checkpoint"] == "tiny-llama shape, transformers' random init"
     assert [c["dtype"] for c in parts["exactness"]["triton_attention"]] == ["float32", "bfloat16"]
@@ -39,10 +46,29 @@ def test_the_gpu_benchmark_rehearses_on_the_cpu(tmp_path: Path):
     assert [s["case"] for s in steps] == cases
     assert all(s["step_ms"] > 0 and s["floor_ms"] > 0 for s in steps)
     assert parts["steps"]["device"]["source"] == "measured here"
-    assert set(parts["offline"]) == {"eager", "graphs"}
+    assert set(parts["offline"]) == {"eager", "graphs", "graphs_sync"}
     assert all(run["output_tokens"] > 0 and run["steps"] > 0 for run in parts["offline"].values())
-    assert set(parts["served"]) == {"c1", "c4"}
-    assert all(figures["output_tok_per_s"] > 0 for figures in parts["served"].values())
+    # The same requests through Serve and through the engine alone, none failed.
+    for system in ("engine_alone", "served"):
+        runs = parts["served"][system]
+        assert set(runs) == {"c1", "c4", "poisson_4"}
+        assert runs["c1"]["output_tok_per_s"] > 0 and runs["poisson_4"]["median"]["output_tok_per_s"] > 0
+    comparison = parts["served"]["served_vs_alone"]
+    assert comparison["failed_requests"] == 0 and comparison["high_concurrency_tok_per_s_ratio"] > 0
+
+
+def test_parts_run_alone_keep_the_files_other_parts(tmp_path: Path, monkeypatch):
+    """A device call runs for 10 minutes at most: the parts go in two calls, into one file."""
+    output = tmp_path / "gpu.json"
+    first = {"checkpoint": "stand-in: the first call's", **{kind: [] for kind in gpu.EXACTNESS_KINDS}}
+    monkeypatch.setattr(gpu, "exactness", lambda plan, work_dir: first)
+    gpu.main(["--dry-run", "--output", str(output), "--parts", "exactness"])
+    monkeypatch.setattr(gpu, "steps", lambda plan, dry_run: {"error": "stand-in: the second call's"})
+    gpu.main(["--dry-run", "--output", str(output), "--parts", "steps"])
+    parts = json.loads(output.read_text())["parts"]
+    assert parts == {"exactness": first, "steps": {"error": "stand-in: the second call's"}}
+    with pytest.raises(SystemExit):
+        gpu.main(["--dry-run", "--output", str(output), "--parts", "steps,nonsense"])
 
 
 def test_a_checkpoint_without_a_tokenizer_serves_token_ids(tmp_path: Path):
