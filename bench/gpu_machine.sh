@@ -32,7 +32,7 @@ wheels() {
     mv "$tmp/ray_slim.zip" .rw/ && rm -rf "$tmp"
   fi
   # The engine's own (the image has torch, transformers, triton, numpy, safetensors)
-  python3 -m pip download -q --no-deps "${plat[@]}" -d .whl xgrammar==0.2.8 gguf
+  python3 -m pip download -q --no-deps "${plat[@]}" -d .whl xgrammar==0.2.8 apache-tvm-ffi gguf
   # Serve's, and the app's (FastAPI over pydantic: both with their exact pins)
   python3 -m pip download -q "${plat[@]}" -d .rw pydantic fastapi starlette
   python3 -m pip download -q --no-deps "${plat[@]}" -d .rw \
