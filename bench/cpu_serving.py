@@ -1,72 +1,91 @@
 """`python -m bench.cpu_serving`: serve_config.yaml over HTTP on this CPU, side by side with the
 servers a CPU user would run instead (bench/peers.py: llama.cpp F32 and Q4_1, vLLM's CPU backend,
 Ray Serve LLM over the same vLLM engine), each run in this run where `../shared/peers/` has
-installed it, else its last measured figures quoted and labelled so (issue 23). The same app with
-its engine core in a process of its own (`core_process: true`, issue 36) runs too, against the
-shipped shape (the core on a thread of the replica's process) in the same run.
+installed it, else its last measured figures quoted and labelled so. The same app with its engine
+core in a process of its own (`core_process: true`) runs too, and the engine alone.
 
 Workload: 32 requests, prompts of 16-1024 tokens of real English text (log-uniform; see
 bench/text_prompts.py), outputs of 16-256 tokens (log-uniform, ignore_eos, exact max_tokens),
-greedy, streamed over /v1/completions; fixed seed. Runs, per server, one server at a time on the
-2 cores: closed loop with 1 and with 16 clients, and Poisson arrivals at 0.5/s (3 arrival seeds:
-median and spread). Every run (and warm-up) sends its own cache_salt, so stallfree's prefix cache
-(on, as shipped) finds nothing another run left; the peers run with their prompt caches off.
+greedy, streamed over /v1/completions; fixed seed. Every run (and warm-up) sends its own
+cache_salt, so stallfree's prefix cache (on, as shipped) finds nothing another run left; the peers
+run with their prompt caches off.
 
-The engine alone: the same c=1 and c=16 runs straight into an AsyncEngine in this process, its core
-on a thread (no Ray, no HTTP, no second process). Serving overhead: the client's mean time between
-tokens and mean TTFT at c=1 over HTTP, minus the engine alone's. Where the cores went: each
-server's c=16 run records CPU seconds per process (bench/cpu_split.py).
-Writes bench/results/cpu_serving.json, .png and .raw.json.gz (each request's timing). Not part
-of make test or CI (~35 minutes with every peer installed)."""
+Interleaved rounds (bench/serving_rounds.py): each round takes every server in turn, started, alone
+on the 2 cores, then stopped (A B C ..., A B C ...): closed loop with 1 and with 16 clients, and
+Poisson arrivals at 0.5/s with the round's own arrival seed (3 rounds: 3 seeds). Figures are the
+median over the rounds; comparisons are ratios taken within each round, then their median; rounds
+whose ratios disagree by more than 15% are named. Our clusters run with Ray's own report intervals
+(harness.serve_cluster.BENCH_CLUSTER_ENV), as a user's does; each round reads back how many
+messages carried its tokens from the replica to the Ingress.
+
+The engine alone: the same runs straight into an AsyncEngine in this process, its core on a thread
+(no Ray, no HTTP, no second process), built once before anything else and measured in every round.
+Serving overhead: the client's mean time between tokens and mean TTFT at c=1 over HTTP, minus the
+engine alone's in the same round. Where the cores went: each server's c=16 run records CPU seconds
+per process (bench/cpu_split.py). Writes bench/results/cpu_serving.json, .png and .raw.json.gz
+(each request's timing). Not part of make test or CI (~70 minutes with every peer installed)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import statistics
 import tempfile
-from dataclasses import asdict
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
-from bench import http_load, peers
+from bench import peers
 from bench.cpu_split import cpu_split
 from bench.driver import (
     Arrival,
     BenchmarkRun,
     EngineClient,
-    Spread,
     engine_as_served,
-    greedy,
+    engine_sender,
     print_verdicts,
     pyplot,
+)
+from bench.http_load import Sender, http_sender, run_paced
+from bench.serving_rounds import (
+    ahead_on_every_figure,
+    combine,
+    disagreement,
+    figures,
+    median_ratios,
+    ratios_by_round,
 )
 from bench.text_prompts import text_prompts
 from common.latency import RequestTiming, summarize
 from harness import serve_cluster
-from harness.pacing import closed_loop
+from harness.metrics_scrape import EngineCounters, settled
+from harness.pacing import closed_loop, open_loop
 from harness.random_workload import log_uniform, poisson_times
 
 NUM_REQUESTS = 32
 POISSON_RATE = 0.5
-POISSON_SEEDS = (0, 1, 2)
+ROUNDS = 3  # each with one Poisson seed: seeds 0, 1, 2
 OURS = "stallfree"
 OURS_PROCESS = "stallfree, core in its own process"  # the app with core_process true
+ALONE = "engine alone"
 VLLM, Q4, RAY_LLM = "vLLM CPU", "llama.cpp Q4_1", "Ray Serve LLM"
 GOALS = {
     "c16_output_tok_per_s_vs_engine_alone_min": 0.9,
     "c16_output_tok_per_s_vs_vllm_min": 1.5,
     "c16_tbt_p99_vs_vllm_max": 0.5,
     "ttft_p50_vs_every_peer_max": 0.8,  # at c=1 and at c=16
-    "c1_tbt_p50_vs_llama_cpp_q4_1_max": 0.9,  # issue 39: the same Q4_1 file, served natively
+    "c1_tbt_p50_vs_llama_cpp_q4_1_max": 0.9,  # the same Q4_1 file, served natively
     "c16_output_tok_per_s_vs_llama_cpp_q4_1_min": 1.5,
     "overhead_per_token_s_max": 0.001,
     "overhead_per_request_s_max": 0.020,
-    "poisson_tbt_p99_vs_vllm_max": 0.5,  # median of the seeds
+    "poisson_tbt_p99_vs_vllm_max": 0.5,  # median of the rounds' seeds
     "ahead_of_ray_serve_llm_on_every_figure": True,
 }
-HIGHER_IS_BETTER = ("output_tok_per_s",)
+# Ray's default metrics report interval is 10 s: counts unchanged over 2.5 of them are all in.
+SETTLE_S = 25.0
 
 
 def shipped_tokenizer():
@@ -97,118 +116,94 @@ def poisson(arrivals: list[Arrival], seed: int) -> list[Arrival]:
     return [Arrival(t, a.prompt, a.max_tokens) for a, t in zip(arrivals, times, strict=True)]
 
 
-def engine_alone(arrivals: list[Arrival]) -> dict[str, dict[str, float]]:
-    """The c=1 and c=16 runs straight into an AsyncEngine in this process, built as the app builds
-    its replica's but with the core on a thread: what the engine does without the serving around it."""
-    client = EngineClient(engine_as_served({"core_process": False}))
+@dataclass(frozen=True)
+class Server:
+    """One of the servers side by side: `serving(log_dir)` has it up and answering while its
+    block runs and yields its completions URL; None where it is quoted, not run."""
 
-    def run(concurrency: int) -> tuple[float, list[RequestTiming]]:
-        salt = f"alone-c{concurrency}"  # each run its own, as over HTTP: nothing found cached
-        wall_s, served = asyncio.run(
-            closed_loop(
-                lambda a: client.send(a.prompt, greedy(a.max_tokens, cache_salt=salt)), arrivals, concurrency
-            )
-        )
-        return wall_s, [s.timing for s in served]
+    name: str
+    serving: Callable[[Path], AbstractContextManager[str]] | None
+    model: str | None = None  # what requests name in "model", for a server that routes by it
+    quoted: dict | None = None  # not run: its last measured figures, and why
+    # ours: per round, the messages that carried its tokens from the replica to the Ingress
+    stream_counts: list[dict[str, float]] = field(default_factory=list)
 
-    try:
-        run(4)  # warm, as the servers are
-        (_, c1), (c16_wall_s, c16) = run(1), run(16)
-    finally:
-        client.engine.shutdown()
+
+def ours(name: str, config: Path, route: str = "") -> Server:
+    counts: list[dict[str, float]] = []
+
+    @contextmanager
+    def serving(log_dir: Path) -> Iterator[str]:
+        cluster = serve_cluster.start(config, log_dir, cluster_env=serve_cluster.BENCH_CLUSTER_ENV)
+        try:
+            cluster.wait_ready(route)
+            yield f"{cluster.base_url}{route}/v1/completions"
+            read = settled(lambda: EngineCounters.scrape(cluster, cluster.app_name), SETTLE_S)
+            counts.append({"messages": read.stream_messages, "tokens": read.generation_tokens})
+        finally:
+            serve_cluster.stop(cluster)
+
+    return Server(name, serving, stream_counts=counts)
+
+
+def peer_server(peer: peers.Peer, wanted: set[str]) -> Server:
+    if peer.name in wanted and peer.installed:
+
+        @contextmanager
+        def serving(log_dir: Path) -> Iterator[str]:
+            with peers.serving(peer, log_dir / f"{peer.name.replace(' ', '_')}.log"):
+                yield peer.url
+
+        return Server(peer.name, serving, peer.model)
+    why = "not asked for (--peers)" if peer.installed else "not installed"
+    print(f"{peer.name}: {why} ({peer.installed_at}); quoting its last measured figures", flush=True)
+    return Server(peer.name, None, quoted={"source": f"quoted: {why}", "quoted": peer.quoted})
+
+
+def one_round(sender: Sender, arrivals: list[Arrival], seed: int) -> dict:
+    """A server's runs in one round: warm, c=1, c=16 (with where the cores went), and Poisson with
+    the round's arrival seed; each run with a cache salt of its own."""
+    run_paced(sender, partial(closed_loop, items=arrivals[:4], concurrency=4))  # kernels, first steps
+    c1 = run_paced(sender, partial(closed_loop, items=arrivals, concurrency=1))
+    with cpu_split() as c16_cpu:
+        c16 = run_paced(sender, partial(closed_loop, items=arrivals, concurrency=16))
+    poisson_run = run_paced(sender, partial(open_loop, items=poisson(arrivals, seed)))
     return {
-        "c1": {
-            "tbt_mean_s": statistics.fmean(i for t in c1 for i in t.token_intervals_s),
-            "tbt_p50_s": statistics.median(i for t in c1 for i in t.token_intervals_s),
-            "ttft_mean_s": statistics.fmean(t.ttft_s for t in c1),
-        },
-        "c16": summarize(c16_wall_s, c16),
+        "c1": summarize(*c1),
+        "c16": summarize(*c16),
+        "poisson": summarize(*poisson_run),
+        "c16_cpu": c16_cpu,
+        "timings": {"c1": c1[1], "c16": c16[1], "poisson": poisson_run[1]},
     }
 
 
-def serving_overhead(timings: list[RequestTiming], alone: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The client's means at c=1 over HTTP minus the engine's own, on the same requests."""
-    client_tbt = statistics.fmean(i for t in timings for i in t.token_intervals_s)
-    client_ttft = statistics.fmean(t.ttft_s for t in timings)
+def serving_overhead(ours_c1: list[RequestTiming], alone_c1: list[RequestTiming]) -> dict[str, float]:
+    """The client's means at c=1 over HTTP minus the engine alone's, on the same requests."""
+    client_tbt = statistics.fmean(i for t in ours_c1 for i in t.token_intervals_s)
+    alone_tbt = statistics.fmean(i for t in alone_c1 for i in t.token_intervals_s)
+    client_ttft = statistics.fmean(t.ttft_s for t in ours_c1)
+    alone_ttft = statistics.fmean(t.ttft_s for t in alone_c1)
     return {
         "client_tbt_mean_s": client_tbt,
-        "engine_alone_tbt_mean_s": alone["c1"]["tbt_mean_s"],
-        "per_token_s": client_tbt - alone["c1"]["tbt_mean_s"],
+        "engine_alone_tbt_mean_s": alone_tbt,
+        "per_token_s": client_tbt - alone_tbt,
         "client_ttft_mean_s": client_ttft,
-        "engine_alone_ttft_mean_s": alone["c1"]["ttft_mean_s"],
-        "per_request_s": client_ttft - alone["c1"]["ttft_mean_s"],
+        "engine_alone_ttft_mean_s": alone_ttft,
+        "per_request_s": client_ttft - alone_ttft,
     }
 
 
-def measure(url: str, name: str, arrivals: list[Arrival], model: str | None = None) -> dict:
-    asyncio.run(http_load.closed_loop(url, arrivals[:4], 4, model))  # warm: kernels, first steps
-    wall_s, c1_timings = asyncio.run(http_load.closed_loop(url, arrivals, 1, model))
-    c1 = summarize(wall_s, c1_timings)
-    print(name, "c=1", json.dumps(c1), flush=True)
-    with cpu_split() as c16_cpu:
-        wall_s, c16_timings = asyncio.run(http_load.closed_loop(url, arrivals, 16, model))
-    c16 = summarize(wall_s, c16_timings)
-    print(name, "c=16", json.dumps(c16), flush=True)
-    print(name, "c=16 CPU seconds by process", json.dumps(c16_cpu), flush=True)
-    runs: list[dict[str, float]] = []
-    poisson_timings: list[RequestTiming] = []
-    for seed in POISSON_SEEDS:
-        wall_s, timings = asyncio.run(http_load.open_loop(url, poisson(arrivals, seed), model=model))
-        runs.append(summarize(wall_s, timings))
-        poisson_timings += timings
-        print(name, f"poisson seed {seed}", json.dumps(runs[-1]), flush=True)
-    spread = {key: Spread.of_runs(runs, key) for key in runs[0]}
-    return {
-        "source": "measured in this run",
-        "c1": c1,
-        "c16": c16,
-        "c16_cpu": c16_cpu,
-        "poisson": {
-            "median": {key: s.median for key, s in spread.items()},
-            "spread": {key: asdict(s) for key, s in spread.items()},
-            "runs": runs,
-        },
-        "timings": {"c1": c1_timings, "c16": c16_timings, "poisson": poisson_timings},
-    }
-
-
-def figures(result: dict) -> dict[str, float]:
-    """A server's figures under the names of bench.peers' quoted table (plus Poisson, measured)."""
-    if "quoted" in result:
-        return result["quoted"]
-    keys = ("output_tok_per_s", "ttft_p50_s", "tbt_p50_s", "tbt_p99_s")
-    runs = {"c1": result["c1"], "c16": result["c16"], "poisson": result["poisson"]["median"]}
-    return {f"{run}_{key}": summary[key] for run, summary in runs.items() for key in keys}
-
-
-def ratios(results: dict) -> dict[str, dict[str, float]]:
-    """Ours over each peer's, per figure both have."""
-    ours = figures(results[OURS])
-    return {
-        name: {key: ours[key] / value for key, value in figures(r).items() if key in ours and value}
-        for name, r in results.items()
-        if name != OURS
-    }
-
-
-def ahead_on_every_figure(by_figure: dict[str, float]) -> bool:
-    """Ours over theirs: higher throughput, lower latencies, on every figure both have."""
-    return bool(by_figure) and all(
-        ratio > 1 if key.endswith(HIGHER_IS_BETTER) else ratio < 1 for key, ratio in by_figure.items()
-    )
-
-
-def goals_met(results: dict, overhead: dict[str, float], alone_c16_tok_s: float) -> dict[str, bool]:
+def goals_met(
+    ratios: dict[str, dict[str, float]], overhead: dict[str, float], served_over_alone: float
+) -> dict[str, bool]:
     """On the app as shipped; a ratio to a peer with no such figure (quoted: no Poisson) is unmet."""
-    by_peer = ratios(results)
-    vllm, q4 = by_peer.get(VLLM, {}), by_peer.get(Q4, {})
+    vllm, q4 = ratios.get(VLLM, {}), ratios.get(Q4, {})
     g = GOALS
-    every = [by_figure for name, by_figure in by_peer.items() if name != OURS_PROCESS]
-    served_c16 = results[OURS]["c16"]["output_tok_per_s"]
+    every = [by_figure for name, by_figure in ratios.items() if name not in (OURS_PROCESS, ALONE)]
     return {
-        "served c=16 tok/s >= 0.9x the engine alone's": served_c16
-        >= g["c16_output_tok_per_s_vs_engine_alone_min"] * alone_c16_tok_s,
-        "ahead of Ray Serve LLM on every figure": ahead_on_every_figure(by_peer.get(RAY_LLM, {})),
+        "served c=16 tok/s >= 0.9x the engine alone's": served_over_alone
+        >= g["c16_output_tok_per_s_vs_engine_alone_min"],
+        "ahead of Ray Serve LLM on every figure": ahead_on_every_figure(ratios.get(RAY_LLM, {})),
         "c=16 output tok/s >= 1.5x vLLM CPU's": vllm.get("c16_output_tok_per_s", 0.0)
         >= g["c16_output_tok_per_s_vs_vllm_min"],
         "c=16 TBT p99 <= 0.5x vLLM CPU's": vllm.get("c16_tbt_p99_s", 1e9) <= g["c16_tbt_p99_vs_vllm_max"],
@@ -237,43 +232,35 @@ COLUMNS = (  # (header, figure, scale)
 )  # fmt: skip
 
 
-def print_table(
-    results: dict, overhead: dict[str, float], offered_tok_s: float, alone_c16: dict[str, float]
-) -> None:
-    print(f"{'server':<30}" + "".join(f"{h:>14}" for h, _, _ in COLUMNS))
+def print_table(results: dict, body: dict) -> None:
+    print(f"{'server':<36}" + "".join(f"{h:>14}" for h, _, _ in COLUMNS))
     for name, r in results.items():
         f = figures(r)
         label = name + (" (quoted)" if "quoted" in r else "")
         cells = (f"{f[key] * scale:>14.1f}" if key in f else f"{'-':>14}" for _, key, scale in COLUMNS)
-        print(f"{label:<30}" + "".join(cells))
-    print(f"(tok/s, and ms; Poisson {POISSON_RATE}/s offers {offered_tok_s:.1f} tok/s, median of seeds "
-          f"{list(POISSON_SEEDS)}; quoted: bench/peers.py, not this run)")  # fmt: skip
-    served_c16 = results[OURS]["c16"]["output_tok_per_s"]
-    print(f"engine alone (in process, core on a thread), c=16: {alone_c16['output_tok_per_s']:.1f} tok/s, "
-          f"TBT p50 {alone_c16['tbt_p50_s'] * 1e3:.1f} ms; served / alone "
-          f"{served_c16 / alone_c16['output_tok_per_s']:.2f}x")  # fmt: skip
-    for name, by_figure in ratios(results).items():
+        print(f"{label:<36}" + "".join(cells))
+    print(f"(tok/s, and ms; medians of {body['workload']['rounds']} rounds; Poisson {POISSON_RATE}/s offers "
+          f"{body['workload']['poisson_offered_tok_per_s']:.1f} tok/s; quoted: bench/peers.py)")  # fmt: skip
+    for name, by_figure in body["ratios_ours_over_peer"].items():
         print(f"ours / {name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in by_figure.items()))
-    ms = {key: value * 1e3 for key, value in overhead.items()}
+        for index, by_round in enumerate(
+            body["ratios_by_round"].get(name, {}).get("c16_output_tok_per_s", [])
+        ):
+            print(f"    round {index + 1}: c16 tok/s {by_round:.2f}x")
+    for name, moved in body["rounds_disagree"].items():
+        print(f"ROUNDS DISAGREE, ours / {name}: " + ", ".join(f"{k} by {v:.0%}" for k, v in moved.items()))
+    ms = {key: value * 1e3 for key, value in body["serving_overhead"].items()}
     print(
-        f"serving overhead (c=1): per token {ms['per_token_s']:.2f} ms (client TBT mean "
-        f"{ms['client_tbt_mean_s']:.1f} ms, engine alone {ms['engine_alone_tbt_mean_s']:.1f} ms); "
-        f"per request {ms['per_request_s']:.1f} ms (client TTFT mean {ms['client_ttft_mean_s']:.0f} "
-        f"ms, engine alone {ms['engine_alone_ttft_mean_s']:.0f} ms)"
+        f"serving overhead (c=1, median of rounds): per token {ms['per_token_s']:.2f} ms (client TBT "
+        f"mean {ms['client_tbt_mean_s']:.1f} ms, engine alone {ms['engine_alone_tbt_mean_s']:.1f} ms); "
+        f"per request {ms['per_request_s']:.1f} ms; served c=16 / engine alone "
+        f"{body['served_c16_over_engine_alone']:.2f}x; tokens per stream message "
+        f"{body['tokens_per_stream_message'].get(OURS, float('nan')):.2f}"
     )
 
 
-def requests(results: dict) -> dict[str, dict[str, list[dict]]]:
-    """Per measured server and run, each request's timing: the side file, and what the plot draws."""
-    return {
-        name: {run: [asdict(t) for t in ts] for run, ts in r["timings"].items()}
-        for name, r in results.items()
-        if "timings" in r  # quoted: no requests
-    }
-
-
 def plot(path: Path, raw: dict[str, dict[str, list[dict]]]) -> None:
-    """From `requests(...)`, or the side file it went to (bench.driver.raw_path)."""
+    """From each measured server's requests (bench.driver.raw_path's side file holds them)."""
     plt = pyplot()
     figure, axes = plt.subplots(1, 3, figsize=(13, 4))
     for axis, run in zip(axes, ("c1", "c16", "poisson"), strict=True):
@@ -289,23 +276,36 @@ def plot(path: Path, raw: dict[str, dict[str, list[dict]]]) -> None:
     figure.savefig(path, dpi=120)
 
 
-def _summary(result: dict) -> dict:
-    """A server's figures, without its requests' timings and its CPU split (listed apart)."""
-    return {key: value for key, value in result.items() if key not in ("timings", "c16_cpu")}
+def servers(wanted: set[str], work_dir: Path) -> list[Server]:
+    process_config = serve_cluster.config_with_apps(
+        work_dir / "core_process.yaml", {"stallfree": {"engine": {"core_process": True}}}
+    )
+    return [
+        ours(OURS, serve_cluster.SHIPPED_CONFIG),
+        ours(OURS_PROCESS, process_config, "/stallfree"),
+        *(peer_server(peer, wanted) for peer in peers.PEERS),
+    ]
 
 
-def measure_peers(arrivals: list[Arrival], wanted: set[str], log_dir: Path) -> dict[str, dict]:
-    """Each installed peer measured in turn (its server alone on the cores); the others quoted."""
-    results: dict[str, dict] = {}
-    for peer in peers.PEERS:
-        if peer.name in wanted and peer.installed:
-            with peers.serving(peer, log_dir / f"{peer.name.replace(' ', '_')}.log"):
-                results[peer.name] = measure(peer.url, peer.name, arrivals, peer.model)
-        else:
-            why = "not asked for (--peers)" if peer.installed else "not installed"
-            print(f"{peer.name}: {why} ({peer.installed_at}); quoting its 2026-11-24 figures", flush=True)
-            results[peer.name] = {"source": f"quoted: {why}", "quoted": peer.quoted}
-    return results
+def run_rounds(
+    arrivals: list[Arrival], line_up: list[Server], rounds: int, work_dir: Path
+) -> dict[str, list[dict]]:
+    """Every round: the engine alone, then each server in turn; each its own run of one_round."""
+    client = EngineClient(engine_as_served({"core_process": False}))  # first: before Ray, see ThreadCore
+    measured: dict[str, list[dict]] = {}
+    try:
+        for index in range(rounds):
+            print(f"-- round {index + 1} of {rounds}", flush=True)
+            measured.setdefault(ALONE, []).append(one_round(engine_sender(client), arrivals, index))
+            for server in line_up:
+                if server.serving is not None:
+                    with server.serving(work_dir) as url:
+                        result = one_round(http_sender(url, server.model), arrivals, index)
+                    measured.setdefault(server.name, []).append(result)
+                    print(server.name, json.dumps({run: result[run] for run in ("c1", "c16")}), flush=True)
+    finally:
+        client.engine.shutdown()
+    return measured
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -313,57 +313,90 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="workload seed (prompts, lengths)")
     every_peer = ",".join(p.name for p in peers.PEERS)
     parser.add_argument("--peers", default=every_peer, help="peers to run where installed")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds, each a Poisson seed")
+    parser.add_argument("--requests", type=int, default=NUM_REQUESTS, help="the workload's first N (a check)")
     parser.add_argument("--output", type=Path, default=Path("bench/results/cpu_serving.json"))
     args = parser.parse_args(argv)
     run = BenchmarkRun("cpu_serving", args.output, GOALS)
-    arrivals = workload(args.seed, shipped_tokenizer())
-    # First, before Ray starts and before this process runs any other torch work (see ThreadCore).
-    alone = engine_alone(arrivals)
-    print("engine alone:", json.dumps(alone), flush=True)
+    arrivals = workload(args.seed, shipped_tokenizer())[: args.requests]
     work_dir = Path(tempfile.mkdtemp(prefix="bench-cpu-serving-"))
-    results = measure_peers(arrivals, set(args.peers.split(",")), work_dir)
-    process_config = serve_cluster.config_with_apps(
-        work_dir / "core_process.yaml", {"stallfree": {"engine": {"core_process": True}}}
+    line_up = servers(set(args.peers.split(",")), work_dir)
+    measured = run_rounds(arrivals, line_up, args.rounds, work_dir)
+    body = summary(measured, line_up, arrivals, args)
+    print_table(body["results"], body)
+    met = goals_met(
+        body["ratios_ours_over_peer"], body["serving_overhead"], body["served_c16_over_engine_alone"]
     )
-    ours = {}
-    for name, config, route in (
-        (OURS, serve_cluster.REPO / "serve_config.yaml", ""),
-        (OURS_PROCESS, process_config, "/stallfree"),
-    ):
-        cluster = serve_cluster.start(config, work_dir)
-        try:
-            cluster.wait_ready(route)
-            ours[name] = measure(f"{cluster.base_url}{route}/v1/completions", name, arrivals)
-        finally:
-            serve_cluster.stop(cluster)
-    results = {**ours, **results}
-    offered = POISSON_RATE * statistics.fmean(a.max_tokens for a in arrivals)
-    overhead = serving_overhead(results[OURS]["timings"]["c1"], alone)
-    print_table(results, overhead, offered, alone["c16"])
-    met = goals_met(results, overhead, alone["c16"]["output_tok_per_s"])
     print_verdicts(met)
-    body = {
+    raw = {
+        name: {r: [asdict(t) for rr in rounds for t in rr["timings"][r]] for r in ("c1", "c16", "poisson")}
+        for name, rounds in measured.items()
+    }
+    run.write(body, met, raw)
+    plot(args.output.with_suffix(".png"), raw)
+
+
+def summary(measured: dict[str, list[dict]], line_up: list[Server], arrivals: list[Arrival], args) -> dict:
+    """The result file's body: per server its figures (medians over the rounds), our ratios over
+    each other server (paired within rounds, then the median), where they moved between rounds."""
+    results = {
+        name: {"source": "measured in this run", **combine([_figures(r) for r in rounds])}
+        for name, rounds in measured.items()
+    }
+    results |= {s.name: s.quoted for s in line_up if s.quoted is not None}
+    ours_rounds = [_figures(r) for r in measured[OURS]]
+    by_round = {
+        name: ratios_by_round(ours_rounds, [_figures(r) for r in rounds])
+        for name, rounds in measured.items()
+        if name != OURS
+    }
+    quoted = {
+        s.name: {k: figures(results[OURS])[k] / v for k, v in s.quoted["quoted"].items() if v}
+        for s in line_up
+        if s.quoted
+    }
+    overheads = [
+        serving_overhead(o["timings"]["c1"], a["timings"]["c1"])
+        for o, a in zip(measured[OURS], measured[ALONE], strict=True)
+    ]
+    served_over_alone = [
+        o["c16"]["output_tok_per_s"] / a["c16"]["output_tok_per_s"]
+        for o, a in zip(measured[OURS], measured[ALONE], strict=True)
+    ]
+    offered = POISSON_RATE * statistics.fmean(a.max_tokens for a in arrivals)
+    return {
         "workload": {
-            "num_requests": NUM_REQUESTS,
+            "num_requests": len(arrivals),
             "seed": args.seed,
+            "rounds": args.rounds,
             "prompt_tokens": [len(a.prompt) for a in arrivals],
             "max_tokens": [a.max_tokens for a in arrivals],
             "poisson_rate_per_s": POISSON_RATE,
-            "poisson_seeds": list(POISSON_SEEDS),
+            "poisson_seeds": list(range(args.rounds)),
             "poisson_offered_tok_per_s": offered,
         },
         "peers": {p.name: {"command": p.command, "source": results[p.name]["source"]} for p in peers.PEERS},
-        "results": {name: _summary(r) for name, r in results.items()},
-        "c16_cpu": {name: r["c16_cpu"] for name, r in results.items() if "c16_cpu" in r},
-        "ratios_ours_over_peer": ratios(results),
-        "serving_overhead": overhead,
-        "engine_alone": alone,
-        "served_c16_over_engine_alone": results[OURS]["c16"]["output_tok_per_s"]
-        / alone["c16"]["output_tok_per_s"],
+        "results": results,
+        "c16_cpu": {name: rounds[-1]["c16_cpu"] for name, rounds in measured.items()},
+        "ratios_ours_over_peer": {**{n: median_ratios(r) for n, r in by_round.items()}, **quoted},
+        "ratios_by_round": by_round,
+        "rounds_disagree": {n: moved for n, r in by_round.items() if (moved := disagreement(r))},
+        "serving_overhead": {key: statistics.median(o[key] for o in overheads) for key in overheads[0]},
+        "serving_overhead_by_round": overheads,
+        "served_c16_over_engine_alone": statistics.median(served_over_alone),
+        "served_c16_over_engine_alone_by_round": served_over_alone,
+        "stream_counts": {s.name: s.stream_counts for s in line_up if s.stream_counts},
+        "tokens_per_stream_message": {
+            s.name: sum(c["tokens"] for c in s.stream_counts) / sum(c["messages"] for c in s.stream_counts)
+            for s in line_up
+            if s.stream_counts and all(c["messages"] for c in s.stream_counts)
+        },
     }
-    raw = requests(results)
-    run.write(body, met, raw)
-    plot(args.output.with_suffix(".png"), raw)
+
+
+def _figures(round_result: dict) -> dict:
+    """A round's latency summaries, without its requests' timings and its CPU split."""
+    return {run: round_result[run] for run in ("c1", "c16", "poisson")}
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -118,6 +119,20 @@ class EngineClient:
         gaps = [b - a for a, b in pairwise(token_times)]
         timing = RequestTiming(len(prompt), len(output), token_times[0] - sent, time.monotonic() - sent, gaps)
         return Served(timing, output, cached)
+
+
+def engine_sender(client: EngineClient):
+    """bench.http_load's Sender for an engine in this process: greedy, exact lengths, the salt."""
+
+    @asynccontextmanager
+    async def sender(salt: str) -> AsyncIterator[Callable[[Arrival], Awaitable[RequestTiming]]]:
+        async def send(arrival: Arrival) -> RequestTiming:
+            assert isinstance(arrival.prompt, list)  # token ids: no tokenizer in between
+            return (await client.send(arrival.prompt, greedy(arrival.max_tokens, cache_salt=salt))).timing
+
+        yield send
+
+    return sender
 
 
 @dataclass(frozen=True)

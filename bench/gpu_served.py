@@ -8,26 +8,19 @@ they run in turn: the engine alone first, then the served app."""
 
 from __future__ import annotations
 
-import asyncio
 import random
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
-import httpx
-
-from bench import http_load
-from bench.driver import Arrival, EngineClient, Spread, engine_as_served, greedy
+from bench.driver import Arrival, EngineClient, Spread, engine_as_served, engine_sender
+from bench.http_load import Send, Sender, http_sender, run_paced
 from common.latency import RequestTiming, summarize
 from harness import serve_cluster
 from harness.pacing import closed_loop, open_loop
 from harness.random_workload import poisson_times
 
-Send = Callable[[Arrival], Awaitable[RequestTiming]]
-Sender = Callable[[str], AbstractAsyncContextManager[Send]]  # a run's cache salt -> its sender
 GOALS = {
     "served_high_concurrency_tok_per_s_vs_engine_alone_min": 0.95,
     "served_c1_ttft_p50_over_engine_alone_max_s": 0.010,
@@ -49,13 +42,9 @@ def measure(sender: Sender, arrivals: list[Arrival], plan: ServedPlan) -> dict:
     earlier run left in the prefix cache is found). A request that fails is counted, not raised."""
 
     def run(paced: Callable[[Send], Awaitable[tuple[float, list[RequestTiming | None]]]]) -> dict:
-        async def with_sender() -> tuple[float, list[RequestTiming | None]]:
-            async with sender(f"run-{uuid.uuid4().hex}") as send:
-                return await paced(partial(_counted, send))
+        return _summary(*run_paced(sender, lambda send: paced(partial(_counted, send))))
 
-        return _summary(*asyncio.run(with_sender()))
-
-    run(lambda send: closed_loop(send, arrivals[:4], 4))  # warm: kernels, first steps
+    run(partial(closed_loop, items=arrivals[:4], concurrency=4))  # warm: kernels, first steps
     runs: dict[str, dict] = {}
     for concurrency, count in plan.closed:
         runs[f"c{concurrency}"] = run(partial(closed_loop, items=arrivals[:count], concurrency=concurrency))
@@ -95,18 +84,8 @@ def poisson(arrivals: list[Arrival], rate: float, seed: int) -> list[Arrival]:
 def engine_alone(app_args: dict, base: Path, arrivals: list[Arrival], plan: ServedPlan) -> dict:
     """The plan's runs straight into an AsyncEngine built as the served replica's is."""
     engine = engine_as_served(app_args.get("engine"), app_args=app_args, base=base)
-    client = EngineClient(engine)
-
-    @asynccontextmanager
-    async def sender(salt: str) -> AsyncIterator[Send]:
-        async def send(arrival: Arrival) -> RequestTiming:
-            assert isinstance(arrival.prompt, list)
-            return (await client.send(arrival.prompt, greedy(arrival.max_tokens, cache_salt=salt))).timing
-
-        yield send
-
     try:
-        return measure(sender, arrivals, plan)
+        return measure(engine_sender(EngineClient(engine)), arrivals, plan)
     finally:
         engine.shutdown()
 
@@ -114,20 +93,13 @@ def engine_alone(app_args: dict, base: Path, arrivals: list[Arrival], plan: Serv
 def through_serve(
     app_args: dict, base: Path, work_dir: Path, arrivals: list[Arrival], plan: ServedPlan
 ) -> dict:
-    """The plan's runs over HTTP into the app, one replica, on a one-node Ray cluster."""
+    """The plan's runs over HTTP into the app, one replica, on a one-node Ray cluster (Ray's own
+    report intervals, as a user's cluster runs)."""
     config = serve_cluster.config_with_apps(work_dir / "served.yaml", {"gpu": app_args}, base=base)
-    cluster = serve_cluster.start(config, work_dir)
-    url = f"{cluster.base_url}/gpu/v1/completions"
-
-    @asynccontextmanager
-    async def sender(salt: str) -> AsyncIterator[Send]:
-        limits = httpx.Limits(max_keepalive_connections=0)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-            yield partial(http_load.stream_request, http, url, cache_salt=salt, model=None)
-
+    cluster = serve_cluster.start(config, work_dir, cluster_env=serve_cluster.BENCH_CLUSTER_ENV)
     try:
         cluster.wait_ready("/gpu")
-        return measure(sender, arrivals, plan)
+        return measure(http_sender(f"{cluster.base_url}/gpu/v1/completions"), arrivals, plan)
     finally:
         serve_cluster.stop(cluster)
 

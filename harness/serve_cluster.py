@@ -46,25 +46,30 @@ START_TIMEOUT_S = 900
 # lands within ~2 s on an idle machine); this is for a 2-core machine under full load.
 REPORT_WAIT_S = 60
 # A throwaway cluster on loopback: no token auth (ray start and its clients would otherwise disagree
-# on where the token lives), no usage stats, workers reporting metrics every second (default 10 s)
-# so tests see them sooner, and Serve's proxy checks given a loaded 2-core machine's time: within
-# the default 5 s, a proxy still starting beside two busy processes was killed and `serve run`
-# failed. Ray starts its workers (Serve's replicas, proxy and controller among them) at nice 15:
-# beside any busy process at nice 0 they got a few percent of a core and every wait ran out, so
-# the test cluster's workers run at the same priority as everything else.
-# A node's metrics agent drops a gauge series not re-sent within two report intervals (2 s here),
-# and Serve's controller re-sends an unchanged status gauge (replicas healthy, app status) only
-# every 10 s: its series showed ~2 s in 10 and Prometheus's 5 s scrapes could miss it for minutes.
-# The controller re-sends them twice per report interval instead (at Ray's default 10 s interval
-# the agent keeps a series 20 s, so a default cluster has no gap).
-TEST_CLUSTER_ENV = {
+# on where the token lives), no usage stats, and Serve's proxy checks given a loaded 2-core
+# machine's time: within the default 5 s, a proxy still starting beside two busy processes was
+# killed and `serve run` failed. Ray starts its workers (Serve's replicas, proxy and controller
+# among them) at nice 15: beside any busy process at nice 0 they got a few percent of a core and
+# every wait ran out, so the cluster's workers run at the same priority as everything else (as
+# `make serve` runs them). Benchmarks run this: Ray's own report intervals, what a user's cluster has.
+BENCH_CLUSTER_ENV = {
     "RAY_worker_niceness": "0",
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_metrics_report_interval_ms": "1000",
-    "RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S": "0.5",
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+}
+# Tests, on top: workers report metrics every second (default 10 s) so tests see them sooner. A
+# node's metrics agent drops a gauge series not re-sent within two report intervals (2 s here),
+# and Serve's controller re-sends an unchanged status gauge (replicas healthy, app status) only
+# every 10 s: its series showed ~2 s in 10 and Prometheus's 5 s scrapes could miss it for minutes.
+# The controller re-sends them twice per report interval instead (at Ray's default 10 s interval
+# the agent keeps a series 20 s, so a default cluster has no gap). Both cost the cores a little
+# every second, which is why benchmarks leave them out.
+TEST_CLUSTER_ENV = {
+    **BENCH_CLUSTER_ENV,
+    "RAY_metrics_report_interval_ms": "1000",
+    "RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S": "0.5",
 }
 
 
@@ -131,12 +136,18 @@ def wait_for_http(
     raise TimeoutError(f"{what} did not answer {url} in {timeout_s} s{log_tail()}")
 
 
-def start(config_path: Path, log_dir: Path, env: dict[str, str] | None = None) -> ServeCluster:
-    """A one-node cluster serving `config_path`; `env` on top of this process's for every process
-    of the cluster (Serve's and Ray's settings read from the environment)."""
+def start(
+    config_path: Path,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    cluster_env: dict[str, str] = TEST_CLUSTER_ENV,
+) -> ServeCluster:
+    """A one-node cluster serving `config_path`; `cluster_env` (the tests', or BENCH_CLUSTER_ENV)
+    and `env` on top of this process's for every process of the cluster (Serve's and Ray's
+    settings read from the environment)."""
     gcs_port, http_port, metrics_port = free_port(), free_port(), free_port()
-    os.environ["RAY_AUTH_MODE"] = TEST_CLUSTER_ENV["RAY_AUTH_MODE"]  # for this process's own driver, too
-    env = {**os.environ, **TEST_CLUSTER_ENV, **(env or {})}
+    os.environ["RAY_AUTH_MODE"] = cluster_env["RAY_AUTH_MODE"]  # for this process's own driver, too
+    env = {**os.environ, **cluster_env, **(env or {})}
     ray_start = subprocess.Popen(
         [
             BIN / "ray",

@@ -115,6 +115,11 @@ class EngineMetrics:
         self.generation_tokens = counter("generation_tokens", "Output tokens generated")
         self.requests_finished = counter("requests_finished", "Requests finished, by reason", (REASON_LABEL,))
         self.preemptions = counter("num_preemptions", "Requests preempted for want of KV blocks")
+        self.stream_messages = counter(
+            "stream_messages",
+            "Messages a replica sent on its requests' streams, each with every token then ready for "
+            "its request (generation_tokens over this: tokens per message)",
+        )
         self._zero_at_start_series: list[tuple[Counter, dict[str, str]]] = [
             (instrument, self.labels)
             for instrument in (
@@ -122,6 +127,7 @@ class EngineMetrics:
                 self.prefix_cache_queries,
                 self.prefix_cache_hits,
                 self.generation_tokens,
+                self.stream_messages,
                 self.preemptions,
                 self.steps_over_slo,
                 self.steps_decodes_over_slo,
