@@ -210,18 +210,28 @@ class EngineCore:
     def _rerun_after_flight(self, batch: ScheduledBatch, scheduled_at: float) -> list[CoreOutput]:
         """A batch scheduled ahead failed on submit: the batches in flight come back first (its
         placeholders' tokens), then its rows run as a synchronous step's would, alone where the
-        whole fails. Every output goes out, also when the rerun fails whole."""
-        outputs: list[CoreOutput] = []
-        try:
-            while self._in_pipeline:
-                outputs += self._collect_oldest(cast(PipelinedExecutor, self.runner))
-            requests = self.scheduler.requests
-            awaited = batch.only(row.request_id for row in batch.rows if row.request_id in requests)
-            if not awaited.is_empty:  # else every request of it ended with the batches before
-                outputs += self._finish_step(self._execute(awaited), scheduled_at)
-        except StepFailedError as failure:
-            raise StepFailedError(outputs + failure.outputs) from failure
+        whole fails. Each is finished whatever the others did; if every request of one of them
+        failed, StepFailedError carries every output."""
+        pipeline = cast(PipelinedExecutor, self.runner)
+        results = [
+            self._outputs_of(lambda: self._collect_oldest(pipeline)) for _ in range(len(self._in_pipeline))
+        ]
+        requests = self.scheduler.requests
+        rerun = batch.only(row.request_id for row in batch.rows if row.request_id in requests)
+        if not rerun.is_empty:  # else every request of it ended with the batches before
+            results.append(self._outputs_of(lambda: self._finish_step(self._execute(rerun), scheduled_at)))
+        outputs = [output for step_outputs, _ in results for output in step_outputs]
+        if any(failed for _, failed in results):
+            raise StepFailedError(outputs)
         return outputs
+
+    @staticmethod
+    def _outputs_of(step: Callable[[], list[CoreOutput]]) -> tuple[list[CoreOutput], bool]:
+        """A step's outputs, and whether every request of it failed (StepFailedError's outputs)."""
+        try:
+            return step(), False
+        except StepFailedError as failure:
+            return failure.outputs, True
 
     def _finish_step(self, executed: ExecutedBatch, started: float) -> list[CoreOutput]:
         outputs = self._update(executed)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from replica_engine.device_transfer import move_to
+
 
 @dataclass
 class DecodeRows:
@@ -35,10 +37,11 @@ class DecodeRows:
         return cls(cu_seqlens_q[index].long(), block_tables[index], seq_lens, int(seq_lens.max()))
 
     def to(self, device: torch.device) -> DecodeRows:
+        """On `device`, copied from pinned memory: nothing waits for the device's queue."""
         return DecodeRows(
-            self.token_index.to(device, non_blocking=True),
-            self.block_tables.to(device, non_blocking=True),
-            self.seq_lens.to(device, non_blocking=True),
+            move_to(self.token_index, device),
+            move_to(self.block_tables, device),
+            move_to(self.seq_lens, device),
             self.max_seq_len,
         )
 

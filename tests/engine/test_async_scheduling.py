@@ -13,6 +13,7 @@ import pytest
 
 from common.structured_outputs import StructuredOutputs
 from replica_engine import LLM, SamplingParams
+from replica_engine.errors import StepFailedError
 from replica_engine.scheduler.plan import PLACEHOLDER_TOKEN_ID, ScheduledBatch
 
 SHARED = "You are a helpful assistant. Answer in one short sentence, then stop. Question: "
@@ -202,3 +203,39 @@ def test_async_scheduling_is_refused_with_parallel_workers_and_a_non_boolean():
         EngineConfig(async_scheduling=True, tensor_parallel_size=2)
     with pytest.raises(InvalidRequestError, match="async_scheduling"):
         EngineConfig(async_scheduling="yes")  # type: ignore[arg-type]
+
+
+def test_a_batch_behind_a_whole_failure_still_runs_and_nothing_is_left_in_flight(llm: LLM, monkeypatch):
+    # Step N holds only `a`; N+1, scheduled ahead, holds a's next token and b's prompt. N+1 fails
+    # on submit, and N, collected first, fails whole: a ends with error, and b's rows still run.
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    expected = llm.generate(["1, 2, 3,"], params)[0].token_ids
+    async_llm = LLM(dtype="float32", async_scheduling=True)
+    engine, runner = async_llm.engine, async_llm.engine.core.runner
+    engine.add_request("Once upon a time", params, "a")
+    assert engine.step() == []  # N submitted, still in flight
+    engine.add_request("1, 2, 3,", params, "b")
+    submit, collect = runner.submit, runner.collect
+
+    def faulty_submit(batch: ScheduledBatch) -> None:
+        if any(row.request_id == "a" for row in batch.rows):
+            raise RuntimeError("injected fault on submit")
+        submit(batch)
+
+    def faulty_collect():
+        output = collect()
+        if engine.core.scheduler.requests.get("a") is not None:
+            raise RuntimeError("injected fault on collect")
+        return output
+
+    monkeypatch.setattr(runner, "submit", faulty_submit)
+    monkeypatch.setattr(runner, "collect", faulty_collect)
+    with pytest.raises(StepFailedError) as failure:
+        engine.step()
+    finals = {o.request_id: o for o in failure.value.outputs}
+    assert finals["a"].finish_reason == "error"
+    tokens = list(finals["b"].new_token_ids)  # b's prompt ran, its first token sampled
+    while engine.has_unfinished_requests():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    assert tokens == expected
+    assert_pool_free(async_llm)
