@@ -39,6 +39,16 @@ from functools import partial
 from pathlib import Path
 
 from bench import peers
+from bench.cpu_serving_report import (
+    ALONE,
+    GOALS,
+    OURS,
+    OURS_PROCESS,
+    POISSON_RATE,
+    goals_met,
+    plot,
+    print_table,
+)
 from bench.cpu_split import cpu_split
 from bench.driver import (
     Arrival,
@@ -47,11 +57,9 @@ from bench.driver import (
     engine_as_served,
     engine_sender,
     print_verdicts,
-    pyplot,
 )
 from bench.http_load import Sender, http_sender, run_paced
 from bench.serving_rounds import (
-    ahead_on_every_figure,
     combine,
     disagreement,
     figures,
@@ -66,24 +74,7 @@ from harness.pacing import closed_loop, open_loop
 from harness.random_workload import log_uniform, poisson_times
 
 NUM_REQUESTS = 32
-POISSON_RATE = 0.5
 ROUNDS = 3  # each with one Poisson seed: seeds 0, 1, 2
-OURS = "stallfree"
-OURS_PROCESS = "stallfree, core in its own process"  # the app with core_process true
-ALONE = "engine alone"
-VLLM, Q4, RAY_LLM = "vLLM CPU", "llama.cpp Q4_1", "Ray Serve LLM"
-GOALS = {
-    "c16_output_tok_per_s_vs_engine_alone_min": 0.9,
-    "c16_output_tok_per_s_vs_vllm_min": 1.5,
-    "c16_tbt_p99_vs_vllm_max": 0.5,
-    "ttft_p50_vs_every_peer_max": 0.8,  # at c=1 and at c=16
-    "c1_tbt_p50_vs_llama_cpp_q4_1_max": 0.9,  # the same Q4_1 file, served natively
-    "c16_output_tok_per_s_vs_llama_cpp_q4_1_min": 1.5,
-    "overhead_per_token_s_max": 0.001,
-    "overhead_per_request_s_max": 0.020,
-    "poisson_tbt_p99_vs_vllm_max": 0.5,  # median of the rounds' seeds
-    "ahead_of_ray_serve_llm_on_every_figure": True,
-}
 # Ray's default metrics report interval is 10 s: counts unchanged over 2.5 of them are all in.
 SETTLE_S = 25.0
 
@@ -193,89 +184,6 @@ def serving_overhead(ours_c1: list[RequestTiming], alone_c1: list[RequestTiming]
     }
 
 
-def goals_met(
-    ratios: dict[str, dict[str, float]], overhead: dict[str, float], served_over_alone: float
-) -> dict[str, bool]:
-    """On the app as shipped; a ratio to a peer with no such figure (quoted: no Poisson) is unmet."""
-    vllm, q4 = ratios.get(VLLM, {}), ratios.get(Q4, {})
-    g = GOALS
-    every = [by_figure for name, by_figure in ratios.items() if name not in (OURS_PROCESS, ALONE)]
-    return {
-        "served c=16 tok/s >= 0.9x the engine alone's": served_over_alone
-        >= g["c16_output_tok_per_s_vs_engine_alone_min"],
-        "ahead of Ray Serve LLM on every figure": ahead_on_every_figure(ratios.get(RAY_LLM, {})),
-        "c=16 output tok/s >= 1.5x vLLM CPU's": vllm.get("c16_output_tok_per_s", 0.0)
-        >= g["c16_output_tok_per_s_vs_vllm_min"],
-        "c=16 TBT p99 <= 0.5x vLLM CPU's": vllm.get("c16_tbt_p99_s", 1e9) <= g["c16_tbt_p99_vs_vllm_max"],
-        "c=16 TTFT p50 <= 0.8x every peer's": all(
-            r.get("c16_ttft_p50_s", 1e9) <= g["ttft_p50_vs_every_peer_max"] for r in every
-        ),
-        "c=1 TBT p50 <= 0.9x llama.cpp Q4_1's": q4.get("c1_tbt_p50_s", 1e9)
-        <= g["c1_tbt_p50_vs_llama_cpp_q4_1_max"],
-        "c=16 output tok/s >= 1.5x llama.cpp Q4_1's": q4.get("c16_output_tok_per_s", 0.0)
-        >= g["c16_output_tok_per_s_vs_llama_cpp_q4_1_min"],
-        "c=1 TTFT p50 <= 0.8x every peer's": all(
-            r.get("c1_ttft_p50_s", 1e9) <= g["ttft_p50_vs_every_peer_max"] for r in every
-        ),
-        "serving overhead <= 1 ms per token": overhead["per_token_s"] <= g["overhead_per_token_s_max"],
-        "serving overhead <= 20 ms per request": overhead["per_request_s"] <= g["overhead_per_request_s_max"],
-        "Poisson TBT p99 (median of seeds) <= 0.5x vLLM CPU's": vllm.get("poisson_tbt_p99_s", 1e9)
-        <= g["poisson_tbt_p99_vs_vllm_max"],
-    }
-
-
-COLUMNS = (  # (header, figure, scale)
-    ("c=1 tok/s", "c1_output_tok_per_s", 1), ("c=1 TTFT p50", "c1_ttft_p50_s", 1e3),
-    ("c=1 TBT p50", "c1_tbt_p50_s", 1e3), ("c=16 tok/s", "c16_output_tok_per_s", 1),
-    ("c=16 TTFT p50", "c16_ttft_p50_s", 1e3), ("c=16 TBT p50", "c16_tbt_p50_s", 1e3),
-    ("c=16 TBT p99", "c16_tbt_p99_s", 1e3), ("Poi TBT p99", "poisson_tbt_p99_s", 1e3),
-)  # fmt: skip
-
-
-def print_table(results: dict, body: dict) -> None:
-    print(f"{'server':<36}" + "".join(f"{h:>14}" for h, _, _ in COLUMNS))
-    for name, r in results.items():
-        f = figures(r)
-        label = name + (" (quoted)" if "quoted" in r else "")
-        cells = (f"{f[key] * scale:>14.1f}" if key in f else f"{'-':>14}" for _, key, scale in COLUMNS)
-        print(f"{label:<36}" + "".join(cells))
-    print(f"(tok/s, and ms; medians of {body['workload']['rounds']} rounds; Poisson {POISSON_RATE}/s offers "
-          f"{body['workload']['poisson_offered_tok_per_s']:.1f} tok/s; quoted: bench/peers.py)")  # fmt: skip
-    for name, by_figure in body["ratios_ours_over_peer"].items():
-        print(f"ours / {name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in by_figure.items()))
-        for index, by_round in enumerate(
-            body["ratios_by_round"].get(name, {}).get("c16_output_tok_per_s", [])
-        ):
-            print(f"    round {index + 1}: c16 tok/s {by_round:.2f}x")
-    for name, moved in body["rounds_disagree"].items():
-        print(f"ROUNDS DISAGREE, ours / {name}: " + ", ".join(f"{k} by {v:.0%}" for k, v in moved.items()))
-    ms = {key: value * 1e3 for key, value in body["serving_overhead"].items()}
-    print(
-        f"serving overhead (c=1, median of rounds): per token {ms['per_token_s']:.2f} ms (client TBT "
-        f"mean {ms['client_tbt_mean_s']:.1f} ms, engine alone {ms['engine_alone_tbt_mean_s']:.1f} ms); "
-        f"per request {ms['per_request_s']:.1f} ms; served c=16 / engine alone "
-        f"{body['served_c16_over_engine_alone']:.2f}x; tokens per stream message "
-        f"{body['tokens_per_stream_message'].get(OURS, float('nan')):.2f}"
-    )
-
-
-def plot(path: Path, raw: dict[str, dict[str, list[dict]]]) -> None:
-    """From each measured server's requests (bench.driver.raw_path's side file holds them)."""
-    plt = pyplot()
-    figure, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for axis, run in zip(axes, ("c1", "c16", "poisson"), strict=True):
-        for name, by_run in raw.items():
-            gaps = sorted(g for t in by_run[run] for g in t["token_intervals_s"])
-            axis.plot(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], label=name)
-        axis.set_xscale("log")
-        axis.set_xlabel("time between tokens (s)")
-        axis.set_title(run)
-    axes[0].set_ylabel("fraction of token intervals")
-    axes[0].legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-
-
 def servers(wanted: set[str], work_dir: Path) -> list[Server]:
     process_config = serve_cluster.config_with_apps(
         work_dir / "core_process.yaml", {"stallfree": {"engine": {"core_process": True}}}
@@ -288,9 +196,14 @@ def servers(wanted: set[str], work_dir: Path) -> list[Server]:
 
 
 def run_rounds(
-    arrivals: list[Arrival], line_up: list[Server], rounds: int, work_dir: Path
-) -> dict[str, list[dict]]:
-    """Every round: the engine alone, then each server in turn; each its own run of one_round."""
+    arrivals: list[Arrival],
+    line_up: list[Server],
+    rounds: int,
+    work_dir: Path,
+    after_round: Callable[[dict[str, list[dict]]], None],
+) -> None:
+    """Every round: the engine alone, then each server in turn, each its own run of one_round;
+    after_round gets every round's results so far."""
     client = EngineClient(engine_as_served({"core_process": False}))  # first: before Ray, see ThreadCore
     measured: dict[str, list[dict]] = {}
     try:
@@ -299,13 +212,25 @@ def run_rounds(
             measured.setdefault(ALONE, []).append(one_round(engine_sender(client), arrivals, index))
             for server in line_up:
                 if server.serving is not None:
-                    with server.serving(work_dir) as url:
-                        result = one_round(http_sender(url, server.model), arrivals, index)
-                    measured.setdefault(server.name, []).append(result)
-                    print(server.name, json.dumps({run: result[run] for run in ("c1", "c16")}), flush=True)
+                    measured.setdefault(server.name, []).append(
+                        _measured_or_failed(server, arrivals, index, work_dir)
+                    )
+            after_round(measured)
     finally:
         client.engine.shutdown()
-    return measured
+
+
+def _measured_or_failed(server: Server, arrivals: list[Arrival], index: int, work_dir: Path) -> dict:
+    """One server's round, or why it could not run (a server that fails to start or dies in a
+    round is named in the result, and the other servers go on)."""
+    try:
+        with server.serving(work_dir) as url:
+            result = one_round(http_sender(url, server.model), arrivals, index)
+    except Exception as error:
+        print(f"{server.name}: round {index + 1} failed: {error!r}"[:2000], flush=True)
+        return {"failed": f"{type(error).__name__}: {error}"[:2000]}
+    print(server.name, json.dumps({run: result[run] for run in ("c1", "c16")}), flush=True)
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -321,7 +246,11 @@ def main(argv: list[str] | None = None) -> None:
     arrivals = workload(args.seed, shipped_tokenizer())[: args.requests]
     work_dir = Path(tempfile.mkdtemp(prefix="bench-cpu-serving-"))
     line_up = servers(set(args.peers.split(",")), work_dir)
-    measured = run_rounds(arrivals, line_up, args.rounds, work_dir)
+    run_rounds(arrivals, line_up, args.rounds, work_dir, partial(report, run, line_up, arrivals, args))
+
+
+def report(run: BenchmarkRun, line_up: list[Server], arrivals: list[Arrival], args, measured: dict) -> None:
+    """The result of the rounds done so far, written after each: a run cut short keeps them."""
     body = summary(measured, line_up, arrivals, args)
     print_table(body["results"], body)
     met = goals_met(
@@ -329,7 +258,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     print_verdicts(met)
     raw = {
-        name: {r: [asdict(t) for rr in rounds for t in rr["timings"][r]] for r in ("c1", "c16", "poisson")}
+        name: {
+            r: [asdict(t) for rr in rounds if "timings" in rr for t in rr["timings"][r]]
+            for r in ("c1", "c16", "poisson")
+        }
         for name, rounds in measured.items()
     }
     run.write(body, met, raw)
@@ -340,44 +272,55 @@ def summary(measured: dict[str, list[dict]], line_up: list[Server], arrivals: li
     """The result file's body: per server its figures (medians over the rounds), our ratios over
     each other server (paired within rounds, then the median), where they moved between rounds."""
     results = {
-        name: {"source": "measured in this run", **combine([_figures(r) for r in rounds])}
+        name: {"source": "measured in this run", **combine([_figures(r) for r in ran])}
         for name, rounds in measured.items()
+        if (ran := [r for r in rounds if "failed" not in r])
+    }
+    failed = {name: [r["failed"] for r in rounds if "failed" in r] for name, rounds in measured.items()}
+    results |= {
+        name: {"source": f"failed in every round: {why[0]}"}
+        for name, why in failed.items()
+        if name not in results
     }
     results |= {s.name: s.quoted for s in line_up if s.quoted is not None}
-    ours_rounds = [_figures(r) for r in measured[OURS]]
-    by_round = {
-        name: ratios_by_round(ours_rounds, [_figures(r) for r in rounds])
-        for name, rounds in measured.items()
-        if name != OURS
-    }
+    by_round = {}
+    for name, rounds in measured.items():  # paired: the rounds both ran
+        pairs = [
+            (o, t)
+            for o, t in zip(measured[OURS], rounds, strict=True)
+            if "failed" not in o and "failed" not in t
+        ]
+        if name != OURS and pairs:
+            by_round[name] = ratios_by_round([_figures(o) for o, _ in pairs], [_figures(t) for _, t in pairs])
     quoted = {
         s.name: {k: figures(results[OURS])[k] / v for k, v in s.quoted["quoted"].items() if v}
         for s in line_up
         if s.quoted
     }
-    overheads = [
-        serving_overhead(o["timings"]["c1"], a["timings"]["c1"])
-        for o, a in zip(measured[OURS], measured[ALONE], strict=True)
-    ]
-    served_over_alone = [
-        o["c16"]["output_tok_per_s"] / a["c16"]["output_tok_per_s"]
-        for o, a in zip(measured[OURS], measured[ALONE], strict=True)
-    ]
+    both = [(o, a) for o, a in zip(measured[OURS], measured[ALONE], strict=True) if "failed" not in o]
+    overheads = [serving_overhead(o["timings"]["c1"], a["timings"]["c1"]) for o, a in both]
+    served_over_alone = [o["c16"]["output_tok_per_s"] / a["c16"]["output_tok_per_s"] for o, a in both]
     offered = POISSON_RATE * statistics.fmean(a.max_tokens for a in arrivals)
     return {
         "workload": {
             "num_requests": len(arrivals),
             "seed": args.seed,
-            "rounds": args.rounds,
+            "rounds": len(measured[ALONE]),
+            "rounds_asked": args.rounds,
             "prompt_tokens": [len(a.prompt) for a in arrivals],
             "max_tokens": [a.max_tokens for a in arrivals],
             "poisson_rate_per_s": POISSON_RATE,
-            "poisson_seeds": list(range(args.rounds)),
+            "poisson_seeds": list(range(len(measured[ALONE]))),
             "poisson_offered_tok_per_s": offered,
         },
         "peers": {p.name: {"command": p.command, "source": results[p.name]["source"]} for p in peers.PEERS},
         "results": results,
-        "c16_cpu": {name: rounds[-1]["c16_cpu"] for name, rounds in measured.items()},
+        "c16_cpu": {
+            name: ran[-1]["c16_cpu"]
+            for name, rounds in measured.items()
+            if (ran := [r for r in rounds if "c16_cpu" in r])
+        },
+        "failed_rounds": {name: why for name, why in failed.items() if why},
         "ratios_ours_over_peer": {**{n: median_ratios(r) for n, r in by_round.items()}, **quoted},
         "ratios_by_round": by_round,
         "rounds_disagree": {n: moved for n, r in by_round.items() if (moved := disagreement(r))},

@@ -186,11 +186,28 @@ def result_header(benchmark: str) -> dict[str, object]:
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
+            **cpu_model(),
             "cpu_count": os.cpu_count(),
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
         },
     }
+
+
+# The instruction sets a CPU peer's kernels pick by (oneDNN's bf16 GEMMs run on AMX where present).
+_CPU_FLAGS = ("avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_model() -> dict[str, object]:
+    """Which CPU (the host's model can change between days): its name and the flags that matter."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu_model": fields.get("model name", ""), "cpu_flags": [f for f in _CPU_FLAGS if f in flags]}
 
 
 def write_result(path: Path, result: dict, raw: dict | None = None) -> None:

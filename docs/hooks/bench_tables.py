@@ -278,6 +278,8 @@ def render_meta(data: dict[str, Any], stem: str) -> str:
     date = datetime.fromisoformat(data["date"]).strftime("%Y-%m-%d %H:%M UTC") if "date" in data else "?"
     run = f", {sig(data['run_s'] / 60)} min" if "run_s" in data else ""
     cpus = f" on {machine['cpu_count']} CPU cores" if "cpu_count" in machine else ""
+    if machine.get("cpu_model"):  # the host's CPU can change between days
+        cpus += f" of an {machine['cpu_model']} ({', '.join(machine['cpu_flags']) or 'no AVX-512'})"
     torch = f" (torch {machine['torch']})" if "torch" in machine else ""
     command = data.get("command", "?")
     return f"`bench/results/{stem}.json`: `{command}`, run {date}{cpus}{torch}{run}."
