@@ -68,7 +68,8 @@ SERVING_SPECS: dict[str, BenchSpec] = {
         (
             Rows(
                 "servers",
-                "Each server alone on the machine, in turn (Poisson: median of seeds [spread]):",
+                "Each server alone on the machine, in turn, in interleaved rounds: the median of the"
+                " rounds (Poisson: of the rounds' seeds [spread]):",
                 "results",
                 (_SERVERS,),
                 (Col("source", "source", "str"), *_SERVING),
@@ -76,7 +77,7 @@ SERVING_SPECS: dict[str, BenchSpec] = {
             Rows("headline", "", "results", (_SERVERS,), tuple(c for c in _SERVING if c.header in _HEADLINE)),
             Rows(
                 "ratios",
-                "Ours over each peer, same run:",
+                "Ours over each other server: the ratio taken within each round, then its median:",
                 "ratios_ours_over_peer",
                 ("peer",),
                 (
@@ -91,9 +92,29 @@ SERVING_SPECS: dict[str, BenchSpec] = {
                 ),
             ),
             Rows(
+                "rounds",
+                "Ours over each other server, round by round (each round takes every server in turn):",
+                "ratios_by_round",
+                ("server",),
+                (
+                    Col("c=1 TBT p50", "c1_tbt_p50_s", "x", agg="each"),
+                    Col("c=16 tok/s", "c16_output_tok_per_s", "x", agg="each"),
+                    Col("c=16 TBT p99", "c16_tbt_p99_s", "x", agg="each"),
+                    Col("Poisson TBT p99", "poisson_tbt_p99_s", "x", agg="each"),
+                ),
+            ),
+            Rows(
+                "disagree",
+                "Ratios that moved by more than 15% between rounds ((max - min) / median; none listed:"
+                " the rounds agree):",
+                "rounds_disagree/*/*",
+                ("server", "figure"),
+                (Col("moved", "", "pct"),),
+            ),
+            Rows(
                 "cores",
-                "Where the 2 cores went during each server's c=16 run: CPU seconds per process (the"
-                " largest six, then the rest), and their share of the run's core-seconds:",
+                "Where the 2 cores went during each server's c=16 run (the last round's): CPU seconds per"
+                " process (the largest six, then the rest), and their share of the run's core-seconds:",
                 "c16_cpu/*/by_process/*",
                 ("server", "process"),
                 (Col("CPU s", "cpu_s"), Col("share of the cores", "share_of_cores", "pct")),
@@ -103,8 +124,8 @@ SERVING_SPECS: dict[str, BenchSpec] = {
                 "The engine alone at c=16 (the same requests straight into an in-process engine, its core"
                 " on a thread):",
                 (
-                    Col("engine alone tok/s", "engine_alone/c16/output_tok_per_s"),
-                    Col("engine alone TBT p50", "engine_alone/c16/tbt_p50_s", "ms"),
+                    Col("engine alone tok/s", "results/engine alone/c16/output_tok_per_s"),
+                    Col("engine alone TBT p50", "results/engine alone/c16/tbt_p50_s", "ms"),
                     Col(
                         "served / engine alone",
                         "served_c16_over_engine_alone",
@@ -133,6 +154,7 @@ SERVING_SPECS: dict[str, BenchSpec] = {
                         "ms",
                         goal="serving overhead <= 20 ms per request",
                     ),
+                    Col("tokens per message, replica to Ingress", "tokens_per_stream_message/stallfree"),
                 ),
             ),
         ),
