@@ -21,7 +21,6 @@ from replica_engine import SamplingParams
 
 LONG_PROMPT = "Summarise the history of the Roman Empire in detail. " * 12  # ~130 tokens
 SHORT_PROMPT = "Say hello."
-RUNNING = f"{ENGINE_PREFIX}num_requests_running"
 # Deadlines on state, sized for a 2-core machine under full load: on an idle one a replica starts
 # and the autoscaler acts within ~20 s, and the streams below end within ~10 s.
 SCALING_DEADLINE_S = 300
@@ -42,8 +41,8 @@ def routed_by_replica(cluster: ServeCluster, app: str) -> dict[str, float]:
     return counts
 
 
-def running_by_replica(cluster: ServeCluster) -> dict[str, float]:
-    return scrape_by_replica(cluster, RUNNING, {"application": "fleet"})
+def prompt_tokens_by_replica(cluster: ServeCluster) -> dict[str, float]:
+    return scrape_by_replica(cluster, f"{ENGINE_PREFIX}prompt_tokens_total", {"application": "fleet"})
 
 
 @pytest.fixture(scope="module")
@@ -93,33 +92,34 @@ def test_skewed_load_spreads_without_preemption(serve_cluster: ServeCluster, fle
 
 
 def test_router_steers_away_from_a_loaded_replica(serve_cluster: ServeCluster, fleet: str):
-    short = {"prompt": SHORT_PROMPT, "max_tokens": 4}
+    url, short = f"{fleet}/v1/completions", {"prompt": SHORT_PROMPT, "max_tokens": 4}
     # The Ingress asks a replica its KV pool size on its first request (a routed call of its own):
     # one request first, so the counts below are the test's requests only.
-    assert httpx.post(f"{fleet}/v1/completions", json=short, timeout=HANG_S).status_code == 200
+    assert httpx.post(url, json=short, timeout=HANG_S).status_code == 200
     before = settled(lambda: routed_by_replica(serve_cluster, "fleet"))
-    # One long, slow request pins a replica: 20 blocks of its 24 while it runs.
-    hog = threading.Thread(
-        target=httpx.post,
-        args=(f"{fleet}/v1/completions",),
-        kwargs={"json": {"prompt": LONG_PROMPT, "max_tokens": 180, "ignore_eos": True}, "timeout": HANG_S},
-    )
-    hog.start()
-    # Its replica runs it, in the stats it reports (a deadline on state); it is the only request.
-    # The replica is read from the scrape that saw it run: a later one may come after it ended.
-    running: dict[str, float] = {}
+    prompts_before = settled(lambda: prompt_tokens_by_replica(serve_cluster))
+    # One long, slow request pins a replica: 20 blocks of its 24 while it decodes. It streams, so
+    # its first token says it runs; the shorts go at once (a metrics scrape could come seconds
+    # later, on a loaded host after it ended: CI saw that).
+    hog = StreamResult(status=0)
+    hog_body = {"prompt": LONG_PROMPT, "max_tokens": 180, "ignore_eos": True}
 
-    def hog_runs() -> bool:
-        running.update(running_by_replica(serve_cluster))
-        return any(running.values())
+    async def stream_hog() -> None:
+        async with httpx.AsyncClient(timeout=HANG_S) as http:
+            await stream_completion(http, url, hog_body, result=hog)
 
-    wait_for(hog_runs, "the long request runs")
-    hog_replica = max(running, key=running.get)
+    hog_thread = threading.Thread(target=asyncio.run, args=(stream_hog(),))
+    hog_thread.start()
+    wait_for(lambda: bool(hog.chunk_times) or hog.done_at is not None, "the long request's first token")
     for _ in range(6):
-        assert httpx.post(f"{fleet}/v1/completions", json=short, timeout=HANG_S).status_code == 200
-    hog.join()
+        assert httpx.post(url, json=short, timeout=HANG_S).status_code == 200
+    hog_thread.join()
+    assert hog.status == 200 and hog.completion_tokens == 180, hog
     after = settled(lambda: routed_by_replica(serve_cluster, "fleet"))
     assert sum(after.values()) - sum(before.values()) == 7, (before, after)
+    # The long prompt's replica: the most prompt tokens since (shorts are a few tokens each).
+    prompts = settled(lambda: prompt_tokens_by_replica(serve_cluster))
+    hog_replica = max(prompts, key=lambda replica: prompts[replica] - prompts_before.get(replica, 0))
     shorts_on_hog = after.get(hog_replica, 0) - before.get(hog_replica, 0) - 1
     assert shorts_on_hog == 0, f"{shorts_on_hog} of 6 short requests went to the loaded replica"
 
