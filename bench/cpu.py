@@ -15,6 +15,8 @@ measured in the same run.
    applying outputs), and the floor: the bytes a step must read (weights, plus the KV cache it
    attends over) at the read bandwidth, or its FLOPs at the dtype's matmul rate, whichever is
    larger. A quantized step's bytes are the blocks it reads, its matmul rate the quantized kernel's.
+   Where the CPU has AMX, also q4_1+amx (EngineConfig.amx_weights, the default there): steps of
+   32 tokens or more multiply a bfloat16 copy in AMX tiles; its floor takes the better rate.
 
 Goals (issues 13, 23, 36 and 39): decode and mixed steps <= 1.5x their floor at every batch;
 prefill <= 1.5x the matmul floor; step overhead <= 5% of a bf16 decode step at batch 64.
@@ -33,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.driver import BenchmarkRun
-from bench.floors import measure_floors
+from bench.floors import amx_over_kernel, measure_floors
 from bench.step_timing import (
     ModelTime,
     StepResult,
@@ -44,6 +46,7 @@ from bench.step_timing import (
     timed_steps,
 )
 from replica_engine import EngineConfig, LLMEngine, SamplingParams
+from replica_engine.kernels.cpu import cpu_has_amx
 
 GOAL_RATIO = 1.5
 GOAL_OVERHEAD_SHARE = 0.05  # of a bf16 decode step at batch 64 (issue 36)
@@ -60,21 +63,28 @@ class Variant:
     name: str  # the result rows' `dtype` column
     dtype: str
     quantization: str
-    rate: str  # its matmul floor in `floors`
+    rates: tuple[str, ...]  # its matmul floor in `floors`: the best of these
+    amx_weights: bool = False  # EngineConfig.amx_weights
 
     def config(self, **settings: object) -> EngineConfig:
-        return EngineConfig(dtype=self.dtype, quantization=self.quantization, **settings)
+        return EngineConfig(
+            dtype=self.dtype, quantization=self.quantization, amx_weights=self.amx_weights, **settings
+        )
 
 
+BF16_RATE, QUANTIZED_RATE = "matmul_bfloat16_gflop_per_s", "matmul_quantized_gop_per_s"
 VARIANTS = (
-    Variant("float32", "float32", "none", "matmul_float32_gflop_per_s"),
-    Variant("bfloat16", "bfloat16", "none", "matmul_bfloat16_gflop_per_s"),
-    Variant("q4_1", "bfloat16", "gguf", "matmul_quantized_gop_per_s"),
+    Variant("float32", "float32", "none", ("matmul_float32_gflop_per_s",)),
+    Variant("bfloat16", "bfloat16", "none", (BF16_RATE,)),
+    Variant("q4_1", "bfloat16", "gguf", (QUANTIZED_RATE,)),
 )
+# Where the CPU has AMX, what the default serves there: the blocks for decode steps, their
+# bfloat16 copy in AMX tiles for steps of many tokens (its floor: the better of both rates).
+AMX_VARIANT = Variant("q4_1+amx", "bfloat16", "gguf", (QUANTIZED_RATE, BF16_RATE), amx_weights=True)
 
 
 def _rates(floors: dict, variant: Variant) -> tuple[float, float]:
-    return floors["read_gb_per_s"] * 1e9, floors[variant.rate] * 1e9
+    return floors["read_gb_per_s"] * 1e9, max(floors[rate] for rate in variant.rates) * 1e9
 
 
 def measure_steps(variant: Variant, floors: dict, decode_steps: int) -> list[StepResult]:
@@ -152,7 +162,7 @@ def run_steps(decode_steps: int, output: Path) -> None:
         )
     results = [
         result
-        for variant in VARIANTS
+        for variant in ((*VARIANTS, AMX_VARIANT) if cpu_has_amx() else VARIANTS)
         for result in [
             *measure_steps(variant, floors, decode_steps),
             *measure_mixed_steps(variant, floors, decode_steps),
@@ -187,6 +197,12 @@ def run_steps(decode_steps: int, output: Path) -> None:
         "floor_methods": floor_methods,
         "steps": [asdict(r) for r in results],
     }
+    if cpu_has_amx():
+        body["amx_over_q4_kernel_by_shape"] = amx_over_kernel(repeats=10)
+        print(
+            "bf16 copy in AMX tiles over the 4-bit kernel, by rows x K x N:",
+            body["amx_over_q4_kernel_by_shape"],
+        )
     run.write(body, goals_met)
 
 

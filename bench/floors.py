@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from replica_engine.kernels import cpu as cpu_kernels
-from replica_engine.kernels.quantized_weight import QuantizedWeight, pack_quantized
+from replica_engine.kernels.quantized_weight import QuantizedWeight, dequantize, pack_quantized
 
 DTYPES = ("float32", "bfloat16")
 SQUARE_SIZES = (1024, 2048, 4096)
@@ -106,6 +106,26 @@ def quantized_matmul_rates(repeats: int) -> dict[str, float]:
             seconds = best_time(lambda x=x, w=weight: cpu_kernels.linear(x, w), repeats)
             rates[f"{rows}x{k}x{n}_q{bits}"] = 2 * rows * k * n / seconds / 1e9
     return rates
+
+
+# Rows of a step about the AMX copy's threshold (replica_engine/kernels/cpu.py AMX_MIN_ROWS).
+CROSSOVER_ROWS = (1, 8, 16, 32, 64, 128, 256)
+
+
+def amx_over_kernel(repeats: int) -> dict[str, float]:
+    """By step shape: how many times faster torch multiplies a 4-bit weight's bfloat16 copy
+    (oneDNN: AMX tiles where the CPU has them) than the quantized kernel multiplies its codes,
+    on SmolLM2's gate_up and down projections at rows about the threshold."""
+    ratios = {}
+    for k, n in ((576, 3072), (1536, 576)):
+        weight = random_quantized(n, k, 4)
+        copy = dequantize(weight).to(torch.bfloat16)
+        for rows in CROSSOVER_ROWS:
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            kernel_s = best_time(lambda x=x, w=weight: cpu_kernels.linear(x, w), repeats)
+            tiles_s = best_time(lambda x=x, w=copy: torch.nn.functional.linear(x, w), repeats)
+            ratios[f"{rows}x{k}x{n}"] = kernel_s / tiles_s
+    return ratios
 
 
 def measure_floors(repeats: int = 10) -> tuple[dict[str, float], dict[str, dict[str, float]]]:

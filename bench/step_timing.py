@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from replica_engine import LLMEngine, SamplingParams
+from replica_engine.kernels.cpu import TiledWeight
 from replica_engine.kernels.quantized_weight import QuantizedWeight
 from replica_engine.scheduler.plan import StepSummary
 
@@ -50,7 +51,10 @@ def step_work(engine: LLMEngine, rows: list[tuple[int, int]], num_sampled: int) 
 
 
 def _bytes(weight: object, params: int, itemsize: int) -> int:
-    """What a matmul reads of a weight: a quantized one's codes and scales, else every value."""
+    """What a decode step's matmul reads of a weight: a quantized one's codes and scales (not its
+    AMX copy, read by steps of many tokens only), else every value."""
+    if isinstance(weight, TiledWeight):
+        weight = weight.kernel_weight
     return weight.nbytes if isinstance(weight, QuantizedWeight) else params * itemsize
 
 

@@ -247,5 +247,6 @@ def load_runner(
         config.seed,
         place,
         config.quantization,
+        config.amx_weights,
     )
     return ModelRunner(model, config)

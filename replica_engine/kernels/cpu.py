@@ -119,12 +119,48 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     return PackedWeight(ops.pack_linear_weight(weight.detach().contiguous()), weight.shape[0])
 
 
+@dataclass(frozen=True)
+class TiledWeight:
+    """A kernel weight with a bfloat16 copy in torch's layout, for steps of `AMX_MIN_ROWS` rows or
+    more on CPUs with AMX: there oneDNN multiplies bf16 in AMX tiles several times faster than
+    our kernels (bench.cpu's `amx_over_q4_kernel_by_shape`), while decode steps keep reading the
+    smaller copy."""
+
+    kernel_weight: PackedWeight | QuantizedWeight
+    dense: torch.Tensor  # bfloat16 [out_features, in_features]
+
+
+# Rows (tokens) of a step from which the AMX copy is faster (bench.cpu_steps.json's
+# `amx_over_q4_kernel_by_shape`: about even at 16 rows, ahead from 32).
+AMX_MIN_ROWS = 32
+
+
+def tiled_weight(kernel_weight: PackedWeight | QuantizedWeight, weight: torch.Tensor | None) -> TiledWeight:
+    """`kernel_weight` with its AMX copy: `weight` (the float weight it was packed from) in
+    bfloat16, or the quantized weight dequantized (the copy multiplies the same values)."""
+    if weight is None:
+        assert isinstance(kernel_weight, QuantizedWeight), "a packed weight keeps its float weight"
+        weight = dequantize(kernel_weight)
+    return TiledWeight(kernel_weight, weight.detach().to(torch.bfloat16).contiguous())
+
+
+def cpu_has_amx() -> bool:
+    return torch.cpu._is_amx_tile_supported()
+
+
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | PackedWeight | QuantizedWeight, float32_out: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor | PackedWeight | QuantizedWeight | TiledWeight,
+    float32_out: bool = False,
 ) -> torch.Tensor:
-    """x @ weight.T (no bias): the packed kernel for a packed weight, the quantized kernel for a
-    quantized one (or, where the kernels are not built, its weight dequantized for this call),
-    torch's F.linear otherwise."""
+    """x @ weight.T (no bias): the AMX copy of a tiled weight for a step of many rows, the packed
+    kernel for a packed weight, the quantized kernel for a quantized one (or, where the kernels
+    are not built, its weight dequantized for this call), torch's F.linear otherwise."""
+    if isinstance(weight, TiledWeight):
+        if x.shape[0] < AMX_MIN_ROWS or x.dtype != torch.bfloat16:
+            weight = weight.kernel_weight
+        else:
+            weight = weight.dense
     if isinstance(weight, PackedWeight):
         ops = cpu_ops()
         assert ops is not None, "a weight is only packed where the kernels are built"

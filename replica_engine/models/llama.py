@@ -49,7 +49,7 @@ class Linear(nn.Linear):
     products are summed over the workers before the bias. With LoRA, each token's adapter
     delta is added to the product (replica_engine/lora)."""
 
-    packed: cpu_kernels.PackedWeight | QuantizedWeight | None = None
+    packed: cpu_kernels.PackedWeight | QuantizedWeight | cpu_kernels.TiledWeight | None = None
     sum_across_workers = False
     lora: LoRALinear | None = None
 
@@ -66,14 +66,17 @@ class Linear(nn.Linear):
         assert (weight.out_features, weight.in_features) == (self.out_features, self.in_features)
         self.packed, self.weight = weight, None
 
-    def pack_for_cpu(self) -> None:
+    def pack_for_cpu(self, amx_weights: bool = False) -> None:
         """Repack the weight for the CPU kernel where it applies (a quantized weight is already
-        in its kernel's layout); the packed copy replaces it."""
-        if self.packed is not None:
+        in its kernel's layout); the packed copy replaces it. `amx_weights`: with a bfloat16 copy
+        beside it for steps of many tokens (EngineConfig.amx_weights)."""
+        if self.packed is None:
+            self.packed = cpu_kernels.pack_weight(self.weight)
+        if self.packed is None:
             return
-        self.packed = cpu_kernels.pack_weight(self.weight)
-        if self.packed is not None:
-            self.weight = None
+        if amx_weights and not isinstance(self.packed, cpu_kernels.TiledWeight):
+            self.packed = cpu_kernels.tiled_weight(self.packed, self.weight)
+        self.weight = None
 
 
 class MergedLinear(Linear):
@@ -276,11 +279,12 @@ class LlamaForCausalLM(nn.Module):
         self.model.embed_tokens.weight = None
 
     @torch.no_grad()
-    def pack_for_cpu(self) -> None:
-        """Every linear layer's weight repacked for the CPU kernel (where it applies). Tied
-        embeddings keep their rows for the lookup and get a packed copy for the logits."""
+    def pack_for_cpu(self, amx_weights: bool = False) -> None:
+        """Every linear layer's weight repacked for the CPU kernel (where it applies), with a
+        bfloat16 copy for AMX if asked. Tied embeddings keep their rows for the lookup and get a
+        packed copy for the logits (rows of the sampled tokens only: no AMX copy)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_for_cpu()
+                module.pack_for_cpu(amx_weights)
         if self.tie_word_embeddings and self.packed_embeddings is None:
             self.packed_embeddings = cpu_kernels.pack_weight(self.model.embed_tokens.weight)

@@ -83,10 +83,12 @@ def load_model(
     seed: int = 0,
     place: WorkerPlace = WHOLE_MODEL,
     quantization: str = "none",
+    amx_weights: bool = False,
 ) -> LlamaForCausalLM:
     """The model whole, or one parallel worker's share of it (loaded whole, then cut: every
     worker draws the same dummy weights from the same seed). `quantization` as EngineConfig's,
-    resolved: `gguf` swaps in the file's quantized blocks, `int8` quantizes what is kept."""
+    resolved: `gguf` swaps in the file's quantized blocks, `int8` quantizes what is kept;
+    `amx_weights` as EngineConfig's, resolved."""
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(config, backend, max_position)
     if source.dummy_shape is not None:
@@ -100,18 +102,20 @@ def load_model(
     keep_stage(model, place.rank, place.pipeline_parallel_size)
     if quantization == "int8":
         _quantize_int8(model)
-    _pack(model)
+    _pack(model, amx_weights)
     return model.eval()
 
 
-def _pack(model: LlamaForCausalLM) -> None:
+def _pack(model: LlamaForCausalLM, amx_weights: bool) -> None:
     """On the CPU, the linear weights in the packed kernel's layout (redone at each start: 0.2 s
-    for SmolLM2 in bfloat16, 0.8 s in float32 on this machine; not worth a disk cache)."""
+    for SmolLM2 in bfloat16, 0.8 s in float32 on this machine; not worth a disk cache), and
+    their bfloat16 copies for AMX if asked."""
     if next(model.parameters()).device.type != "cpu":
         return
     started = time.perf_counter()
-    model.pack_for_cpu()
-    logger.info("linear weights packed for the CPU kernel in %.2f s", time.perf_counter() - started)
+    model.pack_for_cpu(amx_weights)
+    copies = " (with bfloat16 copies for AMX)" if amx_weights else ""
+    logger.info("linear weights packed for the CPU kernel%s in %.2f s", copies, time.perf_counter() - started)
 
 
 @torch.no_grad()
