@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -156,6 +157,10 @@ def start(
             f"--port={gcs_port}",
             f"--metrics-export-port={metrics_port}",
             "--disable-usage-stats",
+            # Its own temp dir: `ray start` records its address in the temp dir's
+            # ray_current_cluster, which `ray.init()` and `serve run` attach to. In /tmp/ray it
+            # would outlive this cluster, and a user's `make serve` would wait on it for ever.
+            f"--temp-dir={tempfile.mkdtemp(prefix='stallfree-ray-')}",
         ],
         env=env,
         stdout=subprocess.PIPE,

@@ -10,6 +10,7 @@ import uuid
 import httpx
 import openai
 import pytest
+from ray._private.utils import read_ray_address
 
 from common.finish_reason import FinishReason
 from harness.metrics_scrape import ENGINE_PREFIX, scrape
@@ -32,6 +33,13 @@ def client(serve_cluster: ServeCluster) -> openai.OpenAI:
 def test_models_and_health(serve_cluster: ServeCluster, client: openai.OpenAI):
     assert [m.id for m in client.models.list()] == [MODEL]
     assert httpx.get(f"{serve_cluster.base_url}/health").status_code == 200
+
+
+def test_the_test_cluster_is_not_the_one_a_users_ray_init_finds(serve_cluster: ServeCluster):
+    """`ray start` records its address in its temp dir's ray_current_cluster, which `ray.init()`
+    and `serve run` attach to: a test cluster keeps its own, so `make serve` after `make test`
+    does not wait for ever on a cluster the tests ended (seen on 2026-11-28)."""
+    assert read_ray_address() != serve_cluster.ray_address  # /tmp/ray's: what a user's driver reads
 
 
 def test_the_readme_request_answers_paris(serve_cluster: ServeCluster):
