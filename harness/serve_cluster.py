@@ -17,14 +17,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import yaml
+from ray._common.utils import get_ray_address_file
 
 from common.ports import free_port
 
@@ -137,6 +137,24 @@ def wait_for_http(
     raise TimeoutError(f"{what} did not answer {url} in {timeout_s} s{log_tail()}")
 
 
+@contextlib.contextmanager
+def _ray_address_file_kept() -> Iterator[None]:
+    """`ray start` records its cluster in /tmp/ray/ray_current_cluster, which `ray.init()` and
+    `serve run` attach to; a test cluster ends without `ray stop` (which would clear it), so a
+    user's `make serve` after `make test` waited for ever on a dead cluster. Put back what was
+    there (a user's own cluster), or nothing. (Not a temp dir of our own: Prometheus finds the
+    nodes through the service discovery file Ray writes there, as dashboards/prometheus.yml says.)"""
+    path = Path(get_ray_address_file(None))
+    before = path.read_text() if path.exists() else None
+    try:
+        yield
+    finally:
+        if before is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(before)
+
+
 def start(
     config_path: Path,
     log_dir: Path,
@@ -149,25 +167,22 @@ def start(
     gcs_port, http_port, metrics_port = free_port(), free_port(), free_port()
     os.environ["RAY_AUTH_MODE"] = cluster_env["RAY_AUTH_MODE"]  # for this process's own driver, too
     env = {**os.environ, **cluster_env, **(env or {})}
-    ray_start = subprocess.Popen(
-        [
-            BIN / "ray",
-            "start",
-            "--head",
-            f"--port={gcs_port}",
-            f"--metrics-export-port={metrics_port}",
-            "--disable-usage-stats",
-            # Its own temp dir: `ray start` records its address in the temp dir's
-            # ray_current_cluster, which `ray.init()` and `serve run` attach to. In /tmp/ray it
-            # would outlive this cluster, and a user's `make serve` would wait on it for ever.
-            f"--temp-dir={tempfile.mkdtemp(prefix='stallfree-ray-')}",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    output, _ = ray_start.communicate()
+    with _ray_address_file_kept():
+        ray_start = subprocess.Popen(
+            [
+                BIN / "ray",
+                "start",
+                "--head",
+                f"--port={gcs_port}",
+                f"--metrics-export-port={metrics_port}",
+                "--disable-usage-stats",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        output, _ = ray_start.communicate()
     if ray_start.returncode != 0:
         raise RuntimeError(f"ray start failed ({ray_start.returncode}): {output.decode()[-2000:]}")
     config = yaml.safe_load(config_path.read_text())
