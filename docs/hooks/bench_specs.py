@@ -143,6 +143,15 @@ ENGINE_SPECS: dict[str, BenchSpec] = {
                 (Col("GB/s", "", best="max"),),
             ),
             _steps("Step times in ms and their ratio to this run's floor:", _MODEL_AND_OVERHEAD),
+            Rows(
+                "amx",
+                "How many times faster torch's bf16 GEMM (oneDNN: AMX tiles where the CPU has them) "
+                "multiplies a 4-bit weight's bf16 copy than our 4-bit kernel its codes, by rows x K x N "
+                "(what `amx_weights` trades on; its threshold is 32 rows):",
+                "amx_over_q4_kernel_by_shape",
+                ("shape",),
+                (Col("copy over kernel", "", "x"),),
+            ),
         ),
     ),
     "gpu_h100": _gpu_spec("H100"),
