@@ -130,8 +130,9 @@ class TiledWeight:
     dense: torch.Tensor  # bfloat16 [out_features, in_features]
 
 
-# Rows (tokens) of a step from which the AMX copy is faster (bench.cpu_steps.json's
-# `amx_over_q4_kernel_by_shape`: about even at 16 rows, ahead from 32).
+# Rows (tokens) of a step from which the AMX copy goes: a matmul alone is 1.1-1.3x the 4-bit
+# kernel's rate at 16 rows, 1.5-1.7x at 32 (bench/results/cpu_steps.json), but a whole step
+# streams the copy's 3.5x larger weights from memory (its decode-b32 step was 6% faster).
 AMX_MIN_ROWS = 32
 
 
