@@ -196,8 +196,8 @@ class EngineConfig:
         metadata=_doc(
             "A bfloat16 copy of every linear weight beside the one our CPU kernels read (packed or "
             "quantized), for steps of 32 tokens or more on CPUs with AMX: oneDNN multiplies it in "
-            "AMX tiles at 2-7x our kernels' rate, so prompt chunks compute sooner, while decode "
-            "steps keep reading the smaller copy. Costs 2 bytes a parameter (0.21 GB for "
+            "AMX tiles several times faster than our kernels do, so prompt chunks compute sooner, "
+            "while decode steps keep reading the smaller copy. Costs 2 bytes a parameter (0.21 GB for "
             "SmolLM2-135M, 14 GB for an 8B model). Unset: on for a bfloat16 model on a CPU with "
             "AMX when the copy takes at most a quarter of the machine's memory. Needs a bfloat16 "
             "model on a CPU"
