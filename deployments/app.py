@@ -315,6 +315,14 @@ def _routing(args: AppArgs) -> dict[str, Any]:
     return {"request_router_config": config}
 
 
+def _ingress_routing() -> dict[str, Any]:
+    """A request stays on its node's Ingress (router/same_node.py says why). Under Serve's HAProxy
+    ingress HTTP goes straight to an Ingress replica's own server, and Serve refuses a router there."""
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        return {}
+    return {"request_router_config": RequestRouterConfig(request_router_class=SameNodeRouter)}
+
+
 def replica_placement(args: AppArgs, config: EngineConfig) -> dict[str, Any]:
     """The replica's resources. A parallel replica gets a placement group. Its workers as child
     processes (`mp`) sit on its node: STRICT_PACK, one bundle per worker, the first (the replica's
@@ -378,7 +386,6 @@ def build_app(args: AppArgs) -> Application:
         max_ongoing_requests=args.ingress_max_ongoing_requests,
         num_replicas=args.ingress_replicas,
         max_replicas_per_node=1 if args.ingress_replicas > 1 else None,
-        # A request stays on its node's Ingress (router/same_node.py says why).
-        request_router_config=RequestRouterConfig(request_router_class=SameNodeRouter),
+        **_ingress_routing(),
     )
     return ingress.bind(replica, settings)

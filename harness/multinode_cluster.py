@@ -126,7 +126,9 @@ def start(
     parsed) with the head's proxy on a free port."""
     from ray.cluster_utils import Cluster
 
-    os.environ.update(TEST_CLUSTER_ENV)
+    # Serve's own proxy on every node: HAProxy's stats and metrics ports are one per machine, and
+    # these nodes share one.
+    os.environ.update({**TEST_CLUSTER_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "0"})
     head_port, metrics_port = free_port(), free_port()
     head_args = {"num_cpus": node_cpus, "metrics_export_port": metrics_port, "dashboard_port": free_port()}
     if redis_address is not None:  # a restarted GCS must come back where every raylet looks for it

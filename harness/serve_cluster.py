@@ -52,9 +52,11 @@ REPORT_WAIT_S = 60
 # killed and `serve run` failed. Ray starts its workers (Serve's replicas, proxy and controller
 # among them) at nice 15: beside any busy process at nice 0 they got a few percent of a core and
 # every wait ran out, so the cluster's workers run at the same priority as everything else (as
-# `make serve` runs them). Benchmarks run this: Ray's own report intervals, what a user's cluster has.
+# `make serve` runs them). Serve's HAProxy ingress, as `make serve` runs it (docs/deployment.md).
+# Benchmarks run this: Ray's own report intervals, what a user's cluster has.
 BENCH_CLUSTER_ENV = {
     "RAY_worker_niceness": "0",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
@@ -167,6 +169,9 @@ def start(
     gcs_port, http_port, metrics_port = free_port(), free_port(), free_port()
     os.environ["RAY_AUTH_MODE"] = cluster_env["RAY_AUTH_MODE"]  # for this process's own driver, too
     env = {**os.environ, **cluster_env, **(env or {})}
+    if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":  # its stats and metrics ports are fixed ones
+        haproxy_ports = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+        env |= {name: str(free_port()) for name in haproxy_ports}
     with _ray_address_file_kept():
         ray_start = subprocess.Popen(
             [

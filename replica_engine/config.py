@@ -5,14 +5,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
 from transformers import PretrainedConfig
 
 from common.errors import InvalidRequestError
-from common.lora import module_shapes
 from common.model_source import DEFAULT_MODEL, context_length, gguf_file
 from replica_engine.attention import ATTENTION_BACKENDS
 from replica_engine.kernels.cpu import cpu_has_amx, cpu_ops
@@ -44,14 +42,6 @@ GPU_DEFAULTS = {"max_num_batched_tokens": 2048, "offline_max_num_batched_tokens"
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 dot products or AMX tiles: what oneDNN and our kernels multiply bf16 with."""
     return torch.cpu._is_avx512_bf16_supported() or cpu_has_amx()
-
-
-def linear_parameters_per_layer(model_config: PretrainedConfig) -> int:
-    return sum(out * in_ for out, in_ in module_shapes(model_config).values())
-
-
-def physical_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -191,16 +181,19 @@ class EngineConfig:
             "reach the client a step later). Not with tensor or pipeline parallelism"
         ),
     )
-    amx_weights: bool | None = field(
-        default=None,
+    amx_weights: bool = field(
+        default=False,
         metadata=_doc(
             "A bfloat16 copy of every linear weight beside the one our CPU kernels read (packed or "
             "quantized), for steps of 32 tokens or more on CPUs with AMX: oneDNN multiplies it in "
             "AMX tiles several times faster than our kernels do, so prompt chunks compute sooner, "
             "while decode steps keep reading the smaller copy. Costs 2 bytes a parameter (0.21 GB for "
-            "SmolLM2-135M, 14 GB for an 8B model). Unset: on for a bfloat16 model on a CPU with "
-            "AMX when the copy takes at most a quarter of the machine's memory. Needs a bfloat16 "
-            "model on a CPU"
+            "SmolLM2-135M, 14 GB for an 8B model). Off by default: the copy is not the kernels' "
+            "weight to the bit (a 4-bit block's values rounded to bfloat16) and oneDNN sums in "
+            "another order, so a token's logits then depend on how many tokens its step computes "
+            "(a prefix-cache hit, a chunk boundary, the batch): the same greedy request can answer "
+            "with other logprobs, or another token at a near-tie. Without it a token's logits are "
+            "the same whatever its step holds. Needs a bfloat16 model on a CPU"
         ),
     )
     scheduling_policy: str = field(
@@ -312,10 +305,16 @@ class EngineConfig:
         bound = self.max_priority
         if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool) or bound < 0):
             raise InvalidRequestError("max_priority", f"must be an integer >= 0 or None, got {bound!r}")
-        for flag in ("enable_prefix_caching", "core_process", "normalize_embeddings", "enable_lora"):
+        for flag in (
+            "enable_prefix_caching",
+            "core_process",
+            "normalize_embeddings",
+            "enable_lora",
+            "amx_weights",
+        ):
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidRequestError(flag, f"must be true or false, got {getattr(self, flag)!r}")
-        for flag in ("cuda_graphs", "async_scheduling", "amx_weights"):
+        for flag in ("cuda_graphs", "async_scheduling"):
             if getattr(self, flag) is not None and not isinstance(getattr(self, flag), bool):
                 raise InvalidRequestError(flag, f"must be true, false or unset, got {getattr(self, flag)!r}")
         if self.async_scheduling and self.num_workers > 1:
@@ -403,15 +402,11 @@ class EngineConfig:
             async_scheduling=self.async_scheduling
             if self.async_scheduling is not None
             else on_gpu and self.num_workers == 1,
-            amx_weights=self._amx_weights(on_gpu, model_config),
+            amx_weights=self._amx_weights(on_gpu),
         )
 
-    def _amx_weights(self, on_gpu: bool, model_config: PretrainedConfig) -> bool:
+    def _amx_weights(self, on_gpu: bool) -> bool:
         dtype = self._dtype(on_gpu)
-        if self.amx_weights is None:
-            copy_bytes = 2 * model_config.num_hidden_layers * linear_parameters_per_layer(model_config)
-            fits = copy_bytes <= physical_memory_bytes() / 4
-            return not on_gpu and dtype == "bfloat16" and cpu_has_amx() and fits
         if self.amx_weights and (on_gpu or dtype != "bfloat16"):
             raise InvalidRequestError(
                 "amx_weights",

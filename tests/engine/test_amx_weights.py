@@ -1,7 +1,8 @@
 """AMX copies of the linear weights (EngineConfig.amx_weights): a step of many tokens multiplies
 the bfloat16 copy through torch (oneDNN: AMX tiles where the CPU has them, slower paths
 elsewhere, so these run on any CPU), a step of few tokens the kernels' own weight; the engine's
-perplexity is the kernels' one; the setting refuses what it cannot do."""
+perplexity is the kernels' one; off by default, so a step's size never changes a token's logits;
+the setting refuses what it cannot do."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ from bench.quantization import perplexity
 from bench.text_prompts import text_prompts
 from common.errors import InvalidRequestError
 from common.model_source import DEFAULT_MODEL, resolve_model
-from replica_engine import LLM, EngineConfig
-from replica_engine import config as engine_config
+from replica_engine import LLM, EngineConfig, SamplingParams
 from replica_engine.kernels import cpu as cpu_kernels
 from replica_engine.kernels.quantized_weight import dequantize, pack_quantized
 from replica_engine.models.llama import Linear
@@ -67,14 +67,18 @@ def test_the_engine_holds_both_copies_and_its_perplexity_is_the_kernels_one():
     assert abs(perplexity(amx, windows) / perplexity(kernels, windows) - 1) <= 0.01
 
 
-def test_auto_is_on_for_bfloat16_on_a_cpu_with_amx_where_the_copy_fits(monkeypatch):
-    model_config = load_config(resolve_model(DEFAULT_MODEL))
-    bf16 = EngineConfig(dtype="bfloat16", device="cpu")
-    assert bf16.resolve(model_config).amx_weights == cpu_kernels.cpu_has_amx()
-    assert EngineConfig(dtype="float32", device="cpu").resolve(model_config).amx_weights is False
-    # SmolLM2's copy is 0.2 GB: not taken where that is over a quarter of the memory.
-    monkeypatch.setattr(engine_config, "physical_memory_bytes", lambda: 512 << 20)
-    assert bf16.resolve(model_config).amx_weights is False
+def test_off_by_default_so_a_prefix_cache_hit_answers_with_the_same_logprobs():
+    """The default keeps a token's logits independent of its step: the same greedy chat, its
+    prompt computed in one step of 30-odd rows and then found in the prefix cache (a few rows
+    computed), gives the same logprobs to the bit. (With the copy, the first step's rows went
+    through it and the cached run's through the kernels: -1.773 against -1.809 here.)"""
+    assert EngineConfig().amx_weights is False
+    llm = LLM(dtype="bfloat16", enable_prefix_caching=True)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=3)
+    cold, cached = (llm.chat(messages, params)[0] for _ in range(2))
+    assert cached.num_cached_tokens >= 16  # the second found the first's blocks (16 tokens each)
+    assert cached.token_ids == cold.token_ids and cached.logprobs == cold.logprobs
 
 
 @pytest.mark.parametrize(
