@@ -34,9 +34,11 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not ray"
 
 # Ray's workers (the replicas) start at nice 15 unless told: on a laptop doing other work they starve.
-# HAProxy takes HTTP straight to the Ingress's own server: one hop fewer per token (docs/deployment.md).
+# HAProxy takes HTTP straight to the Ingress's own server, and each replica runs our code and its
+# routers on its own event loop: fewer hops and thread switches per token (docs/deployment.md).
+SERVE_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0
 serve: setup
-	RAY_worker_niceness=0 RAY_SERVE_ENABLE_HA_PROXY=1 $(VENV)/bin/serve run serve_config.yaml
+	RAY_worker_niceness=0 $(SERVE_ENV) $(VENV)/bin/serve run serve_config.yaml
 
 lint: setup
 	$(PY) -m ruff check .

@@ -3,15 +3,16 @@ core's current shape (issue 36, part 4), each against the shipped serve_config.y
 run, in paired rounds (shipped, option, shipped, option, ...; the shared host drifts between
 minutes, so only ratios taken within a round are compared).
 
-The shipped app runs behind Ray 2.60's HAProxy ingress (`RAY_SERVE_ENABLE_HA_PROXY=1`, as `make
-serve` and harness.serve_cluster set it: HTTP straight to the Ingress replica's own server).
-Options: Serve's own Python proxy instead (`RAY_SERVE_ENABLE_HA_PROXY=0`, Serve's default); Ray
-Serve's throughput-optimized preset (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`: gRPC between
-deployments, direct ingress, user code on the replica's main loop, the router on it too, GC
-frozen at start), and its parts alone: gRPC between deployments
-(`RAY_SERVE_USE_GRPC_BY_DEFAULT=1`), user code and router on the replica's main loop; OpenMP's
-passive wait (`OMP_WAIT_POLICY=PASSIVE`); the engine core in its own process
-(`engine.core_process: true`). Every cluster runs with Ray's own report intervals
+The shipped app runs as `make serve` and harness.serve_cluster run it: behind Ray 2.60's HAProxy
+ingress (`RAY_SERVE_ENABLE_HA_PROXY=1`: HTTP straight to the Ingress replica's own server), with
+our code and the routers on each replica's own event loop
+(`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`, `RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`).
+Options: Serve's own Python proxy instead (`RAY_SERVE_ENABLE_HA_PROXY=0`, Serve's default); user
+code and router on threads of their own (Serve's default); Ray Serve's throughput-optimized preset
+(`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`: gRPC between deployments, direct ingress, user code and
+router on the main loop, GC frozen at start); gRPC between deployments alone
+(`RAY_SERVE_USE_GRPC_BY_DEFAULT=1`); OpenMP's passive wait (`OMP_WAIT_POLICY=PASSIVE`); the engine
+core in its own process (`engine.core_process: true`). Every cluster runs with Ray's own report intervals
 (harness.serve_cluster.BENCH_CLUSTER_ENV), as a user's does. Each run: bench.cpu_serving's
 workload (its first `--requests` requests) at c=1 and c=16, streamed `/v1/completions`, greedy;
 the engine alone in this process (core on a thread) on the same requests at c=16 first.
@@ -55,8 +56,8 @@ OPTIONS = (
     Option("throughput-optimized preset", env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}),
     Option("gRPC between deployments", env={"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}),
     Option(
-        "user code and router on the main loop",
-        env={"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"},
+        "user code and router on threads of their own",
+        env={"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"},
     ),
     Option("OMP_WAIT_POLICY=PASSIVE", env={"OMP_WAIT_POLICY": "PASSIVE"}),
     Option("core in its own process", engine={"core_process": True}),
