@@ -6,7 +6,7 @@ from __future__ import annotations
 from docs.hooks.bench_tables import BenchSpec, Col, Rows, Values
 
 
-def _steps(caption: str, split: tuple[Col, ...], at: str = "steps") -> Rows:
+def steps_rows(caption: str, split: tuple[Col, ...], at: str = "steps") -> Rows:
     return Rows(
         "steps",
         caption,
@@ -26,70 +26,12 @@ def _steps(caption: str, split: tuple[Col, ...], at: str = "steps") -> Rows:
 
 # What each step's time is split into: the model's share and the rest, as a step listener reads
 # it (from 2026-11-25); an earlier run timed the model runner's whole execute instead.
-_MODEL_AND_OVERHEAD = (
+MODEL_AND_OVERHEAD = (
     Col("model (forward + sampling)", "model_ms", "ms_value"),
     Col("overhead", "overhead_ms", "ms_value"),
     Col("overhead share", "overhead_share", "pct"),
 )
 _RUNNER_AND_HOST = (Col("model runner", "runner_ms", "ms_value"), Col("host", "host_ms", "ms_value"))
-
-
-def _gpu_spec(device: str) -> BenchSpec:
-    """bench.gpu's file for one device (the same parts on every device)."""
-    return BenchSpec(
-        "benchmarks/gpu.md",
-        f"bench.gpu on an {device}: exactness, step times against the HBM and FLOP floors, offline",
-        (
-            Rows(
-                "exactness",
-                "Our engine against transformers, greedy (random SmolLM2-shaped checkpoint):",
-                "parts/exactness/against_transformers",
-                (),
-                (
-                    Col("dtype", "dtype", "str"),
-                    Col("CUDA graphs", "cuda_graphs", "yes"),
-                    Col("identical outputs", ("identical", "prompts"), ("int", "int"), sep=" of "),
-                    Col("KV blocks returned", "kv_blocks_returned", "yes"),
-                    Col("passed (divergences only at near-ties)", "passed", "yes"),
-                ),
-            ),
-            Values(
-                "device",
-                "The device, and what this run measured of it (the floors use the spec sheet):",
-                (
-                    Col("device", "parts/steps/device/name", "str"),
-                    Col("copy, bytes read + written (B/s)", "parts/steps/device/measured_bytes_per_s"),
-                    Col("bf16 matmul (FLOP/s)", "parts/steps/device/measured_bf16_flops_per_s"),
-                    Col("spec sheet HBM (B/s)", "parts/steps/device/bytes_per_s"),
-                ),
-            ),
-            _steps(
-                "Llama-3-8B-shaped steps (bf16, 512 tokens of context per decode), in ms:",
-                _MODEL_AND_OVERHEAD,
-                at="parts/steps/steps",
-            ),
-            Rows(
-                "offline",
-                "Offline, 1000 ShareGPT-shaped requests (anchor: vLLM's 6,582.87 output tok/s on an H100):",
-                "parts/offline",
-                ("run",),
-                (
-                    Col(
-                        "output tok/s",
-                        "output_tok_per_s",
-                        best="max",
-                        goal="offline >= 6,600 output tok/s (eager or graphs, the better)",
-                    ),
-                    Col("wall", "wall_s", "s"),
-                    Col("steps", "steps", "int"),
-                    Col("model", "model_s", "s"),
-                    Col("overhead", "overhead_s", "s"),
-                    Col("decode-only steps", ("decode_only_steps", "decode_only_s"), ("int", "s")),
-                    Col("decodes a step", "mean_decodes_per_step"),
-                ),
-            ),
-        ),
-    )
 
 
 ENGINE_SPECS: dict[str, BenchSpec] = {
@@ -142,7 +84,7 @@ ENGINE_SPECS: dict[str, BenchSpec] = {
                 ("method",),
                 (Col("GB/s", "", best="max"),),
             ),
-            _steps("Step times in ms and their ratio to this run's floor:", _MODEL_AND_OVERHEAD),
+            steps_rows("Step times in ms and their ratio to this run's floor:", MODEL_AND_OVERHEAD),
             Rows(
                 "amx",
                 "How many times faster torch's bf16 GEMM (oneDNN: AMX tiles where the CPU has them) "
@@ -154,12 +96,10 @@ ENGINE_SPECS: dict[str, BenchSpec] = {
             ),
         ),
     ),
-    "gpu_h100": _gpu_spec("H100"),
-    "gpu_h200": _gpu_spec("H200"),
     "cpu_steps_torch_ops": BenchSpec(
         "benchmarks/cpu_steps.md",
         "Engine step times with torch's ops alone (an earlier run, its own floors)",
-        (_steps("Step times with torch's ops only, in ms:", _RUNNER_AND_HOST),),
+        (steps_rows("Step times with torch's ops only, in ms:", _RUNNER_AND_HOST),),
     ),
     "dtype_agreement": BenchSpec(
         "benchmarks/dtype_agreement.md",

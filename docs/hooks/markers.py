@@ -21,11 +21,12 @@ from docs.hooks import bench_tables, metrics, settings
 from docs.hooks.bench_specs import ENGINE_SPECS
 from docs.hooks.bench_specs_capacity import CAPACITY_SPECS
 from docs.hooks.bench_specs_fleet import FLEET_SPECS
+from docs.hooks.bench_specs_gpu import GPU_SPECS
 from docs.hooks.bench_specs_serving import SERVING_SPECS
 from docs.hooks.bench_tables import BenchSpec
 
 MARKER = re.compile(r"^<!-- gen:(?P<name>\S+) -->$", re.MULTILINE)
-SPECS: dict[str, BenchSpec] = {**ENGINE_SPECS, **CAPACITY_SPECS, **SERVING_SPECS, **FLEET_SPECS}
+SPECS: dict[str, BenchSpec] = {**ENGINE_SPECS, **CAPACITY_SPECS, **SERVING_SPECS, **FLEET_SPECS, **GPU_SPECS}
 PLOTS_DIR = "benchmarks/img"  # where the site serves bench/results/*.png (generated.py copies them)
 HEADLINE_STEM = "cpu_serving"
 

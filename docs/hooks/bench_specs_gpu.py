@@ -1,0 +1,213 @@
+"""Which figures of bench.gpu's result files the docs show, per device: the H100's last run
+predates async scheduling and the served part; the H200's has every part."""
+
+from __future__ import annotations
+
+from docs.hooks.bench_specs import MODEL_AND_OVERHEAD, steps_rows
+from docs.hooks.bench_tables import BenchSpec, Col, Rows, Values
+
+_GPU_STEPS = (
+    Values(
+        "device",
+        "The device, and what this run measured of it (the floors use the spec sheet):",
+        (
+            Col("device", "parts/steps/device/name", "str"),
+            Col("copy, bytes read + written (B/s)", "parts/steps/device/measured_bytes_per_s"),
+            Col("bf16 matmul (FLOP/s)", "parts/steps/device/measured_bf16_flops_per_s"),
+            Col("spec sheet HBM (B/s)", "parts/steps/device/bytes_per_s"),
+        ),
+    ),
+    steps_rows(
+        "Llama-3-8B-shaped steps (bf16, 512 tokens of context per decode), in ms:",
+        MODEL_AND_OVERHEAD,
+        at="parts/steps/steps",
+    ),
+)
+_OFFLINE_CAPTION = "Offline, 1000 ShareGPT-shaped requests (anchor: vLLM's 6,582.87 output tok/s on an H100):"
+_OFFLINE_COLS = (
+    Col("wall", "wall_s", "s"),
+    Col("steps", "steps", "int"),
+    Col("model", "model_s", "s"),
+    Col("steps' host side", "overhead_s", "s"),
+    Col("decode-only steps", ("decode_only_steps", "decode_only_s"), ("int", "s")),
+    Col("decodes a step", "mean_decodes_per_step"),
+)
+
+
+def _exactness(at: str, caption: str, *extra: Col) -> Rows:
+    return Rows(
+        at.rsplit("/", 1)[-1],
+        caption,
+        at,
+        (),
+        (
+            Col("dtype", "dtype", "str"),
+            Col("CUDA graphs", "cuda_graphs", "yes"),
+            *extra,
+            Col("identical outputs", ("identical", "prompts"), ("int", "int"), sep=" of "),
+            Col("KV blocks returned", "kv_blocks_returned", "yes"),
+            Col("passed (divergences only at near-ties)", "passed", "yes"),
+        ),
+    )
+
+
+def _gpu_spec(device: str) -> BenchSpec:
+    """bench.gpu's file for one device, as the H100's last run wrote it (before async scheduling
+    and the served part)."""
+    return BenchSpec(
+        "benchmarks/gpu.md",
+        f"bench.gpu on an {device}: exactness, step times against the HBM and FLOP floors, offline",
+        (
+            _exactness(
+                "parts/exactness/against_transformers",
+                "Our engine against transformers, greedy (random SmolLM2-shaped checkpoint):",
+            ),
+            *_GPU_STEPS,
+            Rows(
+                "offline",
+                _OFFLINE_CAPTION,
+                "parts/offline",
+                ("run",),
+                (
+                    Col(
+                        "output tok/s",
+                        "output_tok_per_s",
+                        best="max",
+                        goal="offline >= 6,600 output tok/s (eager or graphs, the better)",
+                    ),
+                    *_OFFLINE_COLS,
+                ),
+            ),
+        ),
+    )
+
+
+def _served_figures(prefix: str = "") -> tuple[Col, ...]:
+    """A run's figures (prefix "median/": the median of its seeds) and its failed requests."""
+    return (
+        Col("output tok/s", f"{prefix}output_tok_per_s"),
+        Col("TTFT p50 / p99", (f"{prefix}ttft_p50_s", f"{prefix}ttft_p99_s"), "ms"),
+        Col("TBT p50 / p99", (f"{prefix}tbt_p50_s", f"{prefix}tbt_p99_s"), "ms"),
+        Col("failed", "failed", "int"),
+    )
+
+
+_IDLE_GOAL = "offline: the device idle (wall less model time) <= 10% of the wall time (graphs, async)"
+
+
+def _gpu_served_spec(device: str) -> BenchSpec:
+    """bench.gpu's file with every part: async scheduling in the exactness and offline parts, and
+    the served part."""
+    systems = ("engine_alone", "served")
+    return BenchSpec(
+        "benchmarks/gpu.md",
+        f"bench.gpu on an {device}: exactness, steps against the floors, offline, served through Ray Serve",
+        (
+            Values(
+                "measured_at",
+                "When each part was measured:",
+                tuple(
+                    Col(part, f"measured_at/{part}", "str")
+                    for part in ("exactness", "steps", "offline", "served")
+                ),
+            ),
+            _exactness(
+                "parts/exactness/against_transformers",
+                "Our engine against transformers, greedy (random SmolLM2-shaped checkpoint):",
+                Col("async scheduling", "async_scheduling", "yes"),
+            ),
+            _exactness(
+                "parts/exactness/async_against_sync",
+                "Async scheduling against synchronous steps, greedy (and how many of its submissions"
+                " waited for the device, under CUDA's sync debug mode):",
+                Col(
+                    "submissions that waited",
+                    ("submissions_that_waited", "submissions"),
+                    ("int", "int"),
+                    sep=" of ",
+                ),
+            ),
+            *_GPU_STEPS,
+            Rows(
+                "offline",
+                _OFFLINE_CAPTION + " `graphs` runs async scheduling, `graphs_sync` synchronous steps;"
+                " the device idle is the wall time less the model's:",
+                "parts/offline",
+                ("run",),
+                (
+                    Col(
+                        "output tok/s",
+                        "output_tok_per_s",
+                        best="max",
+                        goal="offline >= 6,600 output tok/s (the best of its runs)",
+                    ),
+                    *_OFFLINE_COLS,
+                    Col(
+                        "device idle",
+                        "device_idle_share",
+                        "pct",
+                        goal=_IDLE_GOAL,
+                        goal_row="graphs",
+                    ),
+                ),
+            ),
+            Rows(
+                "served_closed",
+                "Served through Ray Serve (one replica, streamed `/v1/completions`) and the engine alone,"
+                " the same requests, closed loops:",
+                "parts/served/*/*",
+                ("system / run",),
+                _served_figures(),
+                only=tuple(f"{system}/{run}" for system in systems for run in ("c1", "c64")),
+            ),
+            Rows(
+                "served_poisson",
+                "Poisson arrivals (requests/s), medians of 3 seeds:",
+                "parts/served/*/*",
+                ("system / rate",),
+                _served_figures("median/"),
+                only=tuple(f"{system}/poisson_{rate}" for system in systems for rate in (4, 8, 16)),
+            ),
+            Values(
+                "served_vs_alone",
+                "Served over the engine alone:",
+                (
+                    Col(
+                        "c=64 output tok/s",
+                        "parts/served/served_vs_alone/high_concurrency_tok_per_s_ratio",
+                        "x",
+                        goal="served at the highest concurrency: output tok/s >= 0.95x the engine alone's",
+                    ),
+                    Col(
+                        "c=1 TTFT p50, extra",
+                        "parts/served/served_vs_alone/c1_ttft_p50_extra_s",
+                        "ms",
+                        goal="served c=1 TTFT p50 <= the engine alone's + 10 ms",
+                    ),
+                    Col(
+                        "c=1 TBT p50",
+                        "parts/served/served_vs_alone/c1_tbt_p50_ratio",
+                        "x",
+                        goal="served c=1 TBT p50 <= 1.1x the engine alone's",
+                    ),
+                    *(
+                        Col(
+                            f"Poisson {rate}/s output tok/s",
+                            f"parts/served/served_vs_alone/poisson_{rate}_tok_per_s_ratio",
+                            "x",
+                        )
+                        for rate in (4, 8, 16)
+                    ),
+                    Col(
+                        "failed requests",
+                        "parts/served/served_vs_alone/failed_requests",
+                        "int",
+                        goal="no request failed, served or alone",
+                    ),
+                ),
+            ),
+        ),
+    )
+
+
+GPU_SPECS: dict[str, BenchSpec] = {"gpu_h100": _gpu_spec("H100"), "gpu_h200": _gpu_served_spec("H200")}
