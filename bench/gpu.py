@@ -37,7 +37,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -94,7 +94,11 @@ FULL = Plan(
     offline_requests=1000,
     max_len=1024,
     served=gpu_served.ServedPlan(
-        closed=((1, 16), (64, 128)), poisson_rates=(4.0, 8.0, 16.0), poisson_requests=48, seeds=(0, 1, 2)
+        closed=((1, 16), (64, 128)),
+        poisson_rates=(4.0, 8.0, 16.0),
+        poisson_requests=48,
+        seeds=(0, 1, 2),
+        core_process_variant=True,
     ),
     served_base=serve_cluster.REPO / "serve_config.gpu.yaml",
 )
@@ -204,11 +208,18 @@ def served(plan: Plan, work_dir: Path) -> dict:
     alone = gpu_served.engine_alone(args, plan.served_base, arrivals, plan.served)
     gpu_steps.free_device_memory()  # the served replica sizes its pool from what is free
     through_serve = gpu_served.through_serve(args, plan.served_base, work_dir, arrivals, plan.served)
-    return {
+    result = {
         "engine_alone": alone,
         "served": through_serve,
         "served_vs_alone": gpu_served.comparison(alone, through_serve, plan.served),
     }
+    if plan.served.core_process_variant:
+        closed_only = replace(plan.served, poisson_rates=())
+        core_args = {**args, "engine": {**args["engine"], "core_process": True}}
+        variant = gpu_served.through_serve(core_args, plan.served_base, work_dir, arrivals, closed_only)
+        result["served_core_process"] = variant
+        result["served_core_process_vs_alone"] = gpu_served.comparison(alone, variant, closed_only)
+    return result
 
 
 def exactness(plan: Plan, work_dir: Path) -> dict:
@@ -330,7 +341,7 @@ def print_table(parts: dict) -> None:
               f"{o['decode_only_steps']} decode-only steps {o['decode_only_s']:.1f} s, "
               f"{o['mean_decodes_per_step']:.0f} decodes a step")  # fmt: skip
     served = parts.get("served", {})
-    for system in ("engine_alone", "served"):
+    for system in ("engine_alone", "served", "served_core_process"):
         for run, figures in served.get(system, {}).items():
             shown = figures.get("median", figures)
             keys = ("output_tok_per_s", "ttft_p50_s", "ttft_p99_s", "tbt_p50_s", "tbt_p99_s")
@@ -338,6 +349,8 @@ def print_table(parts: dict) -> None:
                   + f", failed {figures['failed']}")  # fmt: skip
     if "served_vs_alone" in served:
         print("served over the engine alone:", json.dumps(served["served_vs_alone"]))
+    if "served_core_process_vs_alone" in served:
+        print("served, core in its own process:", json.dumps(served["served_core_process_vs_alone"]))
     if "skipped" in served:
         print("served:", served["skipped"])
 

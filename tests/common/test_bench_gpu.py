@@ -64,9 +64,12 @@ def test_parts_run_alone_keep_the_files_other_parts(tmp_path: Path, monkeypatch)
     monkeypatch.setattr(gpu, "exactness", lambda plan, work_dir: first)
     gpu.main(["--dry-run", "--output", str(output), "--parts", "exactness"])
     monkeypatch.setattr(gpu, "steps", lambda plan, dry_run: {"error": "stand-in: the second call's"})
+    first_measured_at = json.loads(output.read_text())["measured_at"]["exactness"]
     gpu.main(["--dry-run", "--output", str(output), "--parts", "steps"])
-    parts = json.loads(output.read_text())["parts"]
-    assert parts == {"exactness": first, "steps": {"error": "stand-in: the second call's"}}
+    result = json.loads(output.read_text())
+    assert result["parts"] == {"exactness": first, "steps": {"error": "stand-in: the second call's"}}
+    assert result["measured_at"]["exactness"] == first_measured_at  # a kept part keeps its date
+    assert set(result["measured_at"]) == {"exactness", "steps"}
     with pytest.raises(SystemExit):
         gpu.main(["--dry-run", "--output", str(output), "--parts", "steps,nonsense"])
 
