@@ -13,9 +13,12 @@
 (d) Served (bench/gpu_served.py): the same requests through Ray Serve (serve_config.gpu.yaml, one
     replica, the same model) and through the engine alone, in turn: c=1, c=64 and Poisson arrivals
     at three rates (3 seeds): TTFT and TBT p50/p99, tok/s, failures, and served over alone.
+(e) Served options: the closed loops served with other app args (the engine core in its own
+    process; the API and the engine in one replica, `ingress: colocated`; both), against the
+    engine alone's closed loops in the same part.
 Writes bench/results/gpu_<device>.json with goals and goals_met and prints a table. `--parts`
 runs some parts and keeps the file's others, each part stamped with when it was measured (a
-device call is at most 10 minutes: the parts go in two calls, bench/gpu_machine.sh).
+device call is at most 10 minutes: the parts go in several calls, bench/gpu_machine.sh).
 
 `--dry-run` runs the same code on this CPU: Triton in its interpreter, a tiny dummy model, a few
 steps and requests (part of make test, so the command cannot rot); its figures mean nothing and
@@ -56,7 +59,7 @@ GOALS = {
     "offline_device_idle_share_max": 0.10,
     **gpu_served.GOALS,
 }
-PARTS = ("exactness", "steps", "offline", "served")
+PARTS = ("exactness", "steps", "offline", "served", "served_options")
 SHAREGPT_MEAN_TOKENS = (230, 200)  # prompt, output
 LOGNORMAL_SIGMA = (1.0, 0.9)
 
@@ -98,7 +101,11 @@ FULL = Plan(
         poisson_rates=(4.0, 8.0, 16.0),
         poisson_requests=48,
         seeds=(0, 1, 2),
-        core_process_variant=True,
+        options=(
+            ("core_process", {"engine": {"core_process": True}}),
+            ("colocated", {"ingress": "colocated"}),
+            ("colocated_core_process", {"ingress": "colocated", "engine": {"core_process": True}}),
+        ),
     ),
     served_base=serve_cluster.REPO / "serve_config.gpu.yaml",
 )
@@ -196,29 +203,49 @@ def _offline_run(plan: Plan, cuda_graphs: bool, async_scheduling: bool) -> dict:
     }
 
 
-def served(plan: Plan, work_dir: Path) -> dict:
-    """Through Ray Serve and through the engine alone, where Ray is installed (the lent machine has
-    none until bench/gpu_machine.sh installs it)."""
+def _served_setup(plan: Plan) -> tuple[dict, list[Arrival]] | None:
+    """The served app's args and the requests; None where Ray is not installed (the lent machine
+    has none until bench/gpu_machine.sh installs it)."""
     if importlib.util.find_spec("ray") is None:
-        return {"skipped": "ray is not installed here"}
+        return None
     num_gpus = 1 if plan.device == "cuda" else 0
     args = {"model": plan.model, "num_replicas": 1, "num_gpus": num_gpus, "engine": {"dtype": "bfloat16"}}
     count = max(plan.served.poisson_requests, *(n for _, n in plan.served.closed))
-    arrivals = sharegpt_like(count, plan.max_len, vocab_size(plan.model), seed=1)
+    return args, sharegpt_like(count, plan.max_len, vocab_size(plan.model), seed=1)
+
+
+def served(plan: Plan, work_dir: Path) -> dict:
+    """Through Ray Serve and through the engine alone."""
+    if (setup := _served_setup(plan)) is None:
+        return {"skipped": "ray is not installed here"}
+    args, arrivals = setup
     alone = gpu_served.engine_alone(args, plan.served_base, arrivals, plan.served)
     gpu_steps.free_device_memory()  # the served replica sizes its pool from what is free
     through_serve = gpu_served.through_serve(args, plan.served_base, work_dir, arrivals, plan.served)
-    result = {
+    return {
         "engine_alone": alone,
         "served": through_serve,
         "served_vs_alone": gpu_served.comparison(alone, through_serve, plan.served),
     }
-    if plan.served.core_process_variant:
-        closed_only = replace(plan.served, poisson_rates=())
-        core_args = {**args, "engine": {**args["engine"], "core_process": True}}
-        variant = gpu_served.through_serve(core_args, plan.served_base, work_dir, arrivals, closed_only)
-        result["served_core_process"] = variant
-        result["served_core_process_vs_alone"] = gpu_served.comparison(alone, variant, closed_only)
+
+
+def served_options(plan: Plan, work_dir: Path) -> dict:
+    """The served part's closed loops with each of the plan's served options (app args changed),
+    against the engine alone's closed loops in the same part (a device call of its own)."""
+    if not plan.served.options:
+        return {"skipped": "no served options in this plan"}
+    if (setup := _served_setup(plan)) is None:
+        return {"skipped": "ray is not installed here"}
+    args, arrivals = setup
+    closed_only = replace(plan.served, poisson_rates=())
+    alone = gpu_served.engine_alone(args, plan.served_base, arrivals, closed_only)
+    gpu_steps.free_device_memory()
+    result: dict = {"engine_alone": alone}
+    for name, changed in plan.served.options:
+        option_args = {**args, **changed, "engine": {**args["engine"], **changed.get("engine", {})}}
+        runs = gpu_served.through_serve(option_args, plan.served_base, work_dir, arrivals, closed_only)
+        versus = gpu_served.comparison(alone, runs, closed_only)
+        result[name] = {"app_args": changed, "runs": runs, "vs_alone": versus}
     return result
 
 
@@ -341,7 +368,7 @@ def print_table(parts: dict) -> None:
               f"{o['decode_only_steps']} decode-only steps {o['decode_only_s']:.1f} s, "
               f"{o['mean_decodes_per_step']:.0f} decodes a step")  # fmt: skip
     served = parts.get("served", {})
-    for system in ("engine_alone", "served", "served_core_process"):
+    for system in ("engine_alone", "served"):
         for run, figures in served.get(system, {}).items():
             shown = figures.get("median", figures)
             keys = ("output_tok_per_s", "ttft_p50_s", "ttft_p99_s", "tbt_p50_s", "tbt_p99_s")
@@ -349,8 +376,9 @@ def print_table(parts: dict) -> None:
                   + f", failed {figures['failed']}")  # fmt: skip
     if "served_vs_alone" in served:
         print("served over the engine alone:", json.dumps(served["served_vs_alone"]))
-    if "served_core_process_vs_alone" in served:
-        print("served, core in its own process:", json.dumps(served["served_core_process_vs_alone"]))
+    for name, option in parts.get("served_options", {}).items():
+        if isinstance(option, dict) and "vs_alone" in option:
+            print(f"served option {name} over the engine alone:", json.dumps(option["vs_alone"]))
     if "skipped" in served:
         print("served:", served["skipped"])
 
@@ -389,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
         "steps": lambda: steps(plan, args.dry_run),
         "offline": lambda: offline(plan),
         "served": lambda: served(plan, work_dir),
+        "served_options": lambda: served_options(plan, work_dir),
     }
     for part_name in chosen:
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -8,9 +8,10 @@
 #                                           to $OUT when the device tool sets it
 #
 # A device call carries 64 MiB: the repo (~5 MB), .whl and .rw (~50 MB) fit, named in its `carry`.
-# A call runs 10 minutes at most: split bench.gpu's parts over two calls on the warm machine, e.g.
-#   run --parts exactness,steps,offline     then copy the result file back into bench/results/
-#   run --parts served                      (that part keeps the file's other parts)
+# A call runs 10 minutes at most: split bench.gpu's parts over calls on the warm machine, e.g.
+#   run --parts served                      then copy the result file back into bench/results/
+#   run --parts served_options              (each call keeps the file's other parts)
+#   run --parts exactness,steps,offline
 # Ray's wheel (79 MB) goes without ray/jars (Java) and the dashboard's web client (44.6 MB). The
 # image's grpcio is 1.84.0, so grpcio-reflection is pinned to it; `zipfile -e` drops exec bits,
 # hence the chmod; --upgrade so a second call on a warm machine replaces what the first installed.

@@ -35,10 +35,9 @@ class ServedPlan:
     poisson_rates: tuple[float, ...]  # requests per second
     poisson_requests: int
     seeds: tuple[int, ...]
-    # the closed loops again with the engine core in its own process (engine.core_process), the
-    # setting that could keep the replica's streaming off the core's interpreter (not in the dry
-    # run: a third cluster would add a minute to make test)
-    core_process_variant: bool = False
+    # bench.gpu's served_options part: (name, app args changed), each served on its own cluster
+    # (closed loops only); none in the dry run, where each cluster would add a minute to make test
+    options: tuple[tuple[str, dict], ...] = ()
 
 
 def measure(sender: Sender, arrivals: list[Arrival], plan: ServedPlan) -> dict:

@@ -12,7 +12,9 @@ code and router on threads of their own (Serve's default); Ray Serve's throughpu
 (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`: gRPC between deployments, direct ingress, user code and
 router on the main loop, GC frozen at start); gRPC between deployments alone
 (`RAY_SERVE_USE_GRPC_BY_DEFAULT=1`); OpenMP's passive wait (`OMP_WAIT_POLICY=PASSIVE`); the engine
-core in its own process (`engine.core_process: true`). Every cluster runs with Ray's own report intervals
+core in its own process (`engine.core_process: true`); the API and the engine in one replica
+(`ingress: colocated`: no Ray hop per request or token), also with the core in its own process.
+Every cluster runs with Ray's own report intervals
 (harness.serve_cluster.BENCH_CLUSTER_ENV), as a user's does. Each run: bench.cpu_serving's
 workload (its first `--requests` requests) at c=1 and c=16, streamed `/v1/completions`, greedy;
 the engine alone in this process (core on a thread) on the same requests at c=16 first.
@@ -49,6 +51,7 @@ class Option:
     name: str
     env: dict[str, str] = field(default_factory=dict)
     engine: dict = field(default_factory=dict)  # the app's `engine` settings changed
+    app: dict = field(default_factory=dict)  # the app's other args changed
 
 
 OPTIONS = (
@@ -61,13 +64,19 @@ OPTIONS = (
     ),
     Option("OMP_WAIT_POLICY=PASSIVE", env={"OMP_WAIT_POLICY": "PASSIVE"}),
     Option("core in its own process", engine={"core_process": True}),
+    Option("Ingress and engine in one replica", app={"ingress": "colocated"}),
+    Option(
+        "Ingress and engine in one replica; core in its own process",
+        engine={"core_process": True},
+        app={"ingress": "colocated"},
+    ),
 )
 
 
 def measure(option: Option, arrivals: list[Arrival], work_dir: Path) -> dict[str, dict[str, float]]:
     """c=1 and c=16 against the app as `option` deploys it (the shipped one: no change)."""
     config = serve_cluster.config_with_apps(
-        work_dir / "serve_options.yaml", {"stallfree": {"engine": option.engine}}
+        work_dir / "serve_options.yaml", {"stallfree": {"engine": option.engine, **option.app}}
     )
     route = "/stallfree"
     cluster = serve_cluster.start(

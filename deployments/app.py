@@ -8,7 +8,7 @@ import os
 from typing import Any, Literal
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
     PrefixCacheAffinityRouter,
 )
@@ -18,6 +18,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 from common.model_source import resolve_model, served_model_name
 from common.tokenizer import template_source
 from deployments.engine_replica import EngineReplica
+from deployments.in_process_engine import ColocatedReplica
 from deployments.ingress import Ingress, IngressSettings
 from deployments.lora_registry import LoraSettings, check_lora_settings, parse_lora_modules
 from deployments.placement_fit import check_fits, cluster_nodes
@@ -139,6 +140,14 @@ class AppArgs(BaseModel):
         ge=-1,
         description="Requests waiting for a replica beyond this get 503 with `Retry-After` (-1: no cap)",
     )
+    ingress: Literal["separate", "colocated"] = Field(
+        default="separate",
+        description="`separate`: an Ingress deployment (the OpenAI API) in front of the engine "
+        "replicas, which `request_router` picks for each request; `colocated`: each replica serves "
+        "HTTP itself (the API and its engine in one process), so a request and its tokens cross no "
+        "Ray hop, but no request router picks a replica (Serve's proxy or HAProxy balances), and "
+        "`request_router`, `ingress_replicas` and `ingress_max_ongoing_requests` do not apply",
+    )
     ingress_max_ongoing_requests: int = Field(
         default=4096, ge=1, description="Concurrent HTTP requests per Ingress replica"
     )
@@ -237,6 +246,15 @@ class AppArgs(BaseModel):
         _check_known(defaults, SAMPLING_DEFAULTS, "sampling defaults")
         SamplingParams(**defaults)  # raises InvalidRequestError (a ValueError) naming the field
         return defaults
+
+    @model_validator(mode="after")
+    def _colocated_has_no_router(self) -> "AppArgs":
+        separate_only = ("request_router", "ingress_replicas", "ingress_max_ongoing_requests")
+        fields = type(self).model_fields
+        changed = [name for name in separate_only if getattr(self, name) != fields[name].default]
+        if self.ingress == "colocated" and changed:
+            raise ValueError(f"{', '.join(changed)}: not with ingress: colocated (no Ingress deployment)")
+        return self
 
     def lora_settings(self) -> LoraSettings:
         return LoraSettings(
@@ -362,13 +380,6 @@ def build_app(args: AppArgs) -> Application:
             "engine.tensor_parallel_size x pipeline_parallel_size (a bundle each, of num_cpus and num_gpus)",
         )
     model_name = args.served_name()
-    replica = EngineReplica.options(
-        **placement,
-        max_ongoing_requests=args.max_ongoing_requests,
-        max_queued_requests=args.max_queued_requests,
-        **_autoscaling(args),
-        **_routing(args),
-    ).bind(engine_config, model_name, args.cpu_threads)
     settings = IngressSettings(
         args.model,
         model_name,
@@ -382,10 +393,20 @@ def build_app(args: AppArgs) -> Application:
         args.tool_call_parser,
         args.lora_settings(),
     )
+    replica_options = {
+        **placement,
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "max_queued_requests": args.max_queued_requests,
+        **_autoscaling(args),
+    }
+    if args.ingress == "colocated":  # the Ingress's replicas are the engine replicas
+        colocated = ColocatedReplica(engine_config, model_name, args.cpu_threads)
+        return Ingress.options(**replica_options, **_ingress_routing()).bind(colocated, settings)
+    replica = EngineReplica.options(**replica_options, **_routing(args))
     ingress = Ingress.options(
         max_ongoing_requests=args.ingress_max_ongoing_requests,
         num_replicas=args.ingress_replicas,
         max_replicas_per_node=1 if args.ingress_replicas > 1 else None,
         **_ingress_routing(),
     )
-    return ingress.bind(replica, settings)
+    return ingress.bind(replica.bind(engine_config, model_name, args.cpu_threads), settings)

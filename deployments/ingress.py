@@ -6,7 +6,9 @@ Server-Sent Events; vLLM's /tokenize and /detokenize answer from its tokenizer a
 (deployments/tokenize_api.py); /v1/embeddings asks a replica for pooled vectors
 (deployments/embeddings_api.py); LoRA adapters are named by `model` (deployments/lora_registry.py).
 It imports no torch (tests/common/test_common.py checks): the
-model lives in the replicas, and the router that runs in this process sees exact prompt lengths."""
+model lives in the replicas, and the router that runs in this process sees exact prompt lengths.
+With `ingress: colocated` the Ingress builds its own engine replica (in_process_engine.py) instead:
+no router, no Ray hop."""
 
 import asyncio
 import contextlib
@@ -16,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -33,8 +35,9 @@ from common.model_source import model_config_dict, resolve_model
 from common.prompts import Prompt, PromptProcessor
 from common.sampling_params import SamplingParams
 from common.tokenizer import Message
-from deployments import embeddings_api, tokenize_api
+from deployments import embeddings_api, in_process_engine, tokenize_api
 from deployments.auth import check_api_key, load_api_keys
+from deployments.in_process_engine import ColocatedReplica, InProcessEngine
 from deployments.logprobs_format import EchoedPrompt, LogprobsFormat
 from deployments.lora_registry import (
     LoadLoraAdapterRequest,
@@ -50,6 +53,9 @@ from deployments.protocol import (
     parse_body,
 )
 from deployments.responses import CHAT, COMPLETIONS, Endpoint, ResponseWriter, Usage, sse_event
+
+if TYPE_CHECKING:  # the engine's types: this process runs no engine (unless colocated)
+    from replica_engine.outputs import EngineStats
 
 logger = logging.getLogger("ray.serve")
 HEALTH_TIMEOUT_S = 5.0
@@ -156,8 +162,9 @@ class IngressSettings:
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, settings: IngressSettings) -> None:
-        self.engine = engine
+    def __init__(self, engine: DeploymentHandle | ColocatedReplica, settings: IngressSettings) -> None:
+        # its own engine (ingress: colocated), or the EngineReplica deployment's handle
+        self.engine = in_process_engine.build(engine) if isinstance(engine, ColocatedReplica) else engine
         source = resolve_model(settings.model)
         self.prompts = PromptProcessor.load(source, settings.max_model_len, settings.chat_template)
         model_config = model_config_dict(source)
@@ -174,6 +181,20 @@ class Ingress:
         self.created = int(time.time())
         # a token's text, for logprobs: the same few thousand tokens come up again and again
         self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: self._decode([token_id]))
+
+    async def check_health(self) -> None:
+        """Serve's periodic check: an Ingress with its own engine is as healthy as that engine."""
+        if isinstance(self.engine, InProcessEngine):
+            await self.engine.check_health.remote()
+
+    async def stats(self) -> "EngineStats":
+        """The engine's stats: its own (colocated), or one EngineReplica's (tests, tools)."""
+        return await self.engine.stats.remote()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Called only where the deployment autoscales: an Ingress with its own engine, as the
+        EngineReplica deployment does (the KV-pressure policy reads these)."""
+        return await self.engine.record_autoscaling_stats.remote()
 
     @app.get("/health")
     async def health(self) -> Response:

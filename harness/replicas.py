@@ -19,11 +19,12 @@ if TYPE_CHECKING:
 STATS_TIMEOUT_S = 60  # a hang detector: the call answers in milliseconds on an idle machine
 
 
-def engine_stats(app: str) -> EngineStats:
-    """The stats of the app's EngineReplica (of one of them, where it has several), through Serve."""
+def engine_stats(app: str, deployment: str = "EngineReplica") -> EngineStats:
+    """The stats of the app's EngineReplica (of one of them, where it has several), through Serve;
+    deployment "Ingress": its Ingress's own engine (ingress: colocated)."""
     from ray import serve
 
-    handle = serve.get_deployment_handle("EngineReplica", app_name=app)
+    handle = serve.get_deployment_handle(deployment, app_name=app)
     return handle.stats.remote().result(timeout_s=STATS_TIMEOUT_S)
 
 

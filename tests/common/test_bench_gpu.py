@@ -7,11 +7,12 @@ speed goals stay unjudged (a CPU's figures are not an H100's)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from bench import gpu, gpu_checks
+from bench import gpu, gpu_checks, gpu_served
 from common.errors import InvalidRequestError
 from replica_engine import LLM, SamplingParams
 
@@ -82,3 +83,34 @@ def test_a_checkpoint_without_a_tokenizer_serves_token_ids(tmp_path: Path):
     assert len(llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
     with pytest.raises(InvalidRequestError, match="no tokenizer"):
         llm.generate("text needs a tokenizer")
+
+
+def test_served_options_serve_each_options_app_args(tmp_path: Path, monkeypatch):
+    """The served_options part (in a GPU's plan only: each option is a cluster of its own): each
+    option's app args over the served part's, its engine settings merged into theirs, and each
+    compared with the engine alone's closed loops. Stand-ins for the clusters and the engine."""
+    figures = {"output_tok_per_s": 100.0, "ttft_p50_s": 0.02, "tbt_p50_s": 0.005, "failed": 0}
+    alone_plans, served_args = [], []
+
+    def engine_alone(args, base, arrivals, plan):
+        alone_plans.append(plan)
+        return {"c1": figures, "c4": figures}
+
+    def through_serve(args, base, work_dir, arrivals, plan):
+        served_args.append(args)
+        return {"c1": {**figures, "ttft_p50_s": 0.03}, "c4": {**figures, "output_tok_per_s": 50.0}}
+
+    monkeypatch.setattr(gpu_served, "engine_alone", engine_alone)
+    monkeypatch.setattr(gpu_served, "through_serve", through_serve)
+    option = {"ingress": "colocated", "engine": {"core_process": True}}
+    plan = replace(gpu.DRY_RUN, served=replace(gpu.DRY_RUN.served, options=(("both", option),)))
+    result = gpu.served_options(plan, tmp_path)
+    assert [p.poisson_rates for p in alone_plans] == [()]  # closed loops only
+    assert served_args == [
+        {"model": plan.model, "num_replicas": 1, "num_gpus": 0, "ingress": "colocated",
+         "engine": {"dtype": "bfloat16", "core_process": True}}
+    ]  # fmt: skip
+    versus = result["both"]["vs_alone"]
+    assert versus["high_concurrency_tok_per_s_ratio"] == 0.5
+    assert versus["c1_ttft_p50_extra_s"] == pytest.approx(0.01)
+    assert gpu.served_options(gpu.DRY_RUN, tmp_path) == {"skipped": "no served options in this plan"}
