@@ -75,10 +75,15 @@ class AppArgs(BaseModel):
     num_gpus: float = Field(
         default=0,
         ge=0,
-        description="GPUs per replica. Set it here only: a YAML `ray_actor_options` would replace "
-        "the builder's options wholesale and silently drop it",
+        description="GPUs per engine worker: a replica of `tensor_parallel_size` x "
+        "`pipeline_parallel_size` workers reserves that many times this. Set it here only: a YAML "
+        "`ray_actor_options` would replace the builder's options wholesale and silently drop it",
     )
-    num_cpus: float = Field(default=1, ge=0, description="CPUs Ray reserves per replica")
+    num_cpus: float = Field(
+        default=1,
+        ge=0,
+        description="CPUs Ray reserves per engine worker (per replica when it has one worker)",
+    )
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         default="STRICT_PACK",
         description="A parallel replica's placement group (one bundle per worker): `STRICT_PACK` "
@@ -112,7 +117,10 @@ class AppArgs(BaseModel):
         default=4, gt=0, description="Autoscaling target: mean queue depth per replica"
     )
     target_ongoing_requests: float = Field(
-        default=4, gt=0, description="Autoscaling target: running + queued requests per replica"
+        default=4,
+        gt=0,
+        description="Autoscaling target: running + queued requests per replica "
+        "(or Serve's `autoscaling_config.target_ongoing_requests`)",
     )
     target_utilization: float = Field(
         default=0.5,
@@ -254,6 +262,22 @@ class AppArgs(BaseModel):
         changed = [name for name in separate_only if getattr(self, name) != fields[name].default]
         if self.ingress == "colocated" and changed:
             raise ValueError(f"{', '.join(changed)}: not with ingress: colocated (no Ingress deployment)")
+        return self
+
+    @model_validator(mode="after")
+    def _serve_target_where_serve_users_put_it(self) -> "AppArgs":
+        """Serve's `autoscaling_config.target_ongoing_requests` is our policy's target too."""
+        in_serve_config = (self.autoscaling_config or {}).get("target_ongoing_requests")
+        if in_serve_config is None:
+            return self
+        if (
+            "target_ongoing_requests" in self.model_fields_set
+            and in_serve_config != self.target_ongoing_requests
+        ):
+            raise ValueError(
+                "autoscaling_config.target_ongoing_requests and target_ongoing_requests differ: set one"
+            )
+        self.target_ongoing_requests = in_serve_config
         return self
 
     def lora_settings(self) -> LoraSettings:

@@ -103,3 +103,14 @@ def test_a_placement_group_the_cluster_cannot_hold_fails_the_deploy_by_name(bund
     else:
         with pytest.raises(ValueError, match=rf"tensor_parallel_size: .*placement_strategy {strategy}"):
             check_fits(bundles, strategy, TWO_NODES, "tensor_parallel_size")
+
+
+def test_serves_target_ongoing_requests_is_read_where_serve_users_put_it():
+    serve_style = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}
+    args = AppArgs(num_replicas="auto", autoscaling_config=serve_style)
+    engine_replicas = build_app(args)._bound_deployment.init_args[0]  # the Ingress's first argument
+    config = engine_replicas._bound_deployment._deployment_config.autoscaling_config
+    assert config.policy.policy_kwargs["target_ongoing_requests"] == 8
+    AppArgs(autoscaling_config=serve_style, target_ongoing_requests=8)  # the same value twice: fine
+    with pytest.raises(ValueError, match=r"autoscaling_config\.target_ongoing_requests"):
+        AppArgs(autoscaling_config=serve_style, target_ongoing_requests=2)
