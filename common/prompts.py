@@ -58,6 +58,7 @@ class PromptProcessor:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The model's chat template applied, by default ready for the assistant's turn."""
         if self.tokenizer is None or self.tokenizer.chat_template is None:
@@ -70,7 +71,9 @@ class PromptProcessor:
             content = message.get("content")
             if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
                 raise InvalidRequestError("messages", "each message needs a string 'role' and 'content'")
-        return self.tokenizer.render_chat(messages, add_generation_prompt, continue_final_message, tools)
+        return self.tokenizer.render_chat(
+            messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+        )
 
     def chat_prompt(
         self,
@@ -79,9 +82,10 @@ class PromptProcessor:
         continue_final_message: bool = False,
         add_special_tokens: bool = False,  # the template writes the model's special tokens itself
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """The conversation as text (the chat template applied) and as token ids."""
-        text = self.chat_text(messages, add_generation_prompt, continue_final_message, tools)
+        text = self.chat_text(messages, add_generation_prompt, continue_final_message, tools, template_kwargs)
         assert self.tokenizer is not None
         return text, self.tokenizer.encode(text, add_special_tokens)
 

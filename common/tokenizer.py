@@ -112,11 +112,20 @@ class PromptTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The conversation as the model's chat template writes it: ready for the assistant's turn
         (add_generation_prompt), or left open after the final message for the model to continue it
         (continue_final_message: a "prefill"). With `tools`, or tool calls in the conversation, the
-        template that renders them."""
+        template that renders them. `template_kwargs`: more variables for the template (a request's
+        `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
+        taken = sorted(
+            {"messages", "tools", "add_generation_prompt", *self.special_tokens} & set(template_kwargs or {})
+        )
+        if taken:
+            raise InvalidRequestError(
+                "chat_template_kwargs", f"{', '.join(taken)}: set by the server, not here"
+            )
         template = self.chat_template
         if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
             template = self.tools_template
@@ -136,7 +145,11 @@ class PromptTokenizer:
             last = messages[-1]
             messages = [*messages[:-1], {**last, "content": (last["content"] or "") + _CONTINUE_MARKER}]
         text = template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens
+            **(template_kwargs or {}),
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **self.special_tokens,
         )
         if not continue_final_message:
             return text

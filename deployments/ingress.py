@@ -241,7 +241,10 @@ class Ingress:
         conversation, tools = body.conversation(), body.template_tools()
         sampling = {**body.sampling(self.sampling_defaults, self.tool_call_parser), "lora": lora}
         pool_tokens = await self._pool_tokens()
-        generate = self._generate_request(body, sampling, pool_tokens, conversation=conversation, tools=tools)
+        template = {"tools": tools, "template_kwargs": body.chat_template_kwargs}
+        generate = self._generate_request(
+            body, sampling, pool_tokens, conversation=conversation, template=template
+        )
         # calls are read out of the answer only where the grammar shaped them (tool_choice not none)
         call_format = self.tool_call_parser if body.tool_mode != "none" else None
         return await self._respond(generate, body, CHAT, call_format=call_format, model_name=body.model)
@@ -324,13 +327,13 @@ class Ingress:
         kv_pool_tokens: int | None,
         prompts: list[Prompt] | None = None,
         conversation: list[Message] | None = None,
-        tools: list[dict[str, Any]] | None = None,
+        template: dict[str, Any] | None = None,  # chat_prompt's tools and template_kwargs
     ) -> GenerateRequest:
         """The request tokenized, its `sampling` (the body's, checked) fitted to each prompt; a
         bad input is a 400 naming its field (InvalidRequestError's handler), answered before any
         replica is asked."""
         if conversation is not None:
-            text, ids = self.prompts.chat_prompt(conversation, tools=tools)
+            text, ids = self.prompts.chat_prompt(conversation, **(template or {}))
             texts, prompt_token_ids = [text], [ids]
         else:
             # token ids written out: a text-matching router still sees shared prefixes

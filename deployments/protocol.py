@@ -273,6 +273,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # None: true, as OpenAI
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template
 
     @property
     def tool_mode(self) -> str:

@@ -150,3 +150,24 @@ def test_a_chat_template_setting_is_a_file_or_a_template(tmp_path: Path, prompts
     with pytest.raises(InvalidRequestError) as raised:
         PromptProcessor.load(source, chat_template=inline).chat_text(HISTORY[:1], tools=[WEATHER])
     assert raised.value.param == "tools"
+
+
+def test_chat_template_kwargs_reach_the_template():
+    """vLLM's chat_template_kwargs (e.g. Qwen3's enable_thinking): more variables for the template;
+    the ones the server sets itself are refused, naming the field."""
+    thinking = (
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+    )
+    processor = PromptProcessor.load(resolve_model(DEFAULT_MODEL), chat_template=thinking)
+    assert processor.chat_text(HISTORY[:1]) == "Weather in Paris?"
+    assert (
+        processor.chat_text(HISTORY[:1], template_kwargs={"enable_thinking": False})
+        == "Weather in Paris?<no-think>"
+    )
+    with pytest.raises(InvalidRequestError) as raised:
+        processor.chat_text(HISTORY[:1], template_kwargs={"messages": []})
+    assert raised.value.param == "chat_template_kwargs"
+    assert request(chat_template_kwargs={"enable_thinking": False}).chat_template_kwargs == {
+        "enable_thinking": False
+    }

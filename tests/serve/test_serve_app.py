@@ -103,6 +103,11 @@ def test_stream_concatenates_to_the_whole_answer(client: openai.OpenAI):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    # vLLM's chat_template_kwargs reach the template (SmolLM2's ignores a variable it does not use)
+    kwargs = client.chat.completions.create(
+        **settings, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert kwargs.choices[0].message.content == whole.choices[0].message.content
 
 
 def test_stop_string_cuts_the_output(client: openai.OpenAI):
@@ -199,6 +204,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs", None),
     (COMPLETIONS, {"prompt": "hi", "priority": "high"}, 400, "priority", None),
     (CHAT, {"messages": QUESTION, "top_logprobs": 3}, 400, "top_logprobs", None),
+    (CHAT, {"messages": QUESTION, "chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs", None),
     (CHAT, {"messages": QUESTION, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs", None),
     (CHAT, {"messages": QUESTION, "response_format": {"type": "xml"}}, 400, "response_format", None),
     (CHAT, {"messages": QUESTION, "response_format": {"type": "json_schema"}}, 400, "response_format", None),
