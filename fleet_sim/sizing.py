@@ -48,7 +48,8 @@ ENGINE_IGNORED = {
     "quantization",
     "disable_any_whitespace",  # structured outputs: what is generated, not how fast
 }
-# ingress_replicas: one is the simulator's one router; more are refused
+# ingress_replicas: one is the simulator's one router; more are refused. ingress: separate is
+# that router in front of the replicas; colocated replicas have none and are refused.
 APP_MODELED = {
     "model",
     "num_replicas",
@@ -56,6 +57,7 @@ APP_MODELED = {
     "max_ongoing_requests",
     "engine",
     "ingress_replicas",
+    "ingress",
 }
 APP_IGNORED = {"served_model_name", "num_gpus", "num_cpus", "resources", "cpu_threads", "max_queued_requests",
                "placement_strategy",
@@ -168,6 +170,11 @@ def fleet_settings(path: Path) -> tuple[ReplicaConfig, int, str]:
         raise ValueError(
             f"{path}: args.ingress_replicas {args['ingress_replicas']}: the simulator routes with one "
             "router (several learn each other's choices only from the replicas' reports)"
+        )
+    if args.get("ingress", "separate") != "separate":
+        raise ValueError(
+            f"{path}: args.ingress {args['ingress']}: the simulator routes with a request router, "
+            "and colocated replicas have none (Serve's proxy or HAProxy balances them)"
         )
     engine = args.get("engine") or {}
     unknown = sorted(set(engine) - ENGINE_MODELED - ENGINE_IGNORED)
