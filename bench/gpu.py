@@ -182,6 +182,7 @@ def _offline_run(plan: Plan, cuda_graphs: bool, async_scheduling: bool) -> dict:
     output_tokens = sum(len(o.token_ids) for o in outputs)
     assert output_tokens == sum(a.max_tokens for a in arrivals), "a request stopped short"
     decode_only = [s for s in summaries if s.shape.num_prefill_tokens == 0]
+    model_s = sum(s.model_s for s in summaries)
     return {
         "requests": len(arrivals),
         "prompt_tokens": sum(len(a.prompt) for a in arrivals),
@@ -191,12 +192,12 @@ def _offline_run(plan: Plan, cuda_graphs: bool, async_scheduling: bool) -> dict:
         "budget": llm.engine.config.max_num_batched_tokens,
         # where the time went: steps, the model's share, decode-only steps (the ones graphs replay)
         "steps": len(summaries),
-        "model_s": sum(s.model_s for s in summaries),
+        "model_s": model_s,
         # the host's side of each step (under async scheduling it overlaps the device's work)
         "overhead_s": sum(s.overhead_s for s in summaries),
         # what the host costs the device: the wall time in which it ran no step of the model
-        "device_idle_s": wall_s - sum(s.model_s for s in summaries),
-        "device_idle_share": 1 - sum(s.model_s for s in summaries) / wall_s,
+        "device_idle_s": wall_s - model_s,
+        "device_idle_share": 1 - model_s / wall_s,
         "decode_only_steps": len(decode_only),
         "decode_only_s": sum(s.duration_s for s in decode_only),
         "mean_decodes_per_step": sum(s.shape.num_decodes for s in summaries) / max(1, len(summaries)),

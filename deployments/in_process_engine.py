@@ -76,7 +76,7 @@ class InProcessEngine:
         return _Method(getattr(self.replica, name))
 
 
-def build(spec: ColocatedReplica) -> InProcessEngine:
+def build_in_process_engine(spec: ColocatedReplica) -> InProcessEngine:
     """The EngineReplica deployment's class, built here (its module imports the engine: torch)."""
     from deployments.engine_replica import EngineReplica
 

@@ -35,9 +35,9 @@ from common.model_source import model_config_dict, resolve_model
 from common.prompts import Prompt, PromptProcessor
 from common.sampling_params import SamplingParams
 from common.tokenizer import Message
-from deployments import embeddings_api, in_process_engine, tokenize_api
+from deployments import embeddings_api, tokenize_api
 from deployments.auth import check_api_key, load_api_keys
-from deployments.in_process_engine import ColocatedReplica, InProcessEngine
+from deployments.in_process_engine import ColocatedReplica, InProcessEngine, build_in_process_engine
 from deployments.logprobs_format import EchoedPrompt, LogprobsFormat
 from deployments.lora_registry import (
     LoadLoraAdapterRequest,
@@ -164,7 +164,7 @@ class IngressSettings:
 class Ingress:
     def __init__(self, engine: DeploymentHandle | ColocatedReplica, settings: IngressSettings) -> None:
         # its own engine (ingress: colocated), or the EngineReplica deployment's handle
-        self.engine = in_process_engine.build(engine) if isinstance(engine, ColocatedReplica) else engine
+        self.engine = build_in_process_engine(engine) if isinstance(engine, ColocatedReplica) else engine
         source = resolve_model(settings.model)
         self.prompts = PromptProcessor.load(source, settings.max_model_len, settings.chat_template)
         model_config = model_config_dict(source)
