@@ -11,11 +11,12 @@
     ~200, each capped at 1024). The ShareGPT file itself cannot be fetched here: same shape of
     load, not the same texts (dummy weights have no tokenizer; prompts are token ids).
 (d) Served (bench/gpu_served.py): the same requests through Ray Serve (serve_config.gpu.yaml, one
-    replica, the same model) and through the engine alone, in turn: c=1, c=64 and Poisson arrivals
+    replica, so the API and the engine in one replica: `ingress: auto`; the same model) and
+    through the engine alone, in turn: c=1, c=64 and Poisson arrivals
     at three rates (3 seeds): TTFT and TBT p50/p99, tok/s, failures, and served over alone.
 (e) Served options: the closed loops served with other app args (the engine core in its own
-    process; the API and the engine in one replica, `ingress: colocated`; both), against the
-    engine alone's closed loops in the same part.
+    process; an Ingress in front of an EngineReplica, `ingress: separate`), against the engine
+    alone's closed loops in the same part.
 Writes bench/results/gpu_<device>.json with goals and goals_met and prints a table. `--parts`
 runs some parts and keeps the file's others, each part stamped with when it was measured (a
 device call is at most 10 minutes: the parts go in several calls, bench/gpu_machine.sh).
@@ -103,8 +104,7 @@ FULL = Plan(
         seeds=(0, 1, 2),
         options=(
             ("core_process", {"engine": {"core_process": True}}),
-            ("colocated", {"ingress": "colocated"}),
-            ("colocated_core_process", {"ingress": "colocated", "engine": {"core_process": True}}),
+            ("separate", {"ingress": "separate"}),
         ),
     ),
     served_base=serve_cluster.REPO / "serve_config.gpu.yaml",

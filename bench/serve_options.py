@@ -12,8 +12,9 @@ code and router on threads of their own (Serve's default); Ray Serve's throughpu
 (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`: gRPC between deployments, direct ingress, user code and
 router on the main loop, GC frozen at start); gRPC between deployments alone
 (`RAY_SERVE_USE_GRPC_BY_DEFAULT=1`); OpenMP's passive wait (`OMP_WAIT_POLICY=PASSIVE`); the engine
-core in its own process (`engine.core_process: true`); the API and the engine in one replica
-(`ingress: colocated`: no Ray hop per request or token), also with the core in its own process.
+core in its own process (`engine.core_process: true`); an Ingress deployment in front of an
+EngineReplica (`ingress: separate`: a Ray hop per request and per token message; the shipped
+one-replica app is colocated, `ingress: auto`).
 Every cluster runs with Ray's own report intervals
 (harness.serve_cluster.BENCH_CLUSTER_ENV), as a user's does. Each run: bench.cpu_serving's
 workload (its first `--requests` requests) at c=1 and c=16, streamed `/v1/completions`, greedy;
@@ -64,12 +65,7 @@ OPTIONS = (
     ),
     Option("OMP_WAIT_POLICY=PASSIVE", env={"OMP_WAIT_POLICY": "PASSIVE"}),
     Option("core in its own process", engine={"core_process": True}),
-    Option("Ingress and engine in one replica", app={"ingress": "colocated"}),
-    Option(
-        "Ingress and engine in one replica; core in its own process",
-        engine={"core_process": True},
-        app={"ingress": "colocated"},
-    ),
+    Option("an Ingress in front of an EngineReplica", app={"ingress": "separate"}),
 )
 
 

@@ -148,13 +148,15 @@ class AppArgs(BaseModel):
         ge=-1,
         description="Requests waiting for a replica beyond this get 503 with `Retry-After` (-1: no cap)",
     )
-    ingress: Literal["separate", "colocated"] = Field(
-        default="separate",
-        description="`separate`: an Ingress deployment (the OpenAI API) in front of the engine "
-        "replicas, which `request_router` picks for each request; `colocated`: each replica serves "
-        "HTTP itself (the API and its engine in one process), so a request and its tokens cross no "
-        "Ray hop, but no request router picks a replica (Serve's proxy or HAProxy balances), and "
-        "`request_router`, `ingress_replicas` and `ingress_max_ongoing_requests` do not apply",
+    ingress: Literal["auto", "separate", "colocated"] = Field(
+        default="auto",
+        description="`colocated`: each replica serves HTTP itself (the API and its engine in one "
+        "process), so a request and its tokens cross no Ray hop, but no request router picks a "
+        "replica (HAProxy or Serve's proxy balances), and `request_router`, `ingress_replicas` and "
+        "`ingress_max_ongoing_requests` do not apply; `separate`: an Ingress deployment (the OpenAI "
+        "API) in front of the engine replicas, which `request_router` picks for each request; "
+        "`auto`: colocated for one fixed replica (there is no replica to pick) unless one of those "
+        "three is set, else separate",
     )
     ingress_max_ongoing_requests: int = Field(
         default=4096, ge=1, description="Concurrent HTTP requests per Ingress replica"
@@ -255,14 +257,24 @@ class AppArgs(BaseModel):
         SamplingParams(**defaults)  # raises InvalidRequestError (a ValueError) naming the field
         return defaults
 
+    def _separate_only_settings(self) -> list[str]:
+        """The settings of the Ingress deployment that differ from their defaults."""
+        fields = type(self).model_fields
+        names = ("request_router", "ingress_replicas", "ingress_max_ongoing_requests")
+        return [name for name in names if getattr(self, name) != fields[name].default]
+
     @model_validator(mode="after")
     def _colocated_has_no_router(self) -> "AppArgs":
-        separate_only = ("request_router", "ingress_replicas", "ingress_max_ongoing_requests")
-        fields = type(self).model_fields
-        changed = [name for name in separate_only if getattr(self, name) != fields[name].default]
+        changed = self._separate_only_settings()
         if self.ingress == "colocated" and changed:
             raise ValueError(f"{', '.join(changed)}: not with ingress: colocated (no Ingress deployment)")
         return self
+
+    def colocated(self) -> bool:
+        """Whether each replica serves HTTP itself (`ingress`, with `auto` resolved)."""
+        if self.ingress == "auto":
+            return self.num_replicas == 1 and not self._separate_only_settings()
+        return self.ingress == "colocated"
 
     @model_validator(mode="after")
     def _serve_target_where_serve_users_put_it(self) -> "AppArgs":
@@ -423,7 +435,7 @@ def build_app(args: AppArgs) -> Application:
         "max_queued_requests": args.max_queued_requests,
         **_autoscaling(args),
     }
-    if args.ingress == "colocated":  # the Ingress's replicas are the engine replicas
+    if args.colocated():  # the Ingress's replicas are the engine replicas
         colocated = ColocatedReplica(engine_config, model_name, args.cpu_threads)
         return Ingress.options(**replica_options, **_ingress_routing()).bind(colocated, settings)
     replica = EngineReplica.options(**replica_options, **_routing(args))

@@ -49,7 +49,8 @@ ENGINE_IGNORED = {
     "disable_any_whitespace",  # structured outputs: what is generated, not how fast
 }
 # ingress_replicas: one is the simulator's one router; more are refused. ingress: separate is
-# that router in front of the replicas; colocated replicas have none and are refused.
+# that router in front of the replicas (and auto is separate for a sized fleet of several);
+# colocated replicas have none and are refused.
 APP_MODELED = {
     "model",
     "num_replicas",
@@ -171,7 +172,7 @@ def fleet_settings(path: Path) -> tuple[ReplicaConfig, int, str]:
             f"{path}: args.ingress_replicas {args['ingress_replicas']}: the simulator routes with one "
             "router (several learn each other's choices only from the replicas' reports)"
         )
-    if args.get("ingress", "separate") != "separate":
+    if args.get("ingress", "auto") == "colocated":
         raise ValueError(
             f"{path}: args.ingress {args['ingress']}: the simulator routes with a request router, "
             "and colocated replicas have none (Serve's proxy or HAProxy balances them)"

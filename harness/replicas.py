@@ -1,4 +1,5 @@
-"""An app's EngineReplica actors on the local cluster: read one's stats, find them, kill one (or its
+"""An app's engine replicas on the local cluster (its EngineReplica deployment's, or under
+`ingress: colocated` its Ingress deployment's): read one's stats, find them, kill one (or its
 engine core's process) as a crash would, and wait for Serve to replace it."""
 
 from __future__ import annotations
@@ -19,25 +20,33 @@ if TYPE_CHECKING:
 STATS_TIMEOUT_S = 60  # a hang detector: the call answers in milliseconds on an idle machine
 
 
-def engine_stats(app: str, deployment: str = "EngineReplica") -> EngineStats:
-    """The stats of the app's EngineReplica (of one of them, where it has several), through Serve;
-    deployment "Ingress": its Ingress's own engine (ingress: colocated)."""
+def engine_deployment(app: str) -> str:
+    """The deployment whose replicas run the app's engines: EngineReplica, or the Ingress where
+    the app is colocated (it has no EngineReplica deployment)."""
     from ray import serve
 
-    handle = serve.get_deployment_handle(deployment, app_name=app)
+    deployments = serve.status().applications[app].deployments
+    return "EngineReplica" if "EngineReplica" in deployments else "Ingress"
+
+
+def engine_stats(app: str) -> EngineStats:
+    """The stats of the app's engine replica (of one of them, where it has several), through Serve."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(engine_deployment(app), app_name=app)
     return handle.stats.remote().result(timeout_s=STATS_TIMEOUT_S)
 
 
 def replica_actor_names(app: str) -> list[str]:
     import ray
 
-    prefix = f"SERVE_REPLICA::{app}#EngineReplica#"
+    prefix = f"SERVE_REPLICA::{app}#{engine_deployment(app)}#"
     actors = ray.util.list_named_actors(all_namespaces=True)
     return sorted(a["name"] for a in actors if a["name"].startswith(prefix))
 
 
 def kill_replica(cluster: ServeCluster, app: str) -> str:
-    """Kill the app's EngineReplica actor with the most running requests (by its last metrics
+    """Kill the app's engine replica actor with the most running requests (by its last metrics
     report), as a crash would; return its actor name."""
     running = scrape_by_replica(cluster, f"{ENGINE_PREFIX}num_requests_running", {"application": app})
     names = replica_actor_names(app)
@@ -54,7 +63,7 @@ def kill_actor(name: str) -> None:
 
 
 def kill_engine_core(app: str) -> str:
-    """Kill the engine core process of the app's (first) EngineReplica with SIGKILL, as the
+    """Kill the engine core process of the app's (first) engine replica with SIGKILL, as the
     kernel's OOM killer would; return the replica's actor name."""
     import ray
     from ray.util.state import list_actors
@@ -86,7 +95,7 @@ def wait_replaced(app: str, victim: str, num_replicas: int, timeout_s: float = 3
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
         names = replica_actor_names(app)
-        deployment = serve.status().applications[app].deployments["EngineReplica"]
+        deployment = serve.status().applications[app].deployments[engine_deployment(app)]
         if (
             victim not in names
             and len(names) == num_replicas

@@ -91,12 +91,14 @@ def small_app(serve_cluster):
     requests of 54 tokens cannot all fit, so the engine preempts), a 160-token context (a request
     may be too large for the whole pool), and a replica that holds 4 requests and queues 1 more
     (the rest get 503), a TBT target (the adaptive budget's path through Serve) and a bound on
-    requests' priority (max_priority 10). Yields its base URL."""
+    requests' priority (max_priority 10). An Ingress in front of an EngineReplica (the shipped app
+    is colocated). Yields its base URL."""
     from ray import serve
 
     from deployments.app import AppArgs, build_app
 
     args = AppArgs(
+        ingress="separate",  # test_structured_outputs pauses its EngineReplica through the handle
         max_ongoing_requests=4,
         max_queued_requests=1,
         num_cpus=0,

@@ -8,14 +8,14 @@ import time
 from collections.abc import Callable
 
 import httpx
+import pytest
 
 from harness.metrics_scrape import scrape, scrape_by_replica
-from harness.replicas import engine_stats
+from harness.replicas import engine_deployment, engine_stats
 from harness.serve_cluster import REPORT_WAIT_S, ServeCluster, post_concurrently, wait_for
 from tests.engine.engine_idle import wait_idle
 from tests.serve import prometheus_server
 
-MAIN_APP = {"application": "stallfree", "deployment": "EngineReplica"}
 SETTLED_S = 5.0  # five metrics report periods without a change: nothing sent earlier is on its way
 
 
@@ -26,6 +26,12 @@ COUNTED = {
     "generated": "ray_stallfree_generation_tokens_total",
     "messages": "ray_stallfree_stream_messages_total",
 }
+
+
+@pytest.fixture(scope="module")
+def main_app(serve_cluster: ServeCluster) -> dict[str, str]:
+    """The labels of the shipped app's engine replicas (its Ingress's, colocated)."""
+    return {"application": serve_cluster.app_name, "deployment": engine_deployment(serve_cluster.app_name)}
 
 
 def settled(counts: Callable[[], dict[str, float]]) -> dict[str, float]:
@@ -40,9 +46,9 @@ def settled(counts: Callable[[], dict[str, float]]) -> dict[str, float]:
         assert time.monotonic() < deadline, f"counters still moving after {REPORT_WAIT_S} s: {latest}"
 
 
-def test_replica_metrics_add_up_on_the_ray_endpoint(serve_cluster: ServeCluster):
+def test_replica_metrics_add_up_on_the_ray_endpoint(serve_cluster: ServeCluster, main_app: dict[str, str]):
     def counts() -> dict[str, float]:
-        return {key: scrape(serve_cluster, name, MAIN_APP) for key, name in COUNTED.items()}
+        return {key: scrape(serve_cluster, name, main_app) for key, name in COUNTED.items()}
 
     # Whatever earlier tests sent has ended (the replica is idle) and been reported (the counters
     # stood still for several report periods) before the baseline is taken.
@@ -66,18 +72,20 @@ def test_replica_metrics_add_up_on_the_ray_endpoint(serve_cluster: ServeCluster)
     # A message carries every token ready for its request: at least one a request, at most one a token.
     assert num_requests <= counted.pop("messages") <= num_requests * max_tokens
     assert counted == expected
-    assert scrape(serve_cluster, "ray_stallfree_kv_cache_usage_perc", MAIN_APP) == 0
-    assert scrape(serve_cluster, "ray_stallfree_num_requests_running", MAIN_APP) == 0
-    assert scrape(serve_cluster, "ray_stallfree_num_free_kv_blocks", MAIN_APP) > 0
-    finished = {**MAIN_APP, "finished_reason": "length"}
+    assert scrape(serve_cluster, "ray_stallfree_kv_cache_usage_perc", main_app) == 0
+    assert scrape(serve_cluster, "ray_stallfree_num_requests_running", main_app) == 0
+    assert scrape(serve_cluster, "ray_stallfree_num_free_kv_blocks", main_app) > 0
+    finished = {**main_app, "finished_reason": "length"}
     assert scrape(serve_cluster, "ray_stallfree_requests_finished_total", finished) >= num_requests
 
 
-def test_counters_the_dashboard_reads_are_exported_before_anything_is_counted(serve_cluster: ServeCluster):
+def test_counters_the_dashboard_reads_are_exported_before_anything_is_counted(
+    serve_cluster: ServeCluster, main_app: dict[str, str]
+):
     # No request of the main app ends in error, and none may be preempted: those series must
     # still exist (at 0), or a fresh deployment's panels say "No data" instead of 0.
     def exported(name: str, labels: dict[str, str]) -> bool:
-        return bool(scrape_by_replica(serve_cluster, name, {**MAIN_APP, **labels}))
+        return bool(scrape_by_replica(serve_cluster, name, {**main_app, **labels}))
 
     for reason in ("stop", "length", "abort", "error"):
         wait_for(
