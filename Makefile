@@ -37,8 +37,10 @@ test-fast: setup
 # HAProxy takes HTTP straight to the Ingress's own server, and each replica runs our code and its
 # routers on its own event loop: fewer hops and thread switches per token (docs/deployment.md).
 SERVE_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0
+# A cluster of its own (RAY_ADDRESS=local) unless RAY_ADDRESS names one: /tmp/ray/ray_current_cluster
+# may name a cluster that has ended, and `serve run` would wait on it for ever.
 serve: setup
-	RAY_worker_niceness=0 $(SERVE_ENV) $(VENV)/bin/serve run serve_config.yaml
+	RAY_ADDRESS=$${RAY_ADDRESS:-local} RAY_worker_niceness=0 $(SERVE_ENV) $(VENV)/bin/serve run serve_config.yaml
 
 lint: setup
 	$(PY) -m ruff check .

@@ -37,6 +37,7 @@ from common.sampling_params import SamplingParams
 from common.tokenizer import Message
 from deployments import embeddings_api, tokenize_api
 from deployments.auth import check_api_key, load_api_keys
+from deployments.http_metrics import MODEL_LABEL, HttpMetricsMiddleware
 from deployments.in_process_engine import ColocatedReplica, InProcessEngine, build_in_process_engine
 from deployments.logprobs_format import EchoedPrompt, LogprobsFormat
 from deployments.lora_registry import (
@@ -62,6 +63,8 @@ HEALTH_TIMEOUT_S = 5.0
 RETRY_AFTER_S = 1  # when a replica's queue is full and Serve gives no hint
 
 app = FastAPI(title="stallfree", description="OpenAI-compatible LLM serving")
+SERVED: dict[str, str] = {}  # the HTTP metrics' labels, set by the process's Ingress
+app.add_middleware(HttpMetricsMiddleware, served=SERVED)
 
 
 @app.exception_handler(ApiError)
@@ -171,6 +174,7 @@ class Ingress:
         self.hidden_size = model_config["hidden_size"]  # what embeddings measure
         self.tool_call_parser = settings.tool_call_parser
         self.model_name = settings.model_name
+        SERVED[MODEL_LABEL] = settings.model_name
         self.lora = LoraRegistry(settings.model_name, model_config, settings.lora)
         self.model_root = settings.model  # where the model came from, as vLLM's /v1/models says
         self.sampling_defaults = settings.sampling_defaults

@@ -143,7 +143,7 @@ def wait_for_http(
 
 
 @contextlib.contextmanager
-def _ray_address_file_kept() -> Iterator[None]:
+def ray_address_file_kept() -> Iterator[None]:
     """`ray start` records its cluster in /tmp/ray/ray_current_cluster, which `ray.init()` and
     `serve run` attach to; a test cluster ends without `ray stop` (which would clear it), so a
     user's `make serve` after `make test` waited for ever on a dead cluster. Put back what was
@@ -175,7 +175,7 @@ def start(
     if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":  # its stats and metrics ports are fixed ones
         haproxy_ports = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
         env |= {name: str(free_port()) for name in haproxy_ports}
-    with _ray_address_file_kept():
+    with ray_address_file_kept():
         ray_start = subprocess.Popen(
             [
                 BIN / "ray",

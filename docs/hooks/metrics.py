@@ -71,6 +71,12 @@ def _engine(sink: RecordingSink) -> None:
     EngineMetrics(sink, model_name="model")  # type: ignore[arg-type]
 
 
+def _http(sink: RecordingSink) -> None:
+    from deployments.http_metrics import HttpMetrics
+
+    HttpMetrics(sink)  # type: ignore[arg-type]
+
+
 def _router(cls_path: str) -> Callable[[RecordingSink], None]:
     def declare(sink: RecordingSink) -> None:
         import importlib
@@ -87,6 +93,7 @@ def _router(cls_path: str) -> Callable[[RecordingSink], None]:
 # Module (as a path from the repository root) -> how to make it declare its metrics.
 SOURCES: dict[str, Callable[[RecordingSink], None]] = {
     "replica_engine/metrics/engine_metrics.py": _engine,
+    "deployments/http_metrics.py": _http,
     "router/kv_router.py": _router("router.kv_router.KVPressureRouter"),
     "router/prefix_router.py": _router("router.prefix_router.KVPrefixRouter"),
 }

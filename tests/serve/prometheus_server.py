@@ -72,6 +72,21 @@ def targets(url: str) -> list[dict]:
     return [{key: target.get(key) for key in keys} for target in active]
 
 
+def unhealthy_rules(url: str, timeout_s: float = 120) -> dict[str, str]:
+    """The loaded alert rules not yet evaluated without error once `timeout_s` has passed (every
+    rule is evaluated each 5 s): name -> its health and last error. Empty when none is loaded."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        groups = httpx.get(f"{url}/api/v1/rules", timeout=30).json()["data"]["groups"]
+        rules = [rule for group in groups for rule in group["rules"]]
+        bad = {r["name"]: f"{r['health']} {r.get('lastError', '')}" for r in rules if r["health"] != "ok"}
+        if not rules:
+            return {"(none)": "no rule loaded"}
+        if not bad or time.monotonic() > deadline:
+            return bad
+        time.sleep(1)
+
+
 def dashboard_queries(with_optional: bool = True) -> dict[str, str]:
     """Every PromQL expression in the dashboard (panel targets, and the selectors its variables
     read labels from), with Grafana's variables replaced as Grafana would on 'All'. Without

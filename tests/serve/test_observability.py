@@ -1,5 +1,6 @@
-"""Metrics end to end: the replicas' metrics on Ray's export endpoint add up, and every query in
-the Grafana dashboard returns data from a real Prometheus scraping the cluster."""
+"""Metrics end to end: the replicas' metrics on Ray's export endpoint add up, the API counts its
+answers by route and status, every query in the Grafana dashboard returns data from a real
+Prometheus scraping the cluster, and that Prometheus evaluates the shipped alert rules."""
 
 from __future__ import annotations
 
@@ -79,6 +80,30 @@ def test_replica_metrics_add_up_on_the_ray_endpoint(serve_cluster: ServeCluster,
     assert scrape(serve_cluster, "ray_stallfree_requests_finished_total", finished) >= num_requests
 
 
+def test_the_api_counts_its_answers_by_route_and_status(serve_cluster: ServeCluster):
+    app = {"application": serve_cluster.app_name}
+    outcomes = {  # (route, status): what is sent for it
+        ("/v1/completions", "200"): {"prompt": "Hi", "max_tokens": 2},
+        ("/v1/completions", "400"): {"prompt": "Hi", "max_tokens": -1},
+    }
+
+    def counts() -> dict[tuple[str, str], float]:
+        def count(route: str, status: str) -> float:
+            labels = {**app, "route": route, "status": status}
+            return scrape(serve_cluster, "ray_stallfree_http_requests_total", labels)
+
+        return {key: count(*key) for key in [*outcomes, ("unmatched", "404")]}
+
+    before = settled(counts)
+    for (route, status), body in outcomes.items():
+        response = httpx.post(f"{serve_cluster.base_url}{route}", json=body, timeout=300)
+        assert response.status_code == int(status), response.text
+    assert httpx.get(f"{serve_cluster.base_url}/v1/no-such-route", timeout=300).status_code == 404
+    wait_for(lambda: counts() != before, "the answers are reported")
+    after = settled(counts)
+    assert {key: after[key] - before[key] for key in after} == dict.fromkeys(after, 1)
+
+
 def test_counters_the_dashboard_reads_are_exported_before_anything_is_counted(
     serve_cluster: ServeCluster, main_app: dict[str, str]
 ):
@@ -113,3 +138,4 @@ def test_every_dashboard_query_returns_data(serve_cluster: ServeCluster, small_a
         f"dashboard queries that return nothing: {json.dumps(empty, indent=1)}\n"
         f"Prometheus's targets: {json.dumps(scraped, indent=1)}"
     )
+    assert prometheus_server.unhealthy_rules(prometheus) == {}  # dashboards/alerts.yml, loaded
