@@ -40,8 +40,8 @@ def measure(num_prompts: int, max_tokens: int, seed: int) -> dict:
     for dtype in ("float32", "bfloat16"):
         llm = LLM(dtype=dtype, quantization="none", num_kv_blocks=1024)
         prompts = prompts or held_prompts(llm.tokenizer, num_prompts, seed)
-        outputs[dtype] = [o.token_ids for o in llm.generate(prompts, params)]
-        answers[dtype] = llm.chat(QUESTION, SamplingParams(max_tokens=32, temperature=0))[0].text
+        outputs[dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        answers[dtype] = llm.chat(QUESTION, SamplingParams(max_tokens=32, temperature=0))[0].outputs[0].text
     agreed = [_common_prefix(a, b) for a, b in zip(outputs["float32"], outputs["bfloat16"], strict=True)]
     return {
         "num_prompts": num_prompts,

@@ -179,7 +179,7 @@ def _offline_run(plan: Plan, cuda_graphs: bool, async_scheduling: bool) -> dict:
     started = time.perf_counter()
     outputs = llm.generate([a.prompt for a in arrivals], params)
     wall_s = time.perf_counter() - started
-    output_tokens = sum(len(o.token_ids) for o in outputs)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert output_tokens == sum(a.max_tokens for a in arrivals), "a request stopped short"
     decode_only = [s for s in summaries if s.shape.num_prefill_tokens == 0]
     model_s = sum(s.model_s for s in summaries)

@@ -92,7 +92,7 @@ def _ours(model_dir: Path, dtype: str, device: str, **engine) -> LLM:
 
 def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return [o.token_ids for o in llm.generate(prompts, params)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 def _verdict(

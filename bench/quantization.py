@@ -22,7 +22,7 @@ from pathlib import Path
 from bench.driver import BenchmarkRun, print_verdicts
 from bench.text_prompts import text_prompts
 from harness.hf_reference import EXACTNESS_PROMPTS as GREEDY_PROMPTS
-from replica_engine import LLM, SamplingParams
+from replica_engine import LLM, RequestOutput, SamplingParams
 
 GOAL_PERPLEXITY_RATIO = 0.01  # within 1% of the dequantized path's
 REFERENCE = ("float32", "none")
@@ -41,16 +41,16 @@ def perplexity(llm: LLM, windows: list[list[int]]) -> float:
     return math.exp(-statistics.fmean(lp.logprob for out in outs for lp in out.prompt_logprobs or []))
 
 
-def divergences(llm: LLM, reference: list) -> list[dict]:
+def divergences(llm: LLM, reference: list[RequestOutput]) -> list[dict]:
     """Prompts whose greedy output (GREEDY_PARAMS) differs from the reference's: where, and the
     reference's top-2 logprob gap there."""
     found = []
     outputs = llm.generate(GREEDY_PROMPTS, GREEDY_PARAMS)
     for prompt, ours, theirs in zip(GREEDY_PROMPTS, outputs, reference, strict=True):
-        pairs = enumerate(zip(ours.token_ids, theirs.token_ids, strict=False))
+        pairs = enumerate(zip(ours.outputs[0].token_ids, theirs.outputs[0].token_ids, strict=False))
         position = next((i for i, (a, b) in pairs if a != b), None)
         if position is not None:
-            (_, best), (_, second) = theirs.logprobs[position].top[:2]
+            (_, best), (_, second) = theirs.outputs[0].logprobs[position].top[:2]
             found.append({"prompt": prompt[:60], "position": position, "top2_logprob_gap": best - second})
     return found
 

@@ -123,7 +123,7 @@ def generate_request(send: Send) -> GenerateRequest:
     max_tokens = HOLD_TOKENS if send.hold else 1
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     text = " ".join(map(str, send.token_ids))
-    return GenerateRequest(uuid.uuid4().hex, [send.token_ids], [params], 1, text)
+    return GenerateRequest(uuid.uuid4().hex, [send.token_ids], [params], text)
 
 
 QueueLens = dict[str, int | None]  # replica -> ongoing requests in the router's cache (None: stale)

@@ -15,17 +15,21 @@ from common.sampling_params import SamplingParams
 @dataclass
 class GenerateRequest:
     """One HTTP request, tokenized and checked by the Ingress: prompts as token ids, each answered
-    `n` times. `params[i]` is prompt i's sampling, max_tokens decided (the request's, else the
-    server default fitted to the context the prompt leaves)."""
+    `n` times (its params' `n`). `params[i]` is prompt i's sampling, max_tokens decided (the
+    request's, else the server default fitted to the context the prompt leaves)."""
 
     request_id: str
     prompt_token_ids: list[list[int]]
     params: list[SamplingParams]
-    n: int = 1
     # The prompts as text (chat: the chat template applied; token ids: written out), for routers
     # that match text: Ray's PrefixCacheAffinityRouter reads a `prompt` attribute (and never
     # answers a request whose text is empty: it divides by its length).
     prompt: str = ""
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt (the Ingress sets every prompt's alike)."""
+        return self.params[0].n if self.params else 1
 
     def requested_tokens(self) -> int:
         """Prompt + output tokens this request may hold in KV cache, all choices together."""
@@ -76,6 +80,11 @@ class EmbedRequest:
     request_id: str
     prompt_token_ids: list[list[int]]
     prompt: str = ""  # the inputs as text, for routers that match text (see GenerateRequest)
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt (the Ingress sets every prompt's alike)."""
+        return self.params[0].n if self.params else 1
 
     def requested_tokens(self) -> int:
         """Tokens its inputs hold in KV cache while they run."""

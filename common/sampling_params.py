@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -21,6 +22,11 @@ def _is_number(value: object) -> bool:
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what a torch generator's seed can hold
 MAX_LOGPROBS = 20  # top logprobs per token, as vLLM's default max_logprobs (OpenAI allows 20)
 MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+def wrap_int64(value: int) -> int:
+    """Back into int64 range, as a seed near its top plus a choice index may leave it."""
+    return (value - INT64_MIN) % 2**64 + INT64_MIN
 
 
 def _check_range(name: str, value: object, low: float, high: float) -> None:
@@ -64,6 +70,7 @@ class SamplingParams:
     priority: int = 0
     # The LoRA adapter to run with (None: the base model); the Ingress resolves `model` to it.
     lora: LoRARequest | None = None
+    n: int = 1  # choices per prompt (LLM.generate, the API); the engine runs each as a request
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -110,6 +117,14 @@ class SamplingParams:
             raise InvalidRequestError("priority", f"must be an integer, got {self.priority!r}")
         if self.lora is not None and not isinstance(self.lora, LoRARequest):
             raise InvalidRequestError("lora", "must be a LoRARequest")
+        if not _is_int(self.n) or self.n < 1:
+            raise InvalidRequestError("n", f"must be an integer >= 1, got {self.n!r}")
+
+    def for_choice(self, choice: int) -> SamplingParams:
+        """Choice `choice` of n as a request of its own: n seeded choices must still differ
+        (choice 0 keeps the seed the request checked)."""
+        seed = self.seed if self.seed is None or not choice else wrap_int64(self.seed + choice)
+        return dataclasses.replace(self, n=1, seed=seed)
 
     def _check_logit_bias(self) -> None:
         if self.logit_bias is None:

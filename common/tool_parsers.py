@@ -36,14 +36,12 @@ FORMATS = {
 class Call:
     name: str | None  # None until the name's string is complete
     arguments: str  # the raw JSON of the arguments so far
-    complete: bool
 
 
 @dataclass
 class Parsed:
     content: str  # the text outside calls
     calls: list[Call]
-    well_formed: bool  # every call complete and readable
 
 
 def _skip_whitespace(text: str, i: int) -> int:
@@ -97,28 +95,28 @@ def _read_call(text: str, i: int, keys: tuple[str, ...]) -> tuple[Call | None, i
     while True:
         j = _skip_whitespace(text, j)
         if j >= len(text):
-            return Call(name, arguments, False), None
-        if text[j] == "}":  # a call without arguments takes none
-            return Call(name, arguments or "{}", name is not None), j + 1
+            return Call(name, arguments), None
+        if text[j] == "}":  # a call without arguments takes none; an object without a name is none
+            return (Call(name, arguments or "{}"), j + 1) if name is not None else (None, None)
         key_end = _value_end(text, j) if text[j] == '"' else -1
         if key_end == -1:
             return None, None
         if key_end is None:
-            return Call(name, arguments, False), None
+            return Call(name, arguments), None
         key = _json_value(text[j:key_end])
         j = _skip_whitespace(text, key_end)
         if j >= len(text):
-            return Call(name, arguments, False), None
+            return Call(name, arguments), None
         if text[j] != ":":
             return None, None
         j = _skip_whitespace(text, j + 1)
         if j >= len(text):
-            return Call(name, arguments, False), None
+            return Call(name, arguments), None
         value_end = _value_end(text, j)
         if key in keys:
             arguments = text[j : len(text) if value_end is None else value_end]
         if value_end is None:
-            return Call(name, arguments, False), None
+            return Call(name, arguments), None
         if key == "name":
             value = _json_value(text[j:value_end])
             if not isinstance(value, str):
@@ -154,7 +152,7 @@ def parse(text: str, format_name: str, final: bool) -> Parsed:
     fmt = FORMATS[format_name]
     content: list[str] = []
     calls: list[Call] = []
-    i, well_formed = 0, True
+    i = 0
     while i < len(text):
         at = text.find(fmt.start, i)
         if at < 0:
@@ -164,8 +162,7 @@ def parse(text: str, format_name: str, final: bool) -> Parsed:
         content.append(text[i:at])
         object_at = _skip_whitespace(text, at + len(fmt.start)) if fmt.object_inside else at
         if object_at >= len(text):
-            well_formed = False  # a call begun, its object not yet
-            break
+            break  # a call begun, its object not yet
         call, end = (
             (None, None) if text[object_at] != "{" else _read_call(text, object_at, fmt.arguments_keys)
         )
@@ -175,19 +172,18 @@ def parse(text: str, format_name: str, final: bool) -> Parsed:
             continue
         calls.append(call)
         if end is None:
-            well_formed = False
             break
         i = _skip_whitespace(text, end)
         if fmt.end:
             if text.startswith(fmt.end, i):
                 i += len(fmt.end)
-            elif fmt.end.startswith(text[i:]) and not final:
-                break  # its closing tag is on its way
+            elif fmt.end.startswith(text[i:]):
+                break  # its closing tag is on its way, or was cut short (max_tokens): no text
         if fmt.separator:
             after = _skip_whitespace(text, i)
             if text.startswith(fmt.separator, after):
                 i = after + len(fmt.separator)
-    return Parsed("".join(content), calls, well_formed and all(call.complete for call in calls))
+    return Parsed("".join(content), calls)
 
 
 def new_call_id() -> str:
@@ -208,12 +204,11 @@ class Message:
 
 
 def parse_message(text: str, format_name: str) -> Message:
-    """The whole answer: its calls if every one is complete and readable, else all of it as text
-    (a call cut short by max_tokens is no call)."""
+    """The whole answer: its calls and the text outside them. A call cut short by max_tokens is
+    sent as far as it got once its name is known (its arguments' JSON unfinished, as OpenAI's
+    API sends them, and as a stream has sent them); its tag is never text."""
     parsed = parse(text, format_name, final=True)
-    if not parsed.calls or not parsed.well_formed:
-        return Message(text.strip() or None, [])
-    calls = [tool_call_body(new_call_id(), call) for call in parsed.calls]
+    calls = [tool_call_body(new_call_id(), call) for call in parsed.calls if call.name is not None]
     return Message(parsed.content.strip() or None, calls)
 
 

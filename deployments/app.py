@@ -206,6 +206,14 @@ class AppArgs(BaseModel):
         '`{"name": ..., "parameters": ...}`. The calls are generated under a grammar that holds them '
         "to the tools' schemas. None: tools are only shown to the model (`tool_choice: none`)",
     )
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        default=None,
+        description="How a reasoning model's thinking is read out of its chat answers (vLLM's "
+        "`--reasoning-parser`): the text inside `<think>...</think>` goes to the message's "
+        "`reasoning_content`, the rest to `content` (and to the tool-call parser). `qwen3`: "
+        "thinking only where the answer opens `<think>`; `deepseek_r1`: the answer starts "
+        "inside it (its template opens it). None: the answer is all content",
+    )
 
     lora_modules: dict[str, str] = Field(
         default_factory=dict,
@@ -428,6 +436,7 @@ def build_app(args: AppArgs) -> Application:
         args.chat_template,
         args.tool_call_parser,
         args.lora_settings(),
+        args.reasoning_parser,
     )
     replica_options = {
         **placement,

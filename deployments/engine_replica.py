@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import os
 import time
@@ -20,23 +19,21 @@ from common.block_hash import root_hash
 from common.finish_reason import FinishReason
 from common.messages import ChoiceDelta, Embeddings, EmbedRequest, GenerateError, GenerateRequest
 from common.routing_stats import RoutingReporter
-from common.sampling_params import INT64_MIN
 from replica_engine import (
     AsyncEngine,
     EngineConfig,
     EngineDeadError,
     EngineStats,
     InvalidRequestError,
-    SamplingParams,
 )
 from replica_engine.metrics import EngineMetrics, RayServeSink
-from replica_engine.outputs import RequestOutput
+from replica_engine.outputs import RequestDelta
 
 
 class ChoiceStream(Protocol):
     """One choice's outputs, as AsyncEngine.add_request streams them; closing it aborts the choice."""
 
-    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+    def __aiter__(self) -> AsyncIterator[RequestDelta]: ...
 
     async def aclose(self) -> None: ...
 
@@ -44,11 +41,11 @@ class ChoiceStream(Protocol):
 Answer = TypeVar("Answer")  # what a replica method makes of its streams' outputs
 
 
-async def merge_choice_streams(streams: list[ChoiceStream]) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+async def merge_choice_streams(streams: list[ChoiceStream]) -> AsyncIterator[list[tuple[int, RequestDelta]]]:
     """Interleave the choices' streams as they produce; each item is every (stream index,
     output) ready at that moment, so a busy replica sends fewer, larger messages. Closing this
     closes (and so aborts) every stream still running."""
-    ready: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    ready: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: ChoiceStream) -> None:
         try:
@@ -62,7 +59,7 @@ async def merge_choice_streams(streams: list[ChoiceStream]) -> AsyncIterator[lis
     try:
         running = len(tasks)
         while running:
-            batch: list[tuple[int, RequestOutput]] = []
+            batch: list[tuple[int, RequestDelta]] = []
             item = await ready.get()
             while True:
                 index, output = item
@@ -85,19 +82,7 @@ async def merge_choice_streams(streams: list[ChoiceStream]) -> AsyncIterator[lis
             await stream.aclose()
 
 
-def wrap_int64(value: int) -> int:
-    """Back into int64 range, as a seed near its top plus a choice index may leave it."""
-    return (value - INT64_MIN) % 2**64 + INT64_MIN
-
-
-def _choice_params(params: SamplingParams, choice: int) -> SamplingParams:
-    """n seeded choices must still differ (choice 0 keeps the seed the request checked)."""
-    if params.seed is None or not choice:
-        return params
-    return dataclasses.replace(params, seed=wrap_int64(params.seed + choice))
-
-
-def _coalesce(batch: list[tuple[int, RequestOutput]]) -> list[ChoiceDelta]:
+def _coalesce(batch: list[tuple[int, RequestDelta]]) -> list[ChoiceDelta]:
     """One delta per choice: a choice that advanced twice since the last message sends both at once."""
     deltas: dict[int, ChoiceDelta] = {}
     for index, out in batch:
@@ -125,7 +110,7 @@ def _coalesce(batch: list[tuple[int, RequestOutput]]) -> list[ChoiceDelta]:
 
 async def _serve(
     starts: list[Callable[[], Awaitable[ChoiceStream]]],
-    answer: Callable[[AsyncIterator[list[tuple[int, RequestOutput]]]], AsyncIterator[Answer]],
+    answer: Callable[[AsyncIterator[list[tuple[int, RequestDelta]]]], AsyncIterator[Answer]],
 ) -> AsyncIterator[Answer | GenerateError]:
     """Start every stream, then yield what `answer` makes of their merged outputs. A refused
     request yields one GenerateError and nothing else; a dead engine ends it with one."""
@@ -165,7 +150,7 @@ def _engine_failed(what: str, index: int) -> GenerateError:
 
 
 async def _choice_deltas(
-    batches: AsyncIterator[list[tuple[int, RequestOutput]]],
+    batches: AsyncIterator[list[tuple[int, RequestDelta]]],
 ) -> AsyncIterator[list[ChoiceDelta] | GenerateError]:
     """Each batch as one delta per choice; a choice the engine failed ends the stream."""
     async for batch in batches:
@@ -178,10 +163,10 @@ async def _choice_deltas(
 
 
 async def _embeddings(
-    batches: AsyncIterator[list[tuple[int, RequestOutput]]],
+    batches: AsyncIterator[list[tuple[int, RequestDelta]]],
 ) -> AsyncIterator[Embeddings | GenerateError]:
     """Every input's final output (the one with its embedding), as one Embeddings."""
-    finals: dict[int, RequestOutput] = {}
+    finals: dict[int, RequestDelta] = {}
     async for batch in batches:
         finals.update((index, output) for index, output in batch if output.finished)
     vectors = []
@@ -217,7 +202,7 @@ class EngineReplica:
         away) aborts every choice, freeing its KV blocks."""
         # A stream's position == choice index: input i's choice j is stream i * n + j.
         jobs = [
-            (prompt, _choice_params(params, j))
+            (prompt, params.for_choice(j))
             for prompt, params in zip(request.prompt_token_ids, request.params, strict=True)
             for j in range(request.n)
         ]

@@ -29,6 +29,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import InvalidRequestError
+from common.finish_reason import FinishReason
 from common.lora import LoRARequest
 from common.messages import ChoiceDelta, Embeddings, GenerateError, GenerateRequest
 from common.model_source import model_config_dict, resolve_model
@@ -53,7 +54,15 @@ from deployments.protocol import (
     SamplingRequest,
     parse_body,
 )
-from deployments.responses import CHAT, COMPLETIONS, Endpoint, ResponseWriter, Usage, sse_event
+from deployments.responses import (
+    CHAT,
+    COMPLETIONS,
+    Endpoint,
+    ResponseWriter,
+    ToolCallReading,
+    Usage,
+    sse_event,
+)
 
 if TYPE_CHECKING:  # the engine's types: this process runs no engine (unless colocated)
     from replica_engine.outputs import EngineStats
@@ -160,6 +169,7 @@ class IngressSettings:
     chat_template: str | None = None  # a file or the template: replaces the model's own
     tool_call_parser: str | None = None  # how calls are read from the text (common.tool_parsers)
     lora: LoraSettings = field(default_factory=LoraSettings)  # the adapters `model` may name
+    reasoning_parser: str | None = None  # how chat answers' reasoning is read (common.reasoning_parsers)
 
 
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
@@ -173,6 +183,7 @@ class Ingress:
         model_config = model_config_dict(source)
         self.hidden_size = model_config["hidden_size"]  # what embeddings measure
         self.tool_call_parser = settings.tool_call_parser
+        self.reasoning_parser = settings.reasoning_parser
         self.model_name = settings.model_name
         SERVED[MODEL_LABEL] = settings.model_name
         self.lora = LoraRegistry(settings.model_name, model_config, settings.lora)
@@ -250,8 +261,14 @@ class Ingress:
             body, sampling, pool_tokens, conversation=conversation, template=template
         )
         # calls are read out of the answer only where the grammar shaped them (tool_choice not none)
-        call_format = self.tool_call_parser if body.tool_mode != "none" else None
-        return await self._respond(generate, body, CHAT, call_format=call_format, model_name=body.model)
+        mode, calls = body.tool_mode, None
+        if self.tool_call_parser is not None and mode != "none":
+            finish = FinishReason.STOP if mode == "named" else FinishReason.TOOL_CALLS
+            calls = ToolCallReading(self.tool_call_parser, finish)
+        reasoning = self.reasoning_parser
+        return await self._respond(
+            generate, body, CHAT, tool_calls=calls, reasoning_parser=reasoning, model_name=body.model
+        )
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> tokenize_api.TokenizeResponse:
@@ -344,7 +361,7 @@ class Ingress:
             texts = [p if isinstance(p, str) else " ".join(map(str, p)) for p in prompts or []]
             prompt_token_ids = [self.prompts.tokenize(p) for p in prompts or []]
         params = [self._params(sampling, len(ids), kv_pool_tokens) for ids in prompt_token_ids]
-        return GenerateRequest(uuid.uuid4().hex, prompt_token_ids, params, body.n, "\n".join(texts))
+        return GenerateRequest(uuid.uuid4().hex, prompt_token_ids, params, "\n".join(texts))
 
     def _params(
         self, sampling: dict[str, Any], num_prompt_tokens: int, kv_pool_tokens: int | None
@@ -374,7 +391,8 @@ class Ingress:
         body: SamplingRequest,
         endpoint: Endpoint,
         echoed: list[EchoedPrompt] | None = None,
-        call_format: str | None = None,
+        tool_calls: ToolCallReading | None = None,
+        reasoning_parser: str | None = None,
         model_name: str | None = None,
     ) -> Response:
         deadline = self._deadline()
@@ -399,7 +417,9 @@ class Ingress:
             self._logprobs_format(endpoint, body.output_logprobs is not None),
             self._logprobs_format(endpoint, body.prompt_logprobs is not None),
             echoed,
-            call_format,
+            tool_calls,
+            reasoning_parser,
+            getattr(body, "include_reasoning", True),  # a chat request's; completions have none
         )
         if body.stream:
             events = self._events(writer, first, replies, replica_call)

@@ -192,6 +192,7 @@ class SamplingRequest(BaseModel):
             "prompt_logprobs": self.prompt_logprobs,
             "structured_outputs": self._structured_outputs(),
             "priority": self.priority,
+            "n": self.n,
         }
         # None means "the default": the server's, else SamplingParams'. max_tokens stays None: the
         # Ingress fits it (and the server's default) to the context the prompt leaves.
@@ -274,6 +275,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # None: true, as OpenAI
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template
+    include_reasoning: bool = True  # vLLM's: with a reasoning parser, send reasoning_content
 
     @property
     def tool_mode(self) -> str:

@@ -10,8 +10,26 @@ from dataclasses import dataclass, field
 from common.finish_reason import FinishReason
 from common.logprobs import TokenLogprob
 from common.messages import ChoiceDelta
+from common.reasoning_parsers import StreamedReasoning, split_reasoning
 from common.tool_parsers import StreamedMessage, parse_message
 from deployments.logprobs_format import EchoedPrompt, LogprobsFormat
+
+
+@dataclass(frozen=True)
+class ToolCallReading:
+    """How a chat answer's tool calls are read out of its text (the tool_call_parser), and how an
+    answer that made calls finishes: `tool_calls` (tool_choice auto or required), or `stop` for a
+    named tool_choice, as OpenAI's API and vLLM answer it."""
+
+    format_name: str
+    finish_reason: FinishReason = FinishReason.TOOL_CALLS
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """A chat answer's reasoning (a reasoning parser's, sent: `include_reasoning`)."""
+
+    text: str
 
 
 @dataclass(frozen=True)
@@ -31,11 +49,13 @@ class Endpoint:
         token_ids: list[int] | None,
         logprobs: dict[str, object] | None,
         tool_calls: list[dict[str, object]] | None = None,
+        reasoning: Reasoning | None = None,
     ) -> dict[str, object]:
         body: dict[str, object] = {"index": index}
         if self.is_chat:
             body["message"] = {
                 "role": "assistant",
+                **({"reasoning_content": reasoning.text or None} if reasoning is not None else {}),
                 "content": text,
                 **({"tool_calls": tool_calls} if tool_calls else {}),
             }
@@ -59,12 +79,16 @@ class Endpoint:
         with_token_ids: bool,
         logprobs: dict[str, object] | None,
         calls: tuple[list[dict[str, object]], FinishReason | None] | None = None,
+        reasoning: str = "",
     ) -> dict[str, object]:
-        """A chunk's choice; `calls`: the tool calls' deltas and the finish reason they make."""
+        """A chunk's choice; `calls`: the tool calls' deltas and the finish reason they make;
+        `reasoning`: the new reasoning (a reasoning parser's, sent)."""
         body: dict[str, object] = {"index": delta.index}
         finish_reason = delta.finish_reason
         if self.is_chat:
             message: dict[str, object] = {"role": "assistant"} if first else {}
+            if reasoning:
+                message["reasoning_content"] = reasoning
             if calls is not None and calls[0]:
                 message.update(content=text or None, tool_calls=calls[0])
             else:
@@ -82,9 +106,9 @@ def _finish_reason(reason: FinishReason | None) -> dict[str, object]:
     return {"finish_reason": None if reason is None else reason.value}
 
 
-def _called(reason: FinishReason | None, has_calls: bool) -> FinishReason | None:
-    """An answer that stopped after calling tools finishes with `tool_calls`, whole or streamed."""
-    return FinishReason.TOOL_CALLS if has_calls and reason is FinishReason.STOP else reason
+def _called(reading: ToolCallReading, reason: FinishReason | None, has_calls: bool) -> FinishReason | None:
+    """An answer that stopped after calling tools finishes as `reading` says, whole or streamed."""
+    return reading.finish_reason if has_calls and reason is FinishReason.STOP else reason
 
 
 def _token_ids(token_ids: list[int] | None) -> dict[str, object]:
@@ -135,7 +159,9 @@ class ResponseWriter:
     logprobs: LogprobsFormat | None = None  # set when the request asked for logprobs
     prompt_logprobs: LogprobsFormat | None = None  # set when it asked for vLLM's prompt_logprobs
     echoed: list[EchoedPrompt] | None = None  # completions with echo: each prompt, sent back first
-    call_format: str | None = None  # chat with tools: the tool_call_parser that reads the calls
+    tool_calls: ToolCallReading | None = None  # chat with tools: how calls are read out
+    reasoning_parser: str | None = None  # chat: how reasoning is read out (common.reasoning_parsers)
+    include_reasoning: bool = True  # the request's: send the reasoning read out, or drop it
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _echoed(self, index: int) -> EchoedPrompt | None:
@@ -155,21 +181,31 @@ class ResponseWriter:
 
     def _answer(
         self, text: str, finish_reason: FinishReason | None
-    ) -> tuple[str | None, FinishReason | None, list[dict[str, object]] | None]:
-        """A whole choice's text, finish reason and tool calls (read out when the request has tools)."""
-        if self.call_format is None:
-            return text, finish_reason, None
-        message = parse_message(text, self.call_format)
-        return message.content, _called(finish_reason, bool(message.tool_calls)), message.tool_calls
+    ) -> tuple[str | None, FinishReason | None, list[dict[str, object]] | None, Reasoning | None]:
+        """A whole choice's text, finish reason, tool calls (read out when the request has tools)
+        and reasoning (read out first, with a reasoning parser)."""
+        reasoning = None
+        if self.reasoning_parser is not None:
+            thought, text = split_reasoning(text, self.reasoning_parser, final=True)
+            reasoning = Reasoning(thought) if self.include_reasoning else None
+        if self.tool_calls is None:
+            return text, finish_reason, None, reasoning
+        message = parse_message(text, self.tool_calls.format_name)
+        return (
+            message.content,
+            _called(self.tool_calls, finish_reason, bool(message.tool_calls)),
+            message.tool_calls,
+            reasoning,
+        )
 
     def _streamed_calls(
-        self, streams: dict[int, StreamedMessage], delta: ChoiceDelta
+        self, streams: dict[int, StreamedMessage], delta: ChoiceDelta, text: str
     ) -> tuple[str, tuple[list[dict[str, object]], FinishReason | None]]:
         """A streamed choice's new text and tool-call deltas (the request has tools)."""
-        assert self.call_format is not None
-        stream = streams.setdefault(delta.index, StreamedMessage(self.call_format))
-        text, calls = stream.feed(delta.text, final=delta.finish_reason is not None)
-        return text, (calls, _called(delta.finish_reason, stream.has_calls))
+        assert self.tool_calls is not None
+        stream = streams.setdefault(delta.index, StreamedMessage(self.tool_calls.format_name))
+        text, calls = stream.feed(text, final=delta.finish_reason is not None)
+        return text, (calls, _called(self.tool_calls, delta.finish_reason, stream.has_calls))
 
     def _envelope(self, object_name: str) -> dict[str, object]:
         return {
@@ -197,10 +233,12 @@ class ResponseWriter:
                 finish_reasons[delta.index] = delta.finish_reason
         choices = []
         for i in sorted(texts):
-            text, finish_reason, calls = self._answer(texts[i], finish_reasons[i])
+            text, finish_reason, calls, reasoning = self._answer(texts[i], finish_reasons[i])
             token_ids_i = token_ids[i] if self.return_token_ids else None
             logprobs_i = self._logprobs(i, logprobs[i], prompt_logprobs.get(i), first=True)
-            choices.append(self.endpoint.choice(i, text, finish_reason, token_ids_i, logprobs_i, calls))
+            choices.append(
+                self.endpoint.choice(i, text, finish_reason, token_ids_i, logprobs_i, calls, reasoning)
+            )
         body = {
             **self._envelope(self.endpoint.object_name),
             "choices": choices,
@@ -220,25 +258,34 @@ class ResponseWriter:
     async def events(self, batches: AsyncIterator[list[ChoiceDelta]]) -> AsyncIterator[str]:
         started: set[int] = set()
         streams: dict[int, StreamedMessage] = {}
+        thoughts: dict[int, StreamedReasoning] = {}
         async for batch in batches:
             choices = []
             for delta in batch:
                 self.usage.add(delta)
                 first = delta.index not in started
-                calls = None
-                if self.call_format is not None:
-                    text, calls = self._streamed_calls(streams, delta)
+                calls, text, reasoning = None, delta.text, ""
+                if self.reasoning_parser is not None:
+                    thought = thoughts.setdefault(delta.index, StreamedReasoning(self.reasoning_parser))
+                    reasoning, text = thought.feed(text, final=delta.finish_reason is not None)
+                    reasoning = reasoning if self.include_reasoning else ""
+                if self.tool_calls is not None or self.reasoning_parser is not None:
+                    if self.tool_calls is not None:
+                        text, calls = self._streamed_calls(streams, delta, text)
                     # with logprobs, every token's chunk goes out, its text held back or not
                     with_logprobs = self.logprobs is not None and bool(delta.token_ids)
-                    sends = bool(text or calls[0] or delta.finish_reason or first or with_logprobs)
+                    held = text or reasoning or (calls and calls[0])
+                    sends = bool(held or delta.finish_reason or first or with_logprobs)
                 else:
                     echoed = self._echoed(delta.index) if first else None
-                    text = (echoed.text if echoed else "") + delta.text
+                    text = (echoed.text if echoed else "") + text
                     sends = self.endpoint.sends(delta, first)
                 if sends:
                     logprobs = self._logprobs(delta.index, delta.logprobs, delta.prompt_logprobs, first)
                     choices.append(
-                        self.endpoint.chunk_choice(delta, text, first, self.return_token_ids, logprobs, calls)
+                        self.endpoint.chunk_choice(
+                            delta, text, first, self.return_token_ids, logprobs, calls, reasoning
+                        )
                     )
                     started.add(delta.index)
             if choices:

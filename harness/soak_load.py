@@ -37,7 +37,7 @@ def with_expected_outputs(requests: list[SoakRequest], model: str) -> list[SoakR
         [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests],
     )
     return [
-        dataclasses.replace(request, expected_token_ids=output.token_ids)
+        dataclasses.replace(request, expected_token_ids=output.outputs[0].token_ids)
         for request, output in zip(requests, outputs, strict=True)
     ]
 

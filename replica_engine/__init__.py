@@ -17,20 +17,21 @@ if TYPE_CHECKING:
     from replica_engine.engine import EngineStats, LLMEngine
     from replica_engine.errors import EngineDeadError
     from replica_engine.llm import LLM
-    from replica_engine.outputs import CompletionOutput, RequestOutput
+    from replica_engine.outputs import CompletionOutput, RequestDelta, RequestOutput
 
 _HOMES = {
     "DEFAULT_MODEL": "common.model_source",
     "LLM": "replica_engine.llm",
     "AsyncEngine": "replica_engine.async_engine",
     "CompletionOutput": "replica_engine.outputs",
+    "RequestOutput": "replica_engine.outputs",
     "EngineConfig": "replica_engine.config",
     "EngineDeadError": "replica_engine.errors",
     "EngineStats": "replica_engine.engine",
     "InvalidRequestError": "common.errors",
     "LLMEngine": "replica_engine.engine",
     "LoRARequest": "common.lora",
-    "RequestOutput": "replica_engine.outputs",
+    "RequestDelta": "replica_engine.outputs",
     "SamplingParams": "common.sampling_params",
 }
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "InvalidRequestError",
     "LLMEngine",
     "LoRARequest",
+    "RequestDelta",
     "RequestOutput",
     "SamplingParams",
 ]

@@ -3,7 +3,7 @@ apart from it (on a thread of this process by default, or in a process of its ow
 `core_process`: core_client.py, core_process.py). The core
 alone schedules, runs the model and changes request and KV state; the frontend validates requests,
 sends them, and turns the core's one message per step into each request's async stream of
-RequestOutputs, detokenized on the event loop that reads it.
+RequestDeltas, detokenized on the event loop that reads it.
 
 Each add is sent to the core under a key of its own (the request id and a count), so a stale
 output of an aborted request can never reach a new request that reuses its id.
@@ -32,7 +32,7 @@ from replica_engine.errors import EngineDeadError
 from replica_engine.input_processor import Prompt
 from replica_engine.metrics import EngineMetrics
 from replica_engine.output_processor import RequestState
-from replica_engine.outputs import CoreOutput, EngineStats, RequestOutput
+from replica_engine.outputs import CoreOutput, EngineStats, RequestDelta
 from replica_engine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class _OutputQueue:
         self.loop = loop
         self.state = state  # detokenizing and stop strings, on this loop
         self.key = key  # the core's name for the request
-        self.ready: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.ready: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
 
     def end(self, reason: FinishReason) -> None:
         output = self.state.finish(reason)
@@ -69,17 +69,17 @@ def _post(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *arg
 
 
 class RequestStream:
-    """One request's RequestOutputs. Closing it before its end, read or not, or cancelling the
+    """One request's RequestDeltas. Closing it before its end, read or not, or cancelling the
     task reading it, aborts the request."""
 
-    def __init__(self, outputs: AsyncGenerator[RequestOutput, None], close: Callable[[], None]) -> None:
+    def __init__(self, outputs: AsyncGenerator[RequestDelta, None], close: Callable[[], None]) -> None:
         self._outputs = outputs
         self._close = close
 
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> RequestDelta:
         return await anext(self._outputs)
 
     async def aclose(self) -> None:
@@ -154,7 +154,7 @@ class AsyncEngine:
 
     async def _read(
         self, output_queue: _OutputQueue, close: Callable[[], None]
-    ) -> AsyncGenerator[RequestOutput, None]:
+    ) -> AsyncGenerator[RequestDelta, None]:
         try:
             while True:
                 item = await output_queue.ready.get()

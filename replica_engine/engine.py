@@ -22,7 +22,7 @@ from replica_engine.input_processor import InputProcessor
 from replica_engine.model_runner import ModelRunner, load_runner
 from replica_engine.models.loader import load_config, load_tokenizer
 from replica_engine.output_processor import RequestState
-from replica_engine.outputs import CoreOutput, EngineStats, RequestOutput
+from replica_engine.outputs import CoreOutput, EngineStats, RequestDelta
 from replica_engine.parallel.executor import ParallelExecutor
 from replica_engine.request import Request
 from replica_engine.step_listeners import StepListener
@@ -130,7 +130,7 @@ class LLMEngine:
 
     def abort_request(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT
-    ) -> RequestOutput | None:
+    ) -> RequestDelta | None:
         """Stop a request now; its KV blocks are free when this returns. None if it is not in flight."""
         state = self._states.pop(request_id, None)
         if state is None:
@@ -145,7 +145,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return self.core.stats
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
         """Run one iteration; return an output for every request that got a token or finished.
         A request whose computation fails is finished with reason `error`; the others go on.
         Raises StepFailedError (after finishing them) if every request of the step failed."""
@@ -155,7 +155,7 @@ class LLMEngine:
             self._process(failure.outputs)
             raise
 
-    def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
+    def _process(self, core_outputs: list[CoreOutput]) -> list[RequestDelta]:
         outputs = []
         for core_output in core_outputs:
             output = self._states[core_output.request_id].process(core_output)

@@ -56,6 +56,8 @@ class InputProcessor:
         `grammar` is compiled here unless the caller compiled it already (compile_grammar)."""
         request_id = _new_id(request_id, in_flight)
         params = params or SamplingParams()
+        if params.n != 1:  # LLM.generate and the API send each choice as params.for_choice(j)
+            raise InvalidRequestError("n", f"an engine request is one choice, got n={params.n}")
         prompt_token_ids = self._checked_prompt(prompt, params.max_tokens)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")

@@ -1,5 +1,5 @@
-"""The offline API, vLLM-style: `LLM(model=...).generate(prompts, SamplingParams(...))`, and
-`LLM.embed(prompts)` for embeddings."""
+"""The offline API, vLLM's: `LLM(model=...).generate(prompts, SamplingParams(...))` returns a
+RequestOutput per prompt (`output.outputs[0].text`), and `LLM.embed(prompts)` embeddings."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from common.sampling_params import SamplingParams
 from common.tokenizer import Message
 from replica_engine.config import EngineConfig
 from replica_engine.engine import LLMEngine
-from replica_engine.outputs import CompletionOutput, EmbeddingOutput, RequestOutput
+from replica_engine.outputs import CompletionOutput, EmbeddingOutput, RequestDelta, RequestOutput
 
 
 class LLM:
@@ -32,21 +32,27 @@ class LLM:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         lora_request: LoRARequest | None = None,
-    ) -> list[CompletionOutput]:
-        """Run every prompt (text, or a list of token ids) to completion; outputs in prompt order.
-        `lora_request` (as vLLM's): every prompt runs with that adapter (needs `enable_lora`);
-        per prompt, set `SamplingParams.lora` instead."""
-        prompts = self._tokenized(prompts)
+    ) -> list[RequestOutput]:
+        """Run every prompt (text, or a list of token ids) to completion, each `n` times (its
+        SamplingParams'); outputs in prompt order. `lora_request` (as vLLM's): every prompt runs
+        with that adapter (needs `enable_lora`); per prompt, set `SamplingParams.lora` instead."""
+        prompts = self._listed(prompts)
         if lora_request is not None:
             if not isinstance(sampling_params, list):
                 sampling_params = [sampling_params or SamplingParams()] * len(prompts)
             sampling_params = [dataclasses.replace(p, lora=lora_request) for p in sampling_params]
-        return self._run(prompts, sampling_params)
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return self._run([self.engine.tokenize(p) for p in prompts], texts, sampling_params)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request that sets nothing gets (vLLM's: from the model's generation config; here
+        SamplingParams' own defaults, which the API's `sampling_defaults` setting replaces)."""
+        return SamplingParams()
 
     def embed(self, prompts: Prompt | list[Prompt]) -> list[EmbeddingOutput]:
         """Every prompt's embedding (text, or a list of token ids), in prompt order: its prompt
         computed in the engine's batches like any other and pooled as `pooling` says."""
-        token_ids = self._tokenized(prompts)
+        token_ids = [self.engine.tokenize(p) for p in self._listed(prompts)]
         embeddings: dict[str, list[float] | None] = {}
         with self._aborting_on_error(embeddings):
             for prompt in token_ids:
@@ -66,38 +72,51 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         tools: list[dict[str, Any]] | None = None,
-    ) -> list[CompletionOutput]:
+    ) -> list[RequestOutput]:
         """One conversation, or a list of them; each is answered as the assistant's next turn.
         `tools` (OpenAI's function tools) go to the chat template, as vLLM's LLM.chat; the text
         is not parsed for calls (common.tool_parsers.parse_message reads them)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self._run([self.engine.chat_prompt_ids(c, tools) for c in conversations], sampling_params)
+        prompts = [self.engine.chat_prompt_ids(c, tools) for c in conversations]
+        tokenizer = self.engine.tokenizer
+        texts = [tokenizer.decode(ids) if tokenizer is not None else None for ids in prompts]
+        return self._run(prompts, texts, sampling_params)
 
-    def _tokenized(self, prompts: Prompt | list[Prompt]) -> list[list[int]]:
-        """One prompt or a list of them, as token ids."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        return [self.engine.tokenize(p) for p in prompts]
+    @staticmethod
+    def _listed(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+        """One prompt (text, or token ids) or a list of them, as a list."""
+        one_of_ids = isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+        if isinstance(prompts, str) or one_of_ids:
+            return [prompts]  # type: ignore[list-item]
+        return list(prompts)  # type: ignore[arg-type]
 
     def _run(
-        self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None
-    ) -> list[CompletionOutput]:
+        self,
+        prompts: list[list[int]],
+        texts: list[str | None],
+        sampling_params: SamplingParams | list[SamplingParams] | None,
+    ) -> list[RequestOutput]:
+        """Each prompt's n choices, each an engine request of its own (params.for_choice)."""
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
-        completions: dict[str, CompletionOutput] = {}
-        with self._aborting_on_error(completions):
-            for prompt, params in zip(prompts, sampling_params, strict=True):
-                request_id = self.engine.add_request(prompt, params)
-                completions[request_id] = CompletionOutput(request_id, prompt)
-            for output in self._outputs():
-                completions[output.request_id].add(output)
-        return list(completions.values())
+        results: list[RequestOutput] = []
+        choices: dict[str, tuple[RequestOutput, int]] = {}  # engine request -> its prompt and choice
+        with self._aborting_on_error(choices):
+            for prompt, text, params in zip(prompts, texts, sampling_params, strict=True):
+                result = RequestOutput("", text, prompt, [CompletionOutput(j) for j in range(params.n)])
+                for j in range(params.n):
+                    request_id = self.engine.add_request(prompt, params.for_choice(j))
+                    choices[request_id] = (result, j)
+                    result.request_id = result.request_id or request_id  # its first choice's
+                results.append(result)
+            for delta in self._outputs():
+                result, j = choices[delta.request_id]
+                result.add(j, delta)
+        return results
 
-    def _outputs(self) -> Iterator[RequestOutput]:
+    def _outputs(self) -> Iterator[RequestDelta]:
         """Step until every request has finished."""
         while self.engine.has_unfinished_requests():
             yield from self.engine.step()

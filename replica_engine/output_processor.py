@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from common.finish_reason import FinishReason
 from common.logprobs import TokenLogprob
 from replica_engine.detokenizer import IncrementalDetokenizer
-from replica_engine.outputs import CoreOutput, RequestOutput
+from replica_engine.outputs import CoreOutput, RequestDelta
 from replica_engine.request import Request
 
 
@@ -42,7 +42,7 @@ class RequestState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def process(self, output: CoreOutput) -> RequestOutput | None:
+    def process(self, output: CoreOutput) -> RequestDelta | None:
         """The user's view of one step's output; None once this request has already finished
         here (an abort or a stop string overtook what the engine was still computing)."""
         if self.finished:
@@ -60,7 +60,7 @@ class RequestState:
         logprobs = output.new_logprobs[: len(new_token_ids)]  # none past a stop string
         return self._output(new_token_ids, finish_reason, logprobs, output.prompt_logprobs, output.embedding)
 
-    def finish(self, reason: FinishReason) -> RequestOutput | None:
+    def finish(self, reason: FinishReason) -> RequestDelta | None:
         """End the request here (abort, timeout): the last output, with any held-back text."""
         return None if self.finished else self._output([], reason)
 
@@ -71,12 +71,12 @@ class RequestState:
         logprobs: list[TokenLogprob] | None = None,
         prompt_logprobs: list[TokenLogprob] | None = None,
         embedding: list[float] | None = None,
-    ) -> RequestOutput:
+    ) -> RequestDelta:
         self.num_output_tokens += len(new_token_ids)
         self.finish_reason = finish_reason
         finished = finish_reason is not None
         delta = self.detokenizer.take_delta(finished) if self.detokenizer is not None else ""
-        return RequestOutput(
+        return RequestDelta(
             request_id=self.request_id,
             new_token_ids=new_token_ids,
             text_delta=delta,

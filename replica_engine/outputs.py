@@ -1,6 +1,7 @@
 """What the engine returns: the step thread's token deltas (CoreOutput), the same with text once
-detokenized (RequestOutput), a whole completion or an embedding offline (CompletionOutput,
-EmbeddingOutput), and the gauges it publishes after each step (EngineStats)."""
+detokenized (RequestDelta), a prompt's whole result offline as vLLM's (RequestOutput of
+CompletionOutputs) or its embedding (EmbeddingOutput), and the gauges it publishes after each
+step (EngineStats)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ class CoreOutput:
 
 
 @dataclass
-class RequestOutput:
+class RequestDelta:
     """One request's progress in one step: the new tokens and text since its last output."""
 
     request_id: str
@@ -71,26 +72,51 @@ class RequestOutput:
 
 @dataclass
 class CompletionOutput:
-    """A whole completion, accumulated from a request's RequestOutputs."""
+    """One choice of a finished request, accumulated from its RequestDeltas (vLLM's
+    CompletionOutput: `index`, `text`, `token_ids`, `finish_reason`, `logprobs`)."""
 
-    request_id: str
-    prompt_token_ids: list[int]
+    index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, if asked
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the chosen tokens' logprobs (with logprobs asked, else None)."""
+        return sum(lp.logprob for lp in self.logprobs) if self.logprobs else None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, delta: RequestDelta) -> None:
+        self.text += delta.text_delta
+        self.token_ids.extend(delta.new_token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result offline (vLLM's RequestOutput): its `n` choices in `outputs`."""
+
+    request_id: str
+    prompt: str | None  # as given (None for token ids); a chat's, the template applied
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
     prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1.., if asked
 
-    def add(self, output: RequestOutput) -> None:
-        self.num_cached_tokens = output.num_cached_tokens
-        self.text += output.text_delta
-        self.token_ids.extend(output.new_token_ids)
-        self.logprobs.extend(output.logprobs)
-        if output.prompt_logprobs is not None:
-            self.prompt_logprobs = output.prompt_logprobs
-        if output.finished:
-            self.finish_reason = output.finish_reason
+    @property
+    def finished(self) -> bool:
+        return all(choice.finished() for choice in self.outputs)
+
+    def add(self, choice: int, delta: RequestDelta) -> None:
+        self.outputs[choice].add(delta)
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 @dataclass(frozen=True)

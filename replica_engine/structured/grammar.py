@@ -14,8 +14,14 @@ import threading
 
 import torch
 import xgrammar as xgr
+from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
-from xgrammar.structural_tag import TagsWithSeparatorFormat, TriggeredTagsFormat
+from xgrammar.structural_tag import (
+    GrammarFormat,
+    JSONSchemaFormat,
+    TagsWithSeparatorFormat,
+    TriggeredTagsFormat,
+)
 
 from common.errors import InvalidRequestError
 from common.structured_outputs import StructuredOutputs, ToolCallGrammar
@@ -80,7 +86,7 @@ class GrammarCompiler:
         if spec.json_object:  # an object, as OpenAI's json_object means (the builtin grammar takes any value)
             return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
         if spec.tool_calls is not None:
-            return self._compiler.compile_structural_tag(_tool_call_tag(spec.tool_calls))
+            return self._compiler.compile_structural_tag(_tool_call_tag(spec.tool_calls, any_whitespace))
         if spec.regex is not None:
             return self._compiler.compile_regex(spec.regex)
         if spec.choice is not None:
@@ -98,9 +104,10 @@ _XGRAMMAR_TOOL_FORMATS = {"hermes": "qwen_3", "llama3_json": "llama"}
 _CALL_SEPARATORS = {"hermes": "\n", "llama3_json": "; "}
 
 
-def _tool_call_tag(spec: ToolCallGrammar) -> xgr.StructuralTag:
+def _tool_call_tag(spec: ToolCallGrammar, any_whitespace: bool) -> xgr.StructuralTag:
     """The structural tag of a request's tool calls: outside a call the text is free (`auto`),
-    inside one the name is a listed tool's and its arguments follow that tool's schema."""
+    inside one the name is a listed tool's and its arguments follow that tool's schema, laid out
+    as our structured outputs are (`any_whitespace`)."""
     tools = [
         {"type": "function", "function": {"name": tool["name"], "parameters": tool["parameters"]}}
         for tool in json.loads(spec.tools)
@@ -115,6 +122,7 @@ def _tool_call_tag(spec: ToolCallGrammar) -> xgr.StructuralTag:
         reasoning="disabled",
         parallel_tool_calls=spec.parallel,
     )
+    _lay_out_json(tag.format, any_whitespace)
     if spec.mode != "required":
         return tag
     # Required: calls and nothing else (xgrammar's builtin lets text follow the first call, and
@@ -128,6 +136,26 @@ def _tool_call_tag(spec: ToolCallGrammar) -> xgr.StructuralTag:
         stop_after_first=calls.stop_after_first,
     )
     return xgr.StructuralTag(format=only_calls)
+
+
+def _lay_out_json(node: BaseModel, any_whitespace: bool) -> None:
+    """Every JSON schema under `node` as a grammar of our layout: xgrammar's structural tags leave
+    JSON's whitespace free, and SmolLM2 then pretty-printed a call's arguments past max_tokens."""
+    for name in type(node).model_fields:
+        value = getattr(node, name)
+        if isinstance(value, list):
+            value[:] = [_laid_out(child, any_whitespace) for child in value]
+        else:
+            setattr(node, name, _laid_out(value, any_whitespace))
+
+
+def _laid_out(value: object, any_whitespace: bool) -> object:
+    if isinstance(value, JSONSchemaFormat) and value.style == "json":
+        schema = json.dumps(value.json_schema)
+        return GrammarFormat(grammar=str(xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)))
+    if isinstance(value, BaseModel):
+        _lay_out_json(value, any_whitespace)
+    return value
 
 
 class RequestGrammar:

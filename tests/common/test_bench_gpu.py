@@ -80,7 +80,8 @@ def test_a_checkpoint_without_a_tokenizer_serves_token_ids(tmp_path: Path):
     checkpoint = gpu_checks.random_checkpoint(tmp_path, "tiny-llama")
     assert not list(checkpoint.glob("tokenizer*"))
     llm = LLM(model=str(checkpoint), dtype="float32", kv_cache_bytes=4 << 20)
-    assert len(llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+    out = llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
     with pytest.raises(InvalidRequestError, match="no tokenizer"):
         llm.generate("text needs a tokenizer")
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from common.tool_parsers import StreamedMessage, parse_message
+from common.tool_parsers import Message, StreamedMessage, parse_message
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, {"note": "} ]"}]}}'
 ADD = '{"name": "add", "arguments": {"a": 1, "b": -2.5e3}}'
@@ -39,15 +39,33 @@ def test_arguments_are_the_models_own_json_text():
     "text",
     [
         "The capital of France is Paris.",
-        '<tool_call>\n{"name": "add", "arguments": {"a": 1',  # cut short (max_tokens)
+        "<tool_call>\n{}\n</tool_call>",  # an object without a name
         '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',  # a name that is no string
         "<tool_call> not json </tool_call>",
         '<tool_call>\n{"name": "a\\q", "arguments": {}}\n</tool_call>',  # a bad escape: not JSON
     ],
 )
-def test_text_that_holds_no_complete_call_is_all_content(text: str):
+def test_text_that_holds_no_call_is_all_content(text: str):
     message = parse_message(text, "hermes")
     assert message.tool_calls == [] and message.content == text.strip()
+
+
+@pytest.mark.parametrize(
+    ("text", "arguments"),
+    [
+        ('Sure.<tool_call>\n{"name": "add", "arguments": {"a": 1', '{"a": 1'),  # in its arguments
+        ('Sure.<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool', '{"a": 1}'),  # its closing tag
+    ],
+)
+def test_a_call_cut_short_by_max_tokens_leaves_no_tag_text(text: str, arguments: str):
+    message = parse_message(text, "hermes")
+    assert message.content == "Sure."
+    assert [c["function"] for c in message.tool_calls] == [{"name": "add", "arguments": arguments}]
+    content, calls = streamed(text, "hermes", piece=3)
+    assert content == "Sure." and [c["function"] for c in calls] == [
+        c["function"] for c in message.tool_calls
+    ]
+    assert parse_message('Sure.<tool_call>\n{"na', "hermes") == Message("Sure.", [])  # no name yet: no call
 
 
 def test_a_call_without_arguments_takes_none_and_a_missing_closing_tag_is_forgiven():

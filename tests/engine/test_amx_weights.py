@@ -78,7 +78,8 @@ def test_off_by_default_so_a_prefix_cache_hit_answers_with_the_same_logprobs():
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=3)
     cold, cached = (llm.chat(messages, params)[0] for _ in range(2))
     assert cached.num_cached_tokens >= 16  # the second found the first's blocks (16 tokens each)
-    assert cached.token_ids == cold.token_ids and cached.logprobs == cold.logprobs
+    assert cached.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert cached.outputs[0].logprobs == cold.outputs[0].logprobs
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ def async_engine():
 def test_streams_equal_offline_and_run_concurrently(async_engine, llm):
     prompts = ["The capital of France is", "1, 2, 3,", "def square(x):", "Hello there"]
     params = SamplingParams(max_tokens=12, temperature=0)
-    offline = [o.text for o in llm.generate(prompts, params)]
+    offline = [o.outputs[0].text for o in llm.generate(prompts, params)]
 
     async def collect(prompt: str) -> tuple[str, int, str]:
         stream = await async_engine.add_request(prompt, params)
@@ -175,7 +175,7 @@ def test_a_paused_engine_holds_its_requests_orders_new_ones_on_resume_and_loses_
 
     try:
         a_text, firsts = asyncio.run(main())
-        assert a_text == expected.text
+        assert a_text == expected.outputs[0].text
         assert firsts == ["c", "b"]
         wait_idle(engine.stats)
     finally:

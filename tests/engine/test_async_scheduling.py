@@ -86,7 +86,7 @@ def test_the_same_tokens_and_logprobs_as_synchronous_steps(config_name, monkeypa
     llm = LLM(async_scheduling=True, **config)
     seen = watch(llm, monkeypatch)
     outputs = llm.generate(PROMPTS, PARAMS)
-    for ours, theirs in zip(outputs, expected, strict=True):
+    for ours, theirs in zip([o.outputs[0] for o in outputs], [o.outputs[0] for o in expected], strict=True):
         assert (ours.token_ids, ours.finish_reason) == (theirs.token_ids, theirs.finish_reason)
         for mine, sync in zip(ours.logprobs or [], theirs.logprobs or [], strict=True):
             assert mine.token_id == sync.token_id and mine.rank == sync.rank
@@ -104,13 +104,13 @@ def test_the_same_tokens_and_logprobs_as_synchronous_steps(config_name, monkeypa
 
 def test_nothing_is_sent_past_a_stop_and_the_step_computed_after_it_is_dropped(llm: LLM, monkeypatch):
     prompt = "1, 2, 3, 4,"
-    greedy = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].token_ids
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0].token_ids
     stop_at = greedy[4]
     assert stop_at not in greedy[:4]
     stopping = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at])
     async_llm = LLM(dtype="float32", async_scheduling=True)
     seen = watch(async_llm, monkeypatch)
-    out = async_llm.generate([prompt], stopping)[0]
+    out = async_llm.generate([prompt], stopping)[0].outputs[0]
     assert (out.token_ids, out.finish_reason) == (greedy[:5], "stop")
     # The batch after the stopping token's was already on its way: it computed one more row.
     rows = [r for b in seen.batches for r in b.rows]
@@ -120,7 +120,7 @@ def test_nothing_is_sent_past_a_stop_and_the_step_computed_after_it_is_dropped(l
 
 def test_an_abort_while_its_batch_is_in_flight_sends_nothing_more(llm: LLM, monkeypatch):
     params = SamplingParams(max_tokens=10, temperature=0.0)
-    expected = llm.generate(["Once upon a time"], params)[0].token_ids
+    expected = llm.generate(["Once upon a time"], params)[0].outputs[0].token_ids
     async_llm = LLM(dtype="float32", async_scheduling=True)
     seen = watch(async_llm, monkeypatch)
     engine = async_llm.engine
@@ -154,8 +154,8 @@ def test_steps_go_one_at_a_time_while_a_constrained_request_runs(llm: LLM, monke
     async_llm = LLM(dtype="float32", async_scheduling=True)
     seen = watch(async_llm, monkeypatch)
     outputs = async_llm.generate(prompts, [constrained, plain])
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
-    json.loads(outputs[0].text)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    json.loads(outputs[0].outputs[0].text)
     with_grammar = [b for b in seen.batches if any(r.sampling and r.sampling.grammar for r in b.rows)]
     assert with_grammar and not set(map(id, with_grammar)) & set(map(id, seen.with_placeholders))
     # Once it ended, the plain request's steps went ahead again.
@@ -168,7 +168,7 @@ def test_steps_go_one_at_a_time_while_a_constrained_request_runs(llm: LLM, monke
 def test_a_batch_failing_on_submit_fails_only_its_faulty_request(llm: LLM, monkeypatch):
     params = SamplingParams(max_tokens=10, temperature=0.0)
     prompts = ["The capital of France is", "1, 2, 3,"]
-    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     async_llm = LLM(dtype="float32", async_scheduling=True)
     runner = async_llm.engine.core.runner
     submit = runner.submit
@@ -209,7 +209,7 @@ def test_a_batch_behind_a_whole_failure_still_runs_and_nothing_is_left_in_flight
     # Step N holds only `a`; N+1, scheduled ahead, holds a's next token and b's prompt. N+1 fails
     # on submit, and N, collected first, fails whole: a ends with error, and b's rows still run.
     params = SamplingParams(max_tokens=6, temperature=0.0)
-    expected = llm.generate(["1, 2, 3,"], params)[0].token_ids
+    expected = llm.generate(["1, 2, 3,"], params)[0].outputs[0].token_ids
     async_llm = LLM(dtype="float32", async_scheduling=True)
     engine, runner = async_llm.engine, async_llm.engine.core.runner
     engine.add_request("Once upon a time", params, "a")

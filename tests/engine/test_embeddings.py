@@ -76,7 +76,7 @@ def test_embeddings_beside_generation_leave_its_tokens_and_free_every_block(mean
     """Embedding prompts take the budget beside decodes and prompt chunks: the generations are
     the tokens they are alone, the embeddings still transformers'."""
     params = SamplingParams(max_tokens=8, temperature=0)
-    alone = [out.token_ids for out in mean_llm.generate([PROMPTS[0], PROMPTS[2]], params)]
+    alone = [out.outputs[0].token_ids for out in mean_llm.generate([PROMPTS[0], PROMPTS[2]], params)]
     engine = mean_llm.engine
     manager = engine.core.kv_cache_manager
     free_before = manager.num_free_blocks

@@ -20,59 +20,58 @@ def test_chat_answers_the_capital_of_france(llm):
         [{"role": "user", "content": "What is the capital of France?"}],
         SamplingParams(max_tokens=32, temperature=0),
     )
-    assert "Paris" in out[0].text
-    assert out[0].finish_reason == "stop"  # ended with <|im_end|>, which is not in the text
-    assert "<|im_end|>" not in out[0].text
-    assert out[0].token_ids[-1] == llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert "Paris" in out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop"  # ended with <|im_end|>, which is not in the text
+    assert "<|im_end|>" not in out[0].outputs[0].text
+    assert out[0].outputs[0].token_ids[-1] == llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
 
 
 def test_generate_returns_text_tokens_and_length_finish(llm):
     out = llm.generate("The capital of France is", SamplingParams(max_tokens=5, temperature=0))[0]
-    assert out.finish_reason == "length" and len(out.token_ids) == 5
-    assert out.text == llm.tokenizer.decode(out.token_ids)
-    assert out.text.startswith(" Paris")
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 5
+    assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+    assert out.outputs[0].text.startswith(" Paris")
 
 
 def test_token_id_prompts_equal_text_prompts(llm):
     params = SamplingParams(max_tokens=6, temperature=0)
     by_text = llm.generate("def add(a, b):", params)[0]
     by_ids = llm.generate([llm.tokenizer.encode("def add(a, b):")], params)[0]
-    assert by_text.token_ids == by_ids.token_ids
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
 
 
 def test_stop_string_ends_the_request_and_is_cut_from_the_text(llm):
     params = SamplingParams(max_tokens=40, temperature=0)
-    full = llm.generate("1, 2, 3, 4,", params)[0].text
+    full = llm.generate("1, 2, 3, 4,", params)[0].outputs[0].text
     assert " 7," in full
     out = llm.generate("1, 2, 3, 4,", SamplingParams(max_tokens=40, temperature=0, stop=[" 7,"]))[0]
-    assert out.finish_reason == "stop"
-    assert out.text == full[: full.index(" 7,")]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].text == full[: full.index(" 7,")]
     assert _all_blocks_free(llm)
 
 
 def test_extra_stop_token_ids_and_ignore_eos(llm):
     params = SamplingParams(max_tokens=20, temperature=0)
-    first = llm.generate("The capital of France is", params)[0].token_ids[2]
+    first = llm.generate("The capital of France is", params)[0].outputs[0].token_ids[2]
     out = llm.generate(
         "The capital of France is", SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[first])
     )[0]
-    assert out.finish_reason == "stop" and len(out.token_ids) == 3
+    assert out.outputs[0].finish_reason == "stop" and len(out.outputs[0].token_ids) == 3
     chat = [{"role": "user", "content": "Say hi."}]
     out = llm.chat(chat, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
-    assert out.finish_reason == "length" and len(out.token_ids) == 30
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 30
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234)
-    alone = llm.generate("Tell me a story:", params)[0].token_ids
+    alone = llm.generate("Tell me a story:", params)[0].outputs[0].token_ids
     batch = llm.generate(
         ["Tell me a story:", "Other", "Another prompt here"],
         [params, SamplingParams(max_tokens=12), SamplingParams(max_tokens=3, temperature=0.5)],
     )
-    assert batch[0].token_ids == alone
-    other = llm.generate("Tell me a story:", SamplingParams(max_tokens=12, temperature=1.0, seed=99))[
-        0
-    ].token_ids
+    assert batch[0].outputs[0].token_ids == alone
+    reseeded = SamplingParams(max_tokens=12, temperature=1.0, seed=99)
+    other = llm.generate("Tell me a story:", reseeded)[0].outputs[0].token_ids
     assert other != alone
 
 
@@ -130,7 +129,7 @@ def test_a_request_larger_than_the_whole_kv_pool_is_rejected_up_front():
     llm = LLM(num_kv_blocks=4)  # 64 tokens
     with pytest.raises(InvalidRequestError, match="whole KV pool"):
         llm.generate("hello " * 40, SamplingParams(max_tokens=30))
-    assert llm.generate("hello", SamplingParams(max_tokens=3))[0].finish_reason == "length"
+    assert llm.generate("hello", SamplingParams(max_tokens=3))[0].outputs[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize(
@@ -157,7 +156,7 @@ def test_bad_engine_settings_raise_value_errors_naming_the_field(settings, param
 def test_dummy_weights_run_on_token_ids_and_refuse_text():
     llm = LLM("dummy:smollm2-135m", max_model_len=256)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0))[0]
-    assert len(out.token_ids) == 4 and out.text == ""
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].text == ""
     with pytest.raises(InvalidRequestError, match="no tokenizer"):
         llm.generate("text", SamplingParams())
 

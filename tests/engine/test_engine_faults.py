@@ -38,7 +38,7 @@ def run_to_end(llm: LLM, request_ids: list[str]) -> dict[str, tuple[list[int], s
 
 def test_a_failing_request_fails_alone_and_its_batch_mates_are_untouched(llm, monkeypatch):
     prompts = ["The capital of France is", "1, 2, 3,", "def square(x):"]
-    expected = [o.token_ids for o in llm.generate(prompts, PARAMS)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
     fail_when(llm, monkeypatch, lambda request_id: request_id == "poison")
     engine = llm.engine
     ids = [engine.add_request(p, PARAMS, f"good-{i}") for i, p in enumerate(prompts)]
@@ -51,7 +51,7 @@ def test_a_failing_request_fails_alone_and_its_batch_mates_are_untouched(llm, mo
 
 
 def test_a_request_failing_mid_decode_ends_with_error_and_frees_its_blocks(llm, monkeypatch):
-    expected = llm.generate("Count: 1, 2,", PARAMS)[0].token_ids
+    expected = llm.generate("Count: 1, 2,", PARAMS)[0].outputs[0].token_ids
     engine = llm.engine
     engine.add_request("Count: 1, 2,", PARAMS, "late-poison")
     engine.add_request("Count: 1, 2,", PARAMS, "good")

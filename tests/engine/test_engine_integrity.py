@@ -102,7 +102,7 @@ def test_an_abort_landing_mid_step_never_touches_another_requests_kv(llm, tokeni
     num_blocks = 16
     keeper_prompt = story_ids(tokenizer, 96)  # 6 full blocks
     keeper_params = SamplingParams(max_tokens=12, **GREEDY)
-    expected = llm.generate([keeper_prompt], keeper_params)[0].token_ids
+    expected = llm.generate([keeper_prompt], keeper_params)[0].outputs[0].token_ids
     # The core on a thread of this process: the test steps into its runner.
     config = EngineConfig(
         num_kv_blocks=num_blocks, max_num_batched_tokens=32, dtype="float32", core_process=False
@@ -163,7 +163,7 @@ def test_keepers_tokens_survive_a_storm_of_adds_and_aborts_from_other_threads(ll
     rng = random.Random(12)
     keeper_prompts = [story_ids(tokenizer, n, offset) for n, offset in ((60, 0), (45, 17), (80, 33))]
     keeper_params = SamplingParams(max_tokens=24, **GREEDY)
-    expected = [o.token_ids for o in llm.generate(keeper_prompts, keeper_params)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(keeper_prompts, keeper_params)]
     fates = ("finish", "hang up", "abort")
     victims = [
         (

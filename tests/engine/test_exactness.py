@@ -33,7 +33,9 @@ def test_greedy_outputs_match_transformers(config_name, hf_model, tokenizer, hf_
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
 
     for prompt, ours, theirs in zip(PROMPTS, outs, hf_outputs, strict=True):
-        assert_matches_up_to_ties(hf_model, tokenizer(prompt).input_ids, ours.token_ids, theirs, config_name)
+        assert_matches_up_to_ties(
+            hf_model, tokenizer(prompt).input_ids, ours.outputs[0].token_ids, theirs, config_name
+        )
 
     assert llm.engine.core.kv_cache_manager.num_free_blocks == llm.engine.core.kv_cache_manager.num_blocks
     if config_name == "budget_16":

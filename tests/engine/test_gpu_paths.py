@@ -77,7 +77,7 @@ def test_decode_steps_through_the_padded_static_batch_give_the_same_tokens(tmp_p
     settings = dict(
         model=str(checkpoint), dtype="float32", attention_backend="triton", kv_cache_bytes=4 << 20
     )
-    expected = [o.token_ids for o in LLM(**settings).generate(prompts, params)]
+    expected = [o.outputs[0].token_ids for o in LLM(**settings).generate(prompts, params)]
 
     padded: list[tuple[int, int]] = []
     run = DecodeGraphs.run
@@ -89,7 +89,7 @@ def test_decode_steps_through_the_padded_static_batch_give_the_same_tokens(tmp_p
 
     monkeypatch.setattr(DecodeGraphs, "run", spy)
     llm = LLM(**settings, cuda_graphs=True, max_num_seqs=6)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert {(3, 4), (2, 2), (1, 1)} <= set(padded), padded
     assert llm.engine.core.runner.decode_graphs.sizes == (1, 2, 4, 6)
     assert not llm.engine.core.runner.decode_graphs.graphs  # nothing captured on a CPU

@@ -81,7 +81,7 @@ def test_mixed_batch_matches_transformers_peft(lora_llm, adapters, hf_model, tok
     by_adapter = {}
     for index, lora in enumerate(loras):
         theirs = _peft_greedy(hf_model, lora, prompt_ids)
-        ours = [out.token_ids for out in outs[index * 3 : index * 3 + 3]]
+        ours = [out.outputs[0].token_ids for out in outs[index * 3 : index * 3 + 3]]
         by_adapter[lora.name if lora else None] = ours
         for ids, mine, their in zip(prompt_ids, ours, theirs, strict=True):
             assert_matches_up_to_ties(hf_model, ids, mine, their, f"adapter {lora and lora.name}")
@@ -97,14 +97,14 @@ def test_on_demand_load_lru_and_slots(lora_llm, adapters):
     three adapters: the third waits, and its output is what it gives alone."""
     manager = lora_llm.engine.core.runner.lora
     steps = _record_step_adapters(lora_llm)
-    alone = lora_llm.generate(PROMPTS[0], GREEDY, lora_request=adapters["c"])[0].token_ids
+    alone = lora_llm.generate(PROMPTS[0], GREEDY, lora_request=adapters["c"])[0].outputs[0].token_ids
     assert [lora.name for lora in manager.loaded][-1] == "c"
     assert "a" not in {lora.name for lora in manager.loaded} or "b" not in {
         lora.name for lora in manager.loaded
     }
     mixed = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, lora=adapters[n]) for n in "abc"]
     outs = lora_llm.generate([PROMPTS[0]] * 3, mixed)
-    assert outs[2].token_ids == alone
+    assert outs[2].outputs[0].token_ids == alone
     assert max(len(step - {None}) for step in steps) <= 2
     assert len(manager.loaded) == 2 and set(manager.load_times_s) == {"a", "b", "c"}
     assert lora_llm.engine.core.stats.lora_adapters[-1] in {"a", "b", "c"}
@@ -117,7 +117,7 @@ def test_prefix_cache_is_not_shared_across_adapters(lora_llm, adapters):
     again_a = lora_llm.generate(prompt, GREEDY, lora_request=adapters["a"])[0]
     other = lora_llm.generate(prompt, GREEDY, lora_request=adapters["b"])[0]
     assert first_a.num_cached_tokens == 0 and other.num_cached_tokens == 0
-    assert again_a.num_cached_tokens > 0 and again_a.token_ids == first_a.token_ids
+    assert again_a.num_cached_tokens > 0 and again_a.outputs[0].token_ids == first_a.outputs[0].token_ids
 
 
 def test_adapter_requests_under_preemption_logprobs_and_grammar(lora_llm, adapters):
@@ -132,8 +132,8 @@ def test_adapter_requests_under_preemption_logprobs_and_grammar(lora_llm, adapte
     expected = roomy.generate(PROMPTS * 2, params)
     got = tight.generate(PROMPTS * 2, params)
     assert tight.engine.core.scheduler.num_preemptions > 0
-    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
-    for out in got:
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    for out in (o.outputs[0] for o in got):
         assert len(out.logprobs) == MAX_TOKENS
         assert all(entry.token_id == token for entry, token in zip(out.logprobs, out.token_ids, strict=True))
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -141,7 +141,7 @@ def test_adapter_requests_under_preemption_logprobs_and_grammar(lora_llm, adapte
         max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputs(json=json.dumps(schema))
     )
     answer = roomy.generate("Name a city as JSON:", structured, lora_request=adapters["a"])[0]
-    assert isinstance(json.loads(answer.text)["city"], str)
+    assert isinstance(json.loads(answer.outputs[0].text)["city"], str)
 
 
 def test_abort_frees_an_adapter_request(lora_llm, adapters):

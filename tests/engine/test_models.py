@@ -67,7 +67,7 @@ def test_architecture_matches_transformers(architecture, tmp_path: Path, model_d
             expected = hf.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None)[
                 0, ids.shape[1] :
             ]
-        assert out.token_ids == expected.tolist(), architecture
+        assert out.outputs[0].token_ids == expected.tolist(), architecture
 
 
 def test_a_directory_missing_weights_is_a_clear_error(tmp_path: Path, model_dir: Path):

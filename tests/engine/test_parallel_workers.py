@@ -26,10 +26,13 @@ def assert_same_up_to_near_ties(split, whole) -> None:
     """Token ids identical, each token's logprob within the tolerance; where they differ, the
     whole model's top two must be within the tolerance of each other (a near-tie)."""
     for ours, theirs in zip(split, whole, strict=True):
-        for mine, reference in zip(ours.logprobs, theirs.logprobs, strict=False):
+        for mine, reference in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=False):
             if mine.token_id != reference.token_id:
                 (_, best), (_, second) = reference.top[:2]
-                assert best - second <= LOGPROB_TOLERANCE, (ours.token_ids, theirs.token_ids)
+                assert best - second <= LOGPROB_TOLERANCE, (
+                    ours.outputs[0].token_ids,
+                    theirs.outputs[0].token_ids,
+                )
                 break
             assert abs(mine.logprob - reference.logprob) <= LOGPROB_TOLERANCE
 
@@ -145,7 +148,7 @@ def test_layouts_the_model_cannot_take_are_refused_by_name(settings, message):
 def test_a_dead_worker_fails_the_request_and_no_one_hangs():
     split_llm = LLM(model="dummy:tiny-llama", dtype="float32", kv_cache_bytes=4 << 20, tensor_parallel_size=2)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    assert len(split_llm.generate([[1, 2, 3]], params)[0].token_ids) == 4
+    assert len(split_llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids) == 4
     executor = split_llm.engine.core.runner
     worker = executor._workers[1].process
     os.kill(worker.pid, signal.SIGKILL)

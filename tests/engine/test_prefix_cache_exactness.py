@@ -45,7 +45,9 @@ def reference(hf_model):
 def _check(hf_model, reference, llm: LLM, batch: list[list[int]], label: str) -> list:
     outputs = llm.generate(batch, GREEDY)
     for prompt_ids, output in zip(batch, outputs, strict=True):
-        assert_matches_up_to_ties(hf_model, prompt_ids, output.token_ids, reference(prompt_ids), label)
+        assert_matches_up_to_ties(
+            hf_model, prompt_ids, output.outputs[0].token_ids, reference(prompt_ids), label
+        )
     return outputs
 
 
@@ -67,7 +69,7 @@ def test_repeats_shared_prefixes_and_conversations(enable_prefix_caching, prompt
         (answer,) = _check(hf_model, reference, llm, [conversation], f"{label}, turn {turn}")
         if enable_prefix_caching:
             assert answer.num_cached_tokens >= (len(conversation) - MAX_TOKENS - 20) // BLOCK * BLOCK
-        conversation = conversation + answer.token_ids + prompts["turn_question"]
+        conversation = conversation + answer.outputs[0].token_ids + prompts["turn_question"]
     # Idle: every block is free, and KV pressure ignores what is merely cached (evictable).
     stats = llm.engine.core.stats
     assert stats.num_free_blocks == stats.num_total_blocks and stats.kv_cache_usage == 0

@@ -192,7 +192,7 @@ def test_int8_serves_a_model_without_a_gguf_file():
     llm = LLM(**settings, quantization="int8")
     assert isinstance(llm.engine.core.runner.model.model.layers[0].mlp.down_proj.packed, QuantizedWeight)
     [out] = llm.generate([[5, 6, 7, 8]], params)
-    assert len(out.token_ids) == 4
+    assert len(out.outputs[0].token_ids) == 4
 
 
 @pytest.mark.parametrize(

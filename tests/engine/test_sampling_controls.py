@@ -28,7 +28,7 @@ def _json(strict: bool = True) -> StructuredOutputs:
 
 def test_plain_requests_get_their_own_tokens_beside_constrained_logprob_and_penalized_ones(llm: LLM):
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
-    alone = [llm.generate([p], greedy)[0].token_ids for p in PROMPTS]
+    alone = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in PROMPTS]
     others = [
         SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=_json()),
         SamplingParams(max_tokens=12, temperature=0.0, logprobs=5, prompt_logprobs=2),
@@ -36,8 +36,8 @@ def test_plain_requests_get_their_own_tokens_beside_constrained_logprob_and_pena
         SamplingParams(max_tokens=12, temperature=0.0, min_tokens=12, repetition_penalty=1.3, min_p=0.1),
     ]
     mixed = llm.generate(PROMPTS + PROMPTS, [greedy] * 4 + others)
-    assert [out.token_ids for out in mixed[:4]] == alone
-    json.loads(mixed[4].text)  # and the constrained one is JSON
+    assert [out.outputs[0].token_ids for out in mixed[:4]] == alone
+    json.loads(mixed[4].outputs[0].text)  # and the constrained one is JSON
 
 
 def test_greedy_logprobs_equal_transformers_log_softmax(exact_llm: LLM, hf_model, tokenizer):
@@ -47,11 +47,11 @@ def test_greedy_logprobs_equal_transformers_log_softmax(exact_llm: LLM, hf_model
     )[0]
     prompt_ids = tokenizer(prompt).input_ids
     with torch.no_grad():
-        logits = hf_model(torch.tensor([prompt_ids + out.token_ids])).logits[0].float()
+        logits = hf_model(torch.tensor([prompt_ids + out.outputs[0].token_ids])).logits[0].float()
     expected = logits.log_softmax(-1)
-    for position, logprob in enumerate(out.logprobs):
+    for position, logprob in enumerate(out.outputs[0].logprobs):
         row = expected[len(prompt_ids) - 1 + position]
-        assert logprob.token_id == out.token_ids[position] and logprob.rank == 1
+        assert logprob.token_id == out.outputs[0].token_ids[position] and logprob.rank == 1
         assert logprob.logprob == pytest.approx(row.max().item(), abs=1e-4)
         assert [t for t, _ in logprob.top] == row.topk(3).indices.tolist()
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt_ids) - 1
@@ -79,7 +79,7 @@ def test_prompt_logprobs_are_whole_through_chunks_the_prefix_cache_and_preemptio
         assert (ours.token_id, ours.rank) == (theirs.token_id, theirs.rank)
         assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
         assert [t for t, _ in ours.top] == [t for t, _ in theirs.top]
-    assert again[0].token_ids == first.token_ids
+    assert again[0].outputs[0].token_ids == first.outputs[0].token_ids
 
 
 def test_constrained_outputs_follow_their_grammar_through_chunks_and_preemption():
@@ -102,7 +102,7 @@ def test_constrained_outputs_follow_their_grammar_through_chunks_and_preemption(
     filler = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)  # the pool runs dry
     outs = llm.generate([*prompts, "Tell me a story.", "Count to ten."], [*params, filler, filler])
     assert llm.engine.core.scheduler.num_preemptions > 0
-    by_kind = dict(zip(specs, outs[: len(specs)], strict=True))
+    by_kind = dict(zip(specs, [o.outputs[0] for o in outs[: len(specs)]], strict=True))
     assert isinstance(json.loads(by_kind["json_object"].text), dict)
     person = json.loads(by_kind["json"].text)
     assert set(person) == {"name", "age"} and isinstance(person["age"], int)
@@ -118,10 +118,9 @@ def test_constrained_outputs_follow_their_grammar_through_chunks_and_preemption(
 def test_penalties_min_tokens_and_logit_bias(llm: LLM, tokenizer):
     prompt = "1, 2, 3, 4,"
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
-    plain = llm.generate([prompt], greedy)[0]
-    penalized = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, frequency_penalty=2.0))[
-        0
-    ]
+    plain = llm.generate([prompt], greedy)[0].outputs[0]
+    penalizing = SamplingParams(max_tokens=16, temperature=0.0, frequency_penalty=2.0)
+    penalized = llm.generate([prompt], penalizing)[0].outputs[0]
     assert penalized.token_ids != plain.token_ids
     # frequency 2 makes a repeat of the same token no likelier than its logit minus 2 per use
     assert max(penalized.token_ids.count(t) for t in set(penalized.token_ids)) < max(
@@ -130,10 +129,10 @@ def test_penalties_min_tokens_and_logit_bias(llm: LLM, tokenizer):
     eos = tokenizer.eos_token_id
     short = llm.generate(
         ["Say hi."], SamplingParams(max_tokens=64, temperature=0.0, logit_bias={eos: 100.0})
-    )[0]
+    )[0].outputs[0]
     assert short.token_ids == [eos] and short.finish_reason == "stop"
     held = SamplingParams(max_tokens=64, temperature=0.0, logit_bias={eos: 100.0}, min_tokens=5)
-    out = llm.generate(["Say hi."], held)[0]
+    out = llm.generate(["Say hi."], held)[0].outputs[0]
     assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and eos not in out.token_ids[:5]
 
 
@@ -151,16 +150,16 @@ def test_penalized_requests_get_the_same_tokens_through_chunks_and_preemption(ll
     tight = LLM(dtype="float32", max_num_batched_tokens=16, num_kv_blocks=8)
     crowded = tight.generate(PROMPTS, penalized)
     assert tight.engine.core.scheduler.num_preemptions > 0
-    assert [o.token_ids for o in crowded] == [o.token_ids for o in roomy]
+    assert [o.outputs[0].token_ids for o in crowded] == [o.outputs[0].token_ids for o in roomy]
     assert tight.engine.core.runner.rows.num_held <= len(PROMPTS)
 
 
 def test_seeded_sampling_is_reproducible_whatever_shares_its_batch(llm: LLM):
     seeded = SamplingParams(max_tokens=10, temperature=1.0, min_p=0.05, presence_penalty=0.5, seed=11)
-    alone = llm.generate([PROMPTS[0]], seeded)[0].token_ids
+    alone = llm.generate([PROMPTS[0]], seeded)[0].outputs[0].token_ids
     crowd = [SamplingParams(max_tokens=10, temperature=0.8, structured_outputs=_json(), logprobs=2)] * 3
     mixed = llm.generate(PROMPTS[:1] + PROMPTS[1:], [seeded, *crowd])
-    assert mixed[0].token_ids == alone
+    assert mixed[0].outputs[0].token_ids == alone
 
 
 @pytest.mark.parametrize(
@@ -207,7 +206,7 @@ def test_offline_chat_with_tools_makes_the_named_call_its_schema_allows(llm: LLM
         max_tokens=60, temperature=0.0, structured_outputs=StructuredOutputs(tool_calls=grammar)
     )
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    output = llm.chat(messages, params, tools=[{"type": "function", "function": weather}])[0]
+    output = llm.chat(messages, params, tools=[{"type": "function", "function": weather}])[0].outputs[0]
     calls = parse_message(output.text, "hermes").tool_calls
     assert output.finish_reason == "stop" and [c["function"]["name"] for c in calls] == ["get_weather"]
     assert set(json.loads(calls[0]["function"]["arguments"])) == {"city"}

@@ -60,6 +60,6 @@ def test_the_engine_on_the_triton_backend_answers_as_on_the_reference(llm):
     triton_llm = LLM(attention_backend="triton", kv_cache_bytes=16 << 20, device=DEVICE, dtype="float32")
     params = SamplingParams(max_tokens=4, temperature=0)
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    assert [o.token_ids for o in triton_llm.generate(prompts, params)] == [
-        o.token_ids for o in llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params)] == [
+        o.outputs[0].token_ids for o in llm.generate(prompts, params)
     ]

@@ -210,7 +210,7 @@ def test_killing_a_replica_mid_load_fails_only_its_requests_and_serve_replaces_i
 ):
     prompts = [f"{i}, {i + 1}, {i + 2}," for i in range(1, 61, 10)]
     params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
-    expected = [o.text for o in llm.generate(prompts, params)]
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params)]
     url = f"{fleet}/v1/completions"
     bodies = [{"prompt": p, "max_tokens": 100, "temperature": 0, "ignore_eos": True} for p in prompts]
 

@@ -217,8 +217,8 @@ def test_equal_pressure_ties_go_to_the_shorter_queue():
 
 
 def test_requests_count_their_prompt_and_output_tokens():
-    params = [SamplingParams(max_tokens=10), SamplingParams(max_tokens=20)]
-    request = GenerateRequest("r", [[1] * 100, [1, 2, 3]], params, n=2)
+    params = [SamplingParams(max_tokens=10, n=2), SamplingParams(max_tokens=20, n=2)]
+    request = GenerateRequest("r", [[1] * 100, [1, 2, 3]], params)
     assert request.requested_tokens() == 2 * ((100 + 10) + (3 + 20))
 
 

@@ -13,7 +13,7 @@ import pytest
 from common.block_hash import root_hash
 from common.messages import ChoiceDelta, Embeddings, EmbedRequest, GenerateError, GenerateRequest
 from common.routing_stats import RoutingStats
-from deployments.engine_replica import EngineReplica, wrap_int64
+from deployments.engine_replica import EngineReplica
 from replica_engine import EngineConfig, SamplingParams
 from replica_engine.core_loop import MAX_CONSECUTIVE_STEP_FAILURES
 from tests.engine.engine_idle import is_idle, wait_idle
@@ -45,7 +45,7 @@ def generate_request(
 ) -> GenerateRequest:
     """As the Ingress builds it: token ids and one SamplingParams per prompt."""
     ids = [replica.engine.inputs.prompts.tokenize(text) for text in texts]
-    return GenerateRequest(request_id, ids, [SamplingParams(**sampling) for _ in ids], n)
+    return GenerateRequest(request_id, ids, [SamplingParams(**sampling, n=n) for _ in ids])
 
 
 async def collect(
@@ -139,11 +139,6 @@ def test_embed_answers_every_input_in_order_from_the_core_process(replica: Engin
     assert isinstance(refused, GenerateError)
     assert (refused.param, refused.code) == ("prompt", "context_length_exceeded")
     wait_idle(replica.stats)
-
-
-def test_seeds_of_choices_stay_in_int64():
-    assert wrap_int64(2**63 - 1 + 1) == -(2**63)
-    assert wrap_int64(5) == 5 and wrap_int64(-(2**63)) == -(2**63)
 
 
 def test_the_routing_report_is_a_whole_routing_stats_message(replica):

@@ -26,7 +26,7 @@ def test_kv_exhaustion_preempts_and_recomputes_without_changing_greedy_output(
     serve_cluster: ServeCluster, small_app: str, llm: LLM
 ):
     params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
-    expected = llm.generate("Count to ten.", params)[0].text  # offline, a pool with room to spare
+    expected = llm.generate("Count to ten.", params)[0].outputs[0].text  # offline, a pool with room to spare
     before = scrape(serve_cluster, "ray_stallfree_num_preemptions_total", SMALL_APP)
     # Four choices of ~54 tokens need 16 blocks; the small app's pool has 8.
     body = {"prompt": "Count to ten.", "max_tokens": 50, "n": 4, "temperature": 0, "ignore_eos": True}

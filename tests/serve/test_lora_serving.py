@@ -115,7 +115,7 @@ def offline_answers(adapters: dict[str, Path]) -> dict[str | None, str]:
         for name, _ in cases.values()
     ]
     outputs = llm.generate([prompt for _, prompt in cases.values()], params)  # one batch, one call
-    return {key: output.text for key, output in zip(cases, outputs, strict=True)}
+    return {key: output.outputs[0].text for key, output in zip(cases, outputs, strict=True)}
 
 
 def complete(client: openai.OpenAI, model: str) -> openai.types.Completion:

@@ -62,17 +62,17 @@ def test_chat_and_completion_match_the_offline_engine(client: openai.OpenAI, ser
     params = SamplingParams(max_tokens=24, temperature=0.0)
     offline_chat = llm.chat(QUESTION, params)[0]
     chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
-    assert chat.choices[0].message.content == offline_chat.text
+    assert chat.choices[0].message.content == offline_chat.outputs[0].text
     assert "Paris" in chat.choices[0].message.content
-    assert chat.choices[0].finish_reason == offline_chat.finish_reason
+    assert chat.choices[0].finish_reason == offline_chat.outputs[0].finish_reason
     assert chat.usage.prompt_tokens == len(offline_chat.prompt_token_ids)
-    assert chat.usage.completion_tokens == len(offline_chat.token_ids)
+    assert chat.usage.completion_tokens == len(offline_chat.outputs[0].token_ids)
 
     prompt = "The capital of France is"
     offline = llm.generate(prompt, params)[0]
     completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
-    assert completion.choices[0].text == offline.text
-    assert completion.usage.total_tokens == len(offline.prompt_token_ids) + len(offline.token_ids)
+    assert completion.choices[0].text == offline.outputs[0].text
+    assert completion.usage.total_tokens == len(offline.prompt_token_ids) + len(offline.outputs[0].token_ids)
 
 
 def test_embeddings_match_the_offline_engine(client: openai.OpenAI, served_llm: LLM):

@@ -28,7 +28,9 @@ def split_app(serve_cluster: ServeCluster):
 
 
 def test_a_three_worker_replica_answers_as_the_whole_model(split_app: openai.OpenAI, exact_llm):
-    expected = [o.text for o in exact_llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0))]
+    expected = [
+        o.outputs[0].text for o in exact_llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0))
+    ]
     answers = [
         split_app.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
         for prompt in PROMPTS
