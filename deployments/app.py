@@ -20,6 +20,7 @@ from common.tokenizer import template_source
 from deployments.engine_replica import EngineReplica
 from deployments.in_process_engine import ColocatedReplica
 from deployments.ingress import Ingress, IngressSettings
+from deployments.llm_config import args_from_llm_config
 from deployments.lora_registry import LoraSettings, check_lora_settings, parse_lora_modules
 from deployments.placement_fit import check_fits, cluster_nodes
 from replica_engine import DEFAULT_MODEL, EngineConfig, SamplingParams
@@ -59,6 +60,13 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    llm_config: dict[str, Any] | None = Field(
+        default=None,
+        description="A Ray Serve LLM `LLMConfig` as its users write it (`model_loading_config`, "
+        "`engine_kwargs`, `deployment_config`, `accelerator_type`, `placement_group_config`, "
+        "`lora_config`), read into the settings here; a name with no match, or a setting given "
+        "both here and there, fails the deploy by name (docs/migrating.md)",
+    )
     model: str = Field(
         default=DEFAULT_MODEL,
         description="As `LLM(model=...)`: the embedded SmolLM2, a local Hugging Face directory, a "
@@ -270,6 +278,22 @@ class AppArgs(BaseModel):
         fields = type(self).model_fields
         names = ("request_router", "ingress_replicas", "ingress_max_ongoing_requests")
         return [name for name in names if getattr(self, name) != fields[name].default]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_llm_config(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("llm_config") is None:
+            return data
+        mapped = args_from_llm_config(data["llm_config"])
+        engine = dict(data.get("engine") or {})
+        for name, value in mapped.pop("engine", {}).items():
+            if name in engine:
+                raise ValueError(f"engine.{name}: set both in args and in llm_config")
+            engine[name] = value
+        both = sorted(set(mapped) & set(data))
+        if both:
+            raise ValueError(f"{both[0]}: set both in args and in llm_config")
+        return {**data, **mapped, "engine": engine}
 
     @model_validator(mode="after")
     def _colocated_has_no_router(self) -> "AppArgs":

@@ -114,3 +114,65 @@ def test_serves_target_ongoing_requests_is_read_where_serve_users_put_it():
     AppArgs(autoscaling_config=serve_style, target_ongoing_requests=8)  # the same value twice: fine
     with pytest.raises(ValueError, match=r"autoscaling_config\.target_ongoing_requests"):
         AppArgs(autoscaling_config=serve_style, target_ongoing_requests=2)
+
+
+RAY_SERVE_LLM = {  # an LLMConfig as Ray Serve LLM's docs write one, our model in its place
+    "model_loading_config": {"model_id": "my-llama", "model_source": "smollm2-135m-instruct"},
+    "engine_kwargs": {
+        "max_model_len": 2048,
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": 1 << 28,
+        "enable_auto_tool_choice": True,
+        "tool_call_parser": "hermes",
+    },
+    "deployment_config": {
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8},
+        "max_ongoing_requests": 64,
+    },
+    "accelerator_type": "H100",
+    "lora_config": {"dynamic_lora_loading_path": "/adapters", "max_num_adapters_per_replica": 4},
+    "log_engine_metrics": True,
+}
+
+
+def test_a_ray_serve_llm_config_is_read_into_ours():
+    args = AppArgs(llm_config=RAY_SERVE_LLM)
+    assert (args.served_model_name, args.model) == ("my-llama", "smollm2-135m-instruct")
+    assert args.engine == {
+        "max_model_len": 2048,
+        "cuda_graphs": False,
+        "kv_cache_bytes": 1 << 28,
+        "max_cpu_loras": 4,
+    }
+    assert (args.num_replicas, args.max_ongoing_requests, args.target_ongoing_requests) == ("auto", 64, 8)
+    assert args.autoscaling_config == RAY_SERVE_LLM["deployment_config"]["autoscaling_config"]
+    assert (args.resources, args.num_gpus) == ({"accelerator_type:H100": 0.001}, 1)
+    assert (args.tool_call_parser, args.lora_root) == ("hermes", "/adapters")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"engine_kwargs": {"speculative_config": {}}},
+            r"llm_config\.engine_kwargs\.speculative_config: not",
+        ),
+        ({"runtime_env": {"pip": ["x"]}}, r"llm_config\.runtime_env: set it on the application"),
+        (
+            {"placement_group_config": {"bundles": [{"GPU": 1}]}},
+            r"llm_config\.placement_group_config\.bundles",
+        ),
+        ({"deployment_config": {"graceful_shutdown_timeout_s": 5}}, "graceful_shutdown_timeout_s"),
+        ({"llm_engine": "vLLM"}, r"llm_config\.llm_engine: not"),
+    ],
+)
+def test_a_name_with_no_match_is_refused_by_name(change: dict, message: str):
+    with pytest.raises(ValueError, match=message):
+        AppArgs(llm_config={**RAY_SERVE_LLM, **change})
+
+
+def test_a_setting_given_twice_is_refused():
+    with pytest.raises(ValueError, match="max_ongoing_requests: set both in args and in llm_config"):
+        AppArgs(llm_config=RAY_SERVE_LLM, max_ongoing_requests=8)
+    with pytest.raises(ValueError, match=r"engine\.max_model_len: set both"):
+        AppArgs(llm_config=RAY_SERVE_LLM, engine={"max_model_len": 512})
