@@ -141,6 +141,28 @@ def model_config_dict(source: ModelSource) -> dict[str, Any]:
     return json.loads((source.hf_dir / "config.json").read_text())
 
 
+# generation_config.json's sampling fields -> SamplingParams' (vLLM's `--generation-config auto`)
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(source: ModelSource) -> dict[str, Any]:
+    """The sampling the model's generation_config.json recommends, as SamplingParams fields: what
+    vLLM applies to the fields a request leaves out (its `--generation-config auto`)."""
+    path = source.hf_dir / "generation_config.json" if source.hf_dir is not None else None
+    if path is None or not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    given = {theirs: value for theirs, value in config.items() if value is not None}
+    return {ours: given[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if theirs in given}
+
+
 def context_length(config: Mapping[str, Any]) -> int:
     """The model's context, capped at a sliding window: we attend over the full context, which
     equals sliding-window attention only up to the window's length."""

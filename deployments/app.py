@@ -180,9 +180,16 @@ class AppArgs(BaseModel):
     )
     sampling_defaults: dict[str, Any] = Field(
         default_factory=dict,
-        description="Sampling for the fields a request leaves out (vLLM's generation-config "
-        "defaults), e.g. the model card's `{temperature: 0.2, top_p: 0.9}`; without it, "
-        "OpenAI's (temperature 1)",
+        description="Sampling for the fields a request leaves out, e.g. `{temperature: 0.2, "
+        "top_p: 0.9}`: over the model's `generation_config.json` (see `generation_config`), "
+        "itself over OpenAI's defaults (temperature 1)",
+    )
+    generation_config: Literal["auto", "vllm"] = Field(
+        default="auto",
+        description="As vLLM's `--generation-config`: `auto` takes the model's "
+        "`generation_config.json` sampling (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens) for the fields a request leaves out; `vllm`: not it, only "
+        "`sampling_defaults`",
     )
     api_key_env: str | None = Field(
         default=None,
@@ -462,6 +469,7 @@ def build_app(args: AppArgs) -> Application:
         args.tool_call_parser,
         args.lora_settings(),
         args.reasoning_parser,
+        args.generation_config == "auto",
     )
     replica_options = {
         **placement,

@@ -32,7 +32,7 @@ from common.errors import InvalidRequestError
 from common.finish_reason import FinishReason
 from common.lora import LoRARequest
 from common.messages import ChoiceDelta, Embeddings, GenerateError, GenerateRequest
-from common.model_source import model_config_dict, resolve_model
+from common.model_source import ModelSource, generation_defaults, model_config_dict, resolve_model
 from common.prompts import Prompt, PromptProcessor
 from common.sampling_params import SamplingParams
 from common.tokenizer import Message
@@ -170,6 +170,15 @@ class IngressSettings:
     tool_call_parser: str | None = None  # how calls are read from the text (common.tool_parsers)
     lora: LoraSettings = field(default_factory=LoraSettings)  # the adapters `model` may name
     reasoning_parser: str | None = None  # how chat answers' reasoning is read (common.reasoning_parsers)
+    model_generation_config: bool = True  # the model's generation_config.json under sampling_defaults
+
+
+def sampling_defaults(source: ModelSource, settings: IngressSettings) -> dict[str, Any]:
+    """What fills the sampling fields a request leaves out: the app's `sampling_defaults` over the
+    model's generation_config.json (vLLM's `--generation-config auto`), unless turned off."""
+    model_defaults = generation_defaults(source) if settings.model_generation_config else {}
+    SamplingParams(**model_defaults)  # a bad value fails the replica's start, naming the field
+    return {**model_defaults, **settings.sampling_defaults}
 
 
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
@@ -188,7 +197,7 @@ class Ingress:
         SERVED[MODEL_LABEL] = settings.model_name
         self.lora = LoraRegistry(settings.model_name, model_config, settings.lora)
         self.model_root = settings.model  # where the model came from, as vLLM's /v1/models says
-        self.sampling_defaults = settings.sampling_defaults
+        self.sampling_defaults = sampling_defaults(source, settings)
         self.max_body_bytes = settings.max_request_body_bytes
         self.request_timeout_s = settings.request_timeout_s
         self.api_keys = load_api_keys(settings.api_key_env, settings.api_key_file)

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from common.lora import LoRARequest
-from common.model_source import DEFAULT_MODEL
+from common.model_source import DEFAULT_MODEL, generation_defaults, resolve_model
 from common.prompts import Prompt
 from common.sampling_params import SamplingParams
 from common.tokenizer import Message
@@ -45,9 +45,9 @@ class LLM:
         return self._run([self.engine.tokenize(p) for p in prompts], texts, sampling_params)
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What a request that sets nothing gets (vLLM's: from the model's generation config; here
-        SamplingParams' own defaults, which the API's `sampling_defaults` setting replaces)."""
-        return SamplingParams()
+        """What the model's generation_config.json recommends, over SamplingParams' defaults (as
+        vLLM's): pass it, changed or not, to generate with them."""
+        return SamplingParams(**generation_defaults(resolve_model(self.engine.config.model)))
 
     def embed(self, prompts: Prompt | list[Prompt]) -> list[EmbeddingOutput]:
         """Every prompt's embedding (text, or a list of token ids), in prompt order: its prompt
