@@ -82,7 +82,7 @@ def engine_as_served(
     torch unless `num_threads`): the engine without Ray."""
     import torch
 
-    from deployments.app import AppArgs
+    from deployments.app_args import AppArgs
     from replica_engine import AsyncEngine
 
     shipped = shipped_app_config(base)["applications"][0]["args"]

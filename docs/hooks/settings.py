@@ -68,7 +68,7 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def app_args_rows() -> list[list[str]]:
-    from deployments.app import AppArgs
+    from deployments.app_args import AppArgs
 
     rows = []
     for name, info in AppArgs.model_fields.items():
@@ -115,12 +115,12 @@ def engine_config_rows() -> list[list[str]]:
 
 def render(which: str) -> str:
     if which == "AppArgs":
-        from deployments.app import SAMPLING_DEFAULTS
+        from deployments.app_args import SAMPLING_DEFAULTS
 
         sampling = ", ".join(f"`{name}`" for name in sorted(SAMPLING_DEFAULTS))
         return _table(app_args_rows()) + f"\n\n`sampling_defaults` takes: {sampling}."
     if which == "EngineConfig":
-        from deployments.app import ENGINE_KNOBS
+        from deployments.app_args import ENGINE_KNOBS
         from replica_engine.config import EngineConfig
 
         left_out = sorted({f.name for f in dataclasses.fields(EngineConfig)} - ENGINE_KNOBS)

@@ -29,7 +29,7 @@ def pages() -> list[Path]:
 
 
 def test_every_setting_has_a_description_in_its_table() -> None:
-    from deployments.app import AppArgs
+    from deployments.app_args import AppArgs
     from replica_engine.config import EngineConfig
 
     app = settings.render("AppArgs")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from common.model_source import DEFAULT_MODEL, resolve_model
-from deployments.app import AppArgs
+from deployments.app_args import AppArgs
 from deployments.ingress import IngressSettings, sampling_defaults
 from replica_engine import LLM, SamplingParams
 

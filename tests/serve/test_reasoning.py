@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from common.finish_reason import FinishReason
 from common.messages import ChoiceDelta
-from deployments.app import AppArgs
+from deployments.app_args import AppArgs
 from deployments.responses import CHAT, ResponseWriter, ToolCallReading, Usage
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'

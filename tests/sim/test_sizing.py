@@ -94,7 +94,7 @@ def test_the_command_finds_the_fewest_replicas_meeting_the_ttft_target(tmp_path,
 
 
 def test_every_serve_config_setting_is_either_modeled_or_known_not_to_matter():
-    from deployments.app import AppArgs
+    from deployments.app_args import AppArgs
     from fleet_sim.sizing import APP_IGNORED, APP_MODELED
 
     assert set(AppArgs.model_fields) == APP_MODELED | APP_IGNORED  # a new setting needs a decision here
