@@ -23,20 +23,18 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import InvalidRequestError
 from common.finish_reason import FinishReason
 from common.lora import LoRARequest
-from common.messages import ChoiceDelta, Embeddings, GenerateError, GenerateRequest
+from common.messages import ChoiceDelta, Embeddings, GenerateRequest
 from common.model_source import ModelSource, generation_defaults, model_config_dict, resolve_model
 from common.prompts import Prompt, PromptProcessor
 from common.sampling_params import SamplingParams
 from common.tokenizer import Message
-from deployments import embeddings_api, tokenize_api
+from deployments import embeddings_api, replica_calls, tokenize_api
 from deployments.auth import check_api_key, load_api_keys
 from deployments.http_metrics import MODEL_LABEL, HttpMetricsMiddleware
 from deployments.in_process_engine import ColocatedReplica, InProcessEngine, build_in_process_engine
@@ -69,7 +67,6 @@ if TYPE_CHECKING:  # the engine's types: this process runs no engine (unless col
 
 logger = logging.getLogger("ray.serve")
 HEALTH_TIMEOUT_S = 5.0
-RETRY_AFTER_S = 1  # when a replica's queue is full and Serve gives no hint
 
 app = FastAPI(title="stallfree", description="OpenAI-compatible LLM serving")
 SERVED: dict[str, str] = {}  # the HTTP metrics' labels, set by the process's Ingress
@@ -97,63 +94,6 @@ async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse
 async def _server_error(_: Request, error: Exception) -> JSONResponse:
     logger.exception("request failed")
     return await _api_error(_, ApiError(500, f"internal error: {error}", error_type="server_error"))
-
-
-async def _replies(
-    replica_call: DeploymentResponseGenerator, deadline: float | None
-) -> AsyncIterator[list[ChoiceDelta] | Embeddings]:
-    """The replica's items for one request (delta batches; or embed's one Embeddings). Every way
-    that can end badly becomes an ApiError: a refusal or engine fault (the replica's
-    GenerateError), a full queue, a dead replica, or the request's deadline (loop time). The
-    caller cancels `replica_call` (_cancel) when done with it."""
-    try:
-        while True:
-            async with asyncio.timeout_at(deadline):
-                item = await anext(replica_call, None)
-            if item is None:
-                return
-            if isinstance(item, GenerateError):
-                error_type = "invalid_request_error" if item.status < 500 else "server_error"
-                headers = {"Retry-After": str(RETRY_AFTER_S)} if item.status == 503 else None
-                raise ApiError(item.status, item.message, item.param, item.code, error_type, headers)
-            yield item
-    except TimeoutError:
-        raise ApiError(
-            408, "request timed out (request_timeout_s)", code="request_timeout", error_type="timeout"
-        ) from None
-    except BackPressureError as error:
-        retry_after = error.retry_after_s if error.retry_after_s is not None else RETRY_AFTER_S
-        raise ApiError(
-            503,
-            f"server busy: {error.message} Retry later.",
-            code="overloaded",
-            error_type="server_error",
-            headers={"Retry-After": str(max(1, round(retry_after)))},
-        ) from None
-    except RayActorError as error:  # the replica died (Serve starts a new one): the request is lost
-        logger.warning("replica failed mid-request: %s", error)
-        raise ApiError(
-            503,
-            "the replica serving this request stopped; retry the request",
-            code="replica_failed",
-            error_type="server_error",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        ) from None
-
-
-def _cancel(replica_call: DeploymentResponseGenerator) -> None:
-    """Abort the replica call (a no-op once it has ended). Serve's cancel() re-raises a call
-    that failed before reaching a replica (a full queue): that failure is already answered."""
-    with contextlib.suppress(Exception):
-        replica_call.cancel()
-
-
-async def _prepend(
-    first: list[ChoiceDelta], rest: AsyncIterator[list[ChoiceDelta]]
-) -> AsyncIterator[list[ChoiceDelta]]:
-    yield first
-    async for batch in rest:
-        yield batch
 
 
 @dataclass(frozen=True)
@@ -303,12 +243,12 @@ class Ingress:
             )
         embed = embeddings_api.embed_request(self.prompts, body, self.hidden_size)
         # Routed as generate is (the routers read the same fields); a stream of one item, so that
-        # _replies' deadline and errors hold for it too, and cancelling aborts its inputs.
+        # replica_calls.replies' deadline and errors hold for it too, and cancelling aborts its inputs.
         replica_call: DeploymentResponseGenerator = self.engine.options(stream=True).embed.remote(embed)
         try:
-            embeddings = await anext(_replies(replica_call, self._deadline()))
+            embeddings = await anext(replica_calls.replies(replica_call, self._deadline()))
         finally:
-            _cancel(replica_call)
+            replica_calls.cancel(replica_call)
         assert isinstance(embeddings, Embeddings)
         return embeddings_api.response(body, self.model_name, embeddings)
 
@@ -410,11 +350,11 @@ class Ingress:
         # gets the request; it reads `generate`'s prompt token ids and the replicas' RoutingStats.
         # Serve's streaming call to a replica's generate: delta batches, or one GenerateError
         replica_call: DeploymentResponseGenerator = self.engine.options(stream=True).generate.remote(generate)
-        replies = _replies(replica_call, deadline)
+        replies = replica_calls.replies(replica_call, deadline)
         try:
             first = await anext(replies)  # the engine's verdict comes before any header is sent
         except BaseException:
-            _cancel(replica_call)
+            replica_calls.cancel(replica_call)
             raise
         writer = ResponseWriter(
             endpoint,
@@ -434,9 +374,9 @@ class Ingress:
             events = self._events(writer, first, replies, replica_call)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            return JSONResponse(await writer.whole(_prepend(first, replies)))
-        finally:
-            _cancel(replica_call)  # a no-op once finished; aborts the request if it failed or was cancelled
+            return JSONResponse(await writer.whole(replica_calls.prepend(first, replies)))
+        finally:  # a no-op once finished; aborts the request if it failed or was cancelled
+            replica_calls.cancel(replica_call)
 
     @staticmethod
     async def _events(
@@ -446,7 +386,7 @@ class Ingress:
         replica_call: DeploymentResponseGenerator,
     ) -> AsyncIterator[str]:
         try:
-            async for event in writer.events(_prepend(first, replies)):
+            async for event in writer.events(replica_calls.prepend(first, replies)):
                 yield event
         except Exception as error:  # headers are sent: the failure goes in the stream
             if not isinstance(error, ApiError):
@@ -454,5 +394,5 @@ class Ingress:
                 error = ApiError(500, f"internal error: {error}", error_type="server_error")
             yield sse_event(error.body)
             yield "data: [DONE]\n\n"
-        finally:
-            _cancel(replica_call)  # the client went away (CancelledError) or we are done: free the KV blocks
+        finally:  # the client went away (CancelledError) or we are done: free the KV blocks
+            replica_calls.cancel(replica_call)
