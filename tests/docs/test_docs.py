@@ -41,14 +41,14 @@ def test_every_setting_has_a_description_in_its_table() -> None:
 
 
 def test_a_setting_without_a_description_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    import deployments.app
+    import deployments.app_args
     import replica_engine.config
 
     class Undocumented(BaseModel):
         documented: int = Field(default=1, description="has one")
         new_knob: int = 2
 
-    monkeypatch.setattr(deployments.app, "AppArgs", Undocumented)
+    monkeypatch.setattr(deployments.app_args, "AppArgs", Undocumented)
     with pytest.raises(settings.MissingDescription, match="new_knob"):
         settings.app_args_rows()
 
