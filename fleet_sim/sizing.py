@@ -59,10 +59,12 @@ APP_MODELED = {
     "engine",
     "ingress_replicas",
     "ingress",
+    "llm_config",  # refused: the simulator reads our names (docs/migrating.md maps them)
 }
 APP_IGNORED = {"served_model_name", "num_gpus", "num_cpus", "resources", "cpu_threads", "max_queued_requests",
                "placement_strategy",
-               "sampling_defaults", "ingress_max_ongoing_requests", "request_timeout_s", "api_key_env",
+               "sampling_defaults", "generation_config", "reasoning_parser",
+               "ingress_max_ongoing_requests", "request_timeout_s", "api_key_env",
                "api_key_file", "max_request_body_bytes", "chat_template", "tool_call_parser",
                # LoRA: a trace names each request's adapter; no adapter file is read
                "lora_modules", "lora_root", "allow_runtime_lora_updating",
@@ -171,6 +173,10 @@ def fleet_settings(path: Path) -> tuple[ReplicaConfig, int, str]:
         raise ValueError(
             f"{path}: args.ingress_replicas {args['ingress_replicas']}: the simulator routes with one "
             "router (several learn each other's choices only from the replicas' reports)"
+        )
+    if args.get("llm_config") is not None:
+        raise ValueError(
+            f"{path}: args.llm_config: write its settings as ours to size a fleet (docs/migrating.md)"
         )
     if args.get("ingress", "auto") == "colocated":
         raise ValueError(
