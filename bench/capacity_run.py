@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 from bench.driver import Arrival, EngineClient, engine_as_served, greedy
 from common.latency import percentile
+from common.metrics_sinks import PREFIX
 from harness.pacing import open_loop
 from harness.random_workload import log_uniform, random_tokens
-from replica_engine.metrics.engine_metrics import PREFIX
 
 if TYPE_CHECKING:
     from replica_engine.scheduler.plan import StepSummary

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+PREFIX = "stallfree_"  # of every metric of ours (Ray exports it as `ray_stallfree_...`)
 Labels = dict[str, str]
 # One update, as BufferedSink records it for another process to replay: (metric name, method
 # of its instrument: inc / set / observe, value, labels).

@@ -12,16 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.stream_text import held_back
+
 START, END = "<think>", "</think>"
 PARSERS = {"qwen3": False, "deepseek_r1": True}  # name -> the answer starts inside <think>
-
-
-def _held_back(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could begin `tag` (wait before sending them)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
 
 
 def split_reasoning(text: str, parser: str, final: bool) -> tuple[str, str]:
@@ -41,7 +35,7 @@ def split_reasoning(text: str, parser: str, final: bool) -> tuple[str, str]:
         return body[:end].strip(), body[end + len(END) :].lstrip()
     if final:
         return body.strip(), ""
-    return body[: len(body) - _held_back(body, END)].lstrip().rstrip(), ""
+    return body[: len(body) - held_back(body, END)].strip(), ""
 
 
 @dataclass

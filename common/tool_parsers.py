@@ -13,6 +13,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from common.stream_text import held_back
+
 _WHITESPACE = " \t\n\r"
 _SCALAR_END = ",}]" + _WHITESPACE
 
@@ -138,14 +140,6 @@ def _json_value(text: str) -> object:
         return None
 
 
-def _held_back(text: str, start: str) -> int:
-    """How many characters at the end of `text` could begin `start` (wait before sending them)."""
-    for size in range(min(len(start) - 1, len(text)), 0, -1):
-        if start.startswith(text[-size:]):
-            return size
-    return 0
-
-
 def parse(text: str, format_name: str, final: bool) -> Parsed:
     """The text's calls and the text around them. Not `final`: the text may go on, so a tail that
     could begin a call is held back (in neither part)."""
@@ -157,7 +151,7 @@ def parse(text: str, format_name: str, final: bool) -> Parsed:
         at = text.find(fmt.start, i)
         if at < 0:
             tail = text[i:]
-            content.append(tail if final else tail[: len(tail) - _held_back(tail, fmt.start)])
+            content.append(tail if final else tail[: len(tail) - held_back(tail, fmt.start)])
             break
         content.append(text[i:at])
         object_at = _skip_whitespace(text, at + len(fmt.start)) if fmt.object_inside else at

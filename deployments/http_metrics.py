@@ -8,9 +8,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from common.metrics_sinks import Counter, MetricsSink, RayServeSink
+from common.metrics_sinks import PREFIX, Counter, MetricsSink, RayServeSink
 
-PREFIX = "stallfree_"
 MODEL_LABEL, ROUTE_LABEL, STATUS_LABEL = "model_name", "route", "status"
 UNMATCHED_ROUTE = "unmatched"  # a path no endpoint serves (its 404), one label value for all
 

@@ -214,9 +214,14 @@ class Ingress:
         if self.tool_call_parser is not None and mode != "none":
             finish = FinishReason.STOP if mode == "named" else FinishReason.TOOL_CALLS
             calls = ToolCallReading(self.tool_call_parser, finish)
-        reasoning = self.reasoning_parser
         return await self._respond(
-            generate, body, CHAT, tool_calls=calls, reasoning_parser=reasoning, model_name=body.model
+            generate,
+            body,
+            CHAT,
+            tool_calls=calls,
+            reasoning_parser=self.reasoning_parser,
+            include_reasoning=body.include_reasoning,
+            model_name=body.model,
         )
 
     @app.post("/tokenize")
@@ -342,6 +347,7 @@ class Ingress:
         echoed: list[EchoedPrompt] | None = None,
         tool_calls: ToolCallReading | None = None,
         reasoning_parser: str | None = None,
+        include_reasoning: bool = True,
         model_name: str | None = None,
     ) -> Response:
         deadline = self._deadline()
@@ -368,7 +374,7 @@ class Ingress:
             echoed,
             tool_calls,
             reasoning_parser,
-            getattr(body, "include_reasoning", True),  # a chat request's; completions have none
+            include_reasoning,
         )
         if body.stream:
             events = self._events(writer, first, replies, replica_call)

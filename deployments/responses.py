@@ -274,8 +274,8 @@ class ResponseWriter:
                         text, calls = self._streamed_calls(streams, delta, text)
                     # with logprobs, every token's chunk goes out, its text held back or not
                     with_logprobs = self.logprobs is not None and bool(delta.token_ids)
-                    held = text or reasoning or (calls and calls[0])
-                    sends = bool(held or delta.finish_reason or first or with_logprobs)
+                    news = text or reasoning or (calls and calls[0])
+                    sends = bool(news or delta.finish_reason or first or with_logprobs)
                 else:
                     echoed = self._echoed(delta.index) if first else None
                     text = (echoed.text if echoed else "") + text

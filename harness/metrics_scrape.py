@@ -14,7 +14,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.finish_reason import FinishReason
-from replica_engine.metrics.engine_metrics import PREFIX, REASON_LABEL
+from common.metrics_sinks import PREFIX
+from replica_engine.metrics.engine_metrics import REASON_LABEL
 
 
 class MetricsSource(Protocol):

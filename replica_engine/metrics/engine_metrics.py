@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from common.finish_reason import FinishReason
-from common.metrics_sinks import Counter, Gauge, Histogram, MetricOp, MetricsSink
+from common.metrics_sinks import PREFIX, Counter, Gauge, Histogram, MetricOp, MetricsSink
 from replica_engine.request import Request
 from replica_engine.scheduler.plan import StepSummary
 from replica_engine.scheduler.token_budget import BudgetDecision
@@ -14,7 +14,6 @@ from replica_engine.scheduler.token_budget import BudgetDecision
 if TYPE_CHECKING:
     from replica_engine.outputs import EngineStats
 
-PREFIX = "stallfree_"
 # Fine enough to read SLO lines off: 0.1 / 0.25 / 0.5 / 1 / 2 / 5 s for latencies ...
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640)
 # ... and 5 / 10 / 25 / 50 / 100 / 200 / 500 ms between tokens.
