@@ -48,6 +48,9 @@ class StructuredOutputs:
     strict: bool = False
     # JSON without free whitespace (vLLM's per-request field); None: the server's setting
     disable_any_whitespace: bool | None = None
+    # a reasoning parser's name (common.reasoning_parsers): the grammar holds after the model's
+    # thinking, which is free (as vLLM's structured outputs with a reasoning parser)
+    after_reasoning: str | None = None
     param: str = field(default="structured_outputs", compare=False)  # the request field it came from
 
     def __post_init__(self) -> None:

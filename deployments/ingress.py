@@ -203,7 +203,8 @@ class Ingress:
         body = parse_body(ChatCompletionRequest, await self._read_body(request))
         lora = self._check_model(body.model)
         conversation, tools = body.conversation(), body.template_tools()
-        sampling = {**body.sampling(self.sampling_defaults, self.tool_call_parser), "lora": lora}
+        sampling = body.sampling(self.sampling_defaults, self.tool_call_parser, self.reasoning_parser)
+        sampling["lora"] = lora
         pool_tokens = await self._pool_tokens()
         template = {"tools": tools, "template_kwargs": body.chat_template_kwargs}
         generate = self._generate_request(

@@ -5,6 +5,7 @@ wrong types and missing fields all become one OpenAI-shaped 400 (never FastAPI's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -292,24 +293,30 @@ class ChatCompletionRequest(SamplingRequest):
             return None
         return self.top_logprobs or 0
 
-    def sampling(self, defaults: dict[str, Any], call_format: str | None = None) -> dict[str, Any]:
+    def sampling(
+        self, defaults: dict[str, Any], call_format: str | None = None, reasoning_parser: str | None = None
+    ) -> dict[str, Any]:
         """As SamplingRequest's, and calls to the tools constrained to the format the server's
-        tool_call_parser (`call_format`) reads."""
+        tool_call_parser (`call_format`) reads. With a `reasoning_parser`, the model thinks freely
+        first: any constraint holds after its thinking (as vLLM's)."""
         sampling = super().sampling(defaults)
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins over max_tokens
             sampling["max_tokens"] = self.max_completion_tokens
         mode, tools = tool_mode(self.tools, self.tool_choice)
-        if mode == "none":
-            return sampling
-        if sampling.get("structured_outputs") is not None:
-            raise InvalidRequestError(
-                "tool_choice",
-                "tools cannot be combined with response_format or structured_outputs (set it to none)",
-            )
-        if call_format is None:
-            raise InvalidRequestError("tool_choice", f"{mode!r} needs the server's tool_call_parser set")
-        grammar = tool_grammar(mode, tools, call_format, self.parallel_tool_calls is not False)
-        return {**sampling, "structured_outputs": StructuredOutputs(tool_calls=grammar, param="tools")}
+        if mode != "none":
+            if sampling.get("structured_outputs") is not None:
+                raise InvalidRequestError(
+                    "tool_choice",
+                    "tools cannot be combined with response_format or structured_outputs (set it to none)",
+                )
+            if call_format is None:
+                raise InvalidRequestError("tool_choice", f"{mode!r} needs the server's tool_call_parser set")
+            grammar = tool_grammar(mode, tools, call_format, self.parallel_tool_calls is not False)
+            sampling["structured_outputs"] = StructuredOutputs(tool_calls=grammar, param="tools")
+        spec = sampling.get("structured_outputs")
+        if spec is not None and reasoning_parser is not None:
+            sampling["structured_outputs"] = dataclasses.replace(spec, after_reasoning=reasoning_parser)
+        return sampling
 
     def conversation(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)

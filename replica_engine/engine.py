@@ -107,9 +107,12 @@ class LLMEngine:
         return self.inputs.prompts.tokenize(prompt)
 
     def chat_prompt_ids(
-        self, messages: list[Message], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[Message],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        return self.inputs.prompts.chat_prompt(messages, tools=tools)[1]
+        return self.inputs.prompts.chat_prompt(messages, tools=tools, template_kwargs=template_kwargs)[1]
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None

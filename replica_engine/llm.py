@@ -72,12 +72,14 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation, or a list of them; each is answered as the assistant's next turn.
-        `tools` (OpenAI's function tools) go to the chat template, as vLLM's LLM.chat; the text
-        is not parsed for calls (common.tool_parsers.parse_message reads them)."""
+        `tools` (OpenAI's function tools) and `chat_template_kwargs` (e.g. Qwen3's
+        `enable_thinking`) go to the chat template, as vLLM's LLM.chat; the text is not parsed
+        for calls (common.tool_parsers.parse_message reads them)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.chat_prompt_ids(c, tools) for c in conversations]
+        prompts = [self.engine.chat_prompt_ids(c, tools, chat_template_kwargs) for c in conversations]
         tokenizer = self.engine.tokenizer
         texts = [tokenizer.decode(ids) if tokenizer is not None else None for ids in prompts]
         return self._run(prompts, texts, sampling_params)

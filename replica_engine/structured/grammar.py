@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from dataclasses import dataclass
 
 import torch
 import xgrammar as xgr
@@ -24,6 +25,7 @@ from xgrammar.structural_tag import (
 )
 
 from common.errors import InvalidRequestError
+from common.reasoning_parsers import END, PARSERS, START
 from common.structured_outputs import StructuredOutputs, ToolCallGrammar
 from replica_engine.structured.schema_check import check_schema
 
@@ -33,12 +35,30 @@ _tokenizer_info: xgr.TokenizerInfo | None = None
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[05:41:18] /project/cpp/x.cc:83: " before xgrammar's text
 
 
+@dataclass(frozen=True)
+class ThinkingGate:
+    """Where a reasoning model's free thinking ends and its grammar begins: at the `end` token.
+    `may_open`: the answer thinks only where its first token is `start` (Qwen3's); else it
+    starts inside the thinking (DeepSeek-R1's template opens it in the prompt)."""
+
+    start: int
+    end: int
+    may_open: bool
+
+
 class GrammarCompiler:
-    def __init__(self, info: xgr.TokenizerInfo, any_whitespace: bool = False) -> None:
+    def __init__(
+        self,
+        info: xgr.TokenizerInfo,
+        any_whitespace: bool = False,
+        think_tokens: tuple[int, int] | None = None,
+    ) -> None:
         global _tokenizer_info
         _tokenizer_info = info
         self.vocab_size = info.vocab_size
         self.any_whitespace = any_whitespace  # the server's default; a request may override it
+        # <think> and </think>, where each is one token: a reasoning model's grammar waits for them
+        self.think_tokens = think_tokens
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._lock = threading.Lock()  # one compile at a time: a replica's CPU is the step's too
 
@@ -53,7 +73,9 @@ class GrammarCompiler:
         """For the model's tokenizer; any of `stop_token_ids` (eos, chat-end) ends a grammar."""
         stop = sorted(stop_token_ids)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
-        return cls(info, any_whitespace)
+        tags = [tokenizer.encode(tag, add_special_tokens=False) for tag in (START, END)]
+        think_tokens = (tags[0][0], tags[1][0]) if all(len(ids) == 1 for ids in tags) else None
+        return cls(info, any_whitespace, think_tokens)
 
     def compile(self, spec: StructuredOutputs) -> RequestGrammar:
         """A fresh matcher for `spec`, or InvalidRequestError naming the request field it came from."""
@@ -70,7 +92,10 @@ class GrammarCompiler:
         except Exception as error:  # xgrammar's RuntimeError (or its own types) for a bad spec
             lines = str(error).strip().splitlines() or [type(error).__name__]
             raise InvalidRequestError(spec.param, f"cannot compile: {_LOCATION.sub('', lines[-1])}") from None
-        return RequestGrammar(compiled, self.vocab_size)
+        gate = None
+        if spec.after_reasoning is not None and self.think_tokens is not None:
+            gate = ThinkingGate(*self.think_tokens, may_open=not PARSERS[spec.after_reasoning])
+        return RequestGrammar(compiled, self.vocab_size, gate)
 
     def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         # Compact JSON by default: with the layout free (vLLM's default), SmolLM2 ran to the length
@@ -159,27 +184,51 @@ def _laid_out(value: object, any_whitespace: bool) -> object:
 
 
 class RequestGrammar:
-    """One request's place in its grammar."""
+    """One request's place in its grammar; with a ThinkingGate, first in its free thinking."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+    def __init__(
+        self, compiled: xgr.CompiledGrammar, vocab_size: int, gate: ThinkingGate | None = None
+    ) -> None:
         self._compiled = compiled
         self._matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
+        self._gate = gate
         self._num_accepted = 0
+        # the first token may open the thinking; inside it, any token until its end
+        self._may_open = gate is not None and gate.may_open
+        self._thinking = gate is not None and not gate.may_open
 
-    def __reduce__(self) -> tuple[object, tuple[str, int]]:
+    def __reduce__(self) -> tuple[object, tuple[str, int, ThinkingGate | None]]:
         """Pickles as its compiled grammar, before any token (a request on its way to the core)."""
         if self._num_accepted:
             raise ValueError("a grammar that has accepted tokens cannot be sent")
-        return _rebuild, (self._compiled.serialize_json(), self.vocab_size)
+        return _rebuild, (self._compiled.serialize_json(), self.vocab_size, self._gate)
 
     def fill_allowed_tokens(self, bitmask: torch.Tensor, index: int) -> None:
         """Row `index` of `bitmask` (new_bitmask's): the tokens the grammar allows next. Reads the
         matcher only, so it may run on another thread while nothing advances it."""
+        if self._thinking:
+            bitmask[index] = -1  # every bit set
+            return
         self._matcher.fill_next_token_bitmask(bitmask, index)
+        if self._may_open:
+            assert self._gate is not None
+            word, bit = divmod(self._gate.start, 32)
+            value = (int(bitmask[index, word]) & 0xFFFFFFFF) | (1 << bit)
+            bitmask[index, word] = value - (1 << 32) if value >= 1 << 31 else value  # as int32
 
     def accept(self, token_id: int) -> bool:
         self._num_accepted += 1
+        if self._may_open:
+            assert self._gate is not None
+            self._may_open = False
+            if token_id == self._gate.start:
+                self._thinking = True
+                return True
+        if self._thinking:
+            assert self._gate is not None
+            self._thinking = token_id != self._gate.end
+            return True
         return self._matcher.accept_token(token_id)
 
     @property
@@ -193,10 +242,11 @@ def new_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     return xgr.allocate_token_bitmask(num_rows, vocab_size)
 
 
-def _rebuild(compiled_json: str, vocab_size: int) -> RequestGrammar:
+def _rebuild(compiled_json: str, vocab_size: int, gate: ThinkingGate | None) -> RequestGrammar:
     if _tokenizer_info is None:
         raise RuntimeError("this process has no GrammarCompiler to rebuild a grammar against")
-    return RequestGrammar(xgr.CompiledGrammar.deserialize_json(compiled_json, _tokenizer_info), vocab_size)
+    compiled = xgr.CompiledGrammar.deserialize_json(compiled_json, _tokenizer_info)
+    return RequestGrammar(compiled, vocab_size, gate)
 
 
 # byte value -> its 8 bits, least significant first (token w*32 + i is bit i of word w)

@@ -5,13 +5,14 @@ we refuse is named."""
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 import xgrammar as xgr
 
 from common.errors import InvalidRequestError
 from common.structured_outputs import StructuredOutputs, ToolCallGrammar
-from replica_engine.structured.grammar import GrammarCompiler
+from replica_engine.structured.grammar import GrammarCompiler, RequestGrammar, new_bitmask
 from replica_engine.structured.schema_check import check_schema
 
 VOCAB = [chr(code) for code in range(32, 127)] + ["</s>"]
@@ -223,3 +224,57 @@ def test_a_tool_schema_that_does_not_compile_is_refused_naming_tools(compiler: G
                 tool_calls=ToolCallGrammar("hermes", json.dumps(nonsense), "auto"), param="tools"
             )
         )
+
+
+THINKING_VOCAB = [*VOCAB[:-1], "<think>", "</think>", "</s>"]
+OPEN, CLOSE, END_OF_TEXT = (THINKING_VOCAB.index(tag) for tag in ("<think>", "</think>", "</s>"))
+
+
+def thinking_tokens(text: str) -> list[int]:
+    """`text` as tokens of THINKING_VOCAB, its tags as one token each."""
+    tokens: list[int] = []
+    while text:
+        tag = next((t for t in ("<think>", "</think>") if text.startswith(t)), text[0])
+        tokens.append(THINKING_VOCAB.index(tag))
+        text = text[len(tag) :]
+    return tokens
+
+
+def allowed(grammar: RequestGrammar, token: int) -> bool:
+    bitmask = new_bitmask(1, len(THINKING_VOCAB))
+    grammar.fill_allowed_tokens(bitmask, 0)
+    word, bit = divmod(token, 32)
+    return bool((int(bitmask[0, word]) >> bit) & 1)
+
+
+def generated(grammar: RequestGrammar, text: str) -> bool:
+    """Every token of `text` then the end of text allowed by the grammar's mask, and accepted."""
+    for token in [*thinking_tokens(text), END_OF_TEXT]:
+        if not (allowed(grammar, token) and grammar.accept(token)):
+            return False
+    return grammar.is_terminated
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "accepted"),
+    [
+        ("qwen3", '<think>Not JSON, { at all.</think>{"a": 1}', True),  # free thinking, then the grammar
+        ("qwen3", '{"a": 1}', True),  # no thinking: the grammar from the first token
+        ("qwen3", 'Not JSON.</think>{"a": 1}', False),  # thinking only where the answer opens it
+        ("qwen3", '<think>Why.</think>{"a": "x"}', False),  # after it, the schema holds
+        ("qwen3", '{"a": 1}<think>', False),  # only the first token may open it
+        ("deepseek_r1", 'Not JSON, { at all.</think>{"a": 1}', True),  # its prompt opened it
+        ("deepseek_r1", '{"a": 1}', False),  # still thinking at the end of text: no grammar done
+        (None, '<think>Why.</think>{"a": 1}', False),  # without a parser, no thinking at all
+    ],
+)
+def test_a_reasoning_models_grammar_holds_after_its_thinking(parser: str | None, text: str, accepted: bool):
+    info = xgr.TokenizerInfo(THINKING_VOCAB, vocab_size=len(THINKING_VOCAB), stop_token_ids=[END_OF_TEXT])
+    compiler = GrammarCompiler(info, think_tokens=(OPEN, CLOSE))
+    grammar = compiler.compile(StructuredOutputs(json=json.dumps(OBJECT), after_reasoning=parser))
+    assert generated(grammar, text) == accepted
+    # a grammar on its way to the engine core's process keeps its gate
+    sent = pickle.loads(
+        pickle.dumps(compiler.compile(StructuredOutputs(json_object=True, after_reasoning=parser)))
+    )
+    assert generated(sent, '<think>x</think>{"a": 1}') == (parser is not None)
