@@ -4,11 +4,16 @@ SmolLM2-135M-Instruct ran to the length limit on requests vLLM's CPU backend fin
 for vLLM's default, free whitespace. This set decides between the two: compact JSON stays the
 default (it parsed more than free whitespace and than vLLM), free whitespace is a setting.
 
-Requests: harness/pydantic_schemas.py's twenty (the test's) and its twelve held out (no bounds:
-numbers, lists, optional fields as users write them), each sent with the official `openai` client
-as users of vLLM call it: `client.chat.completions.parse(response_format=Model, max_tokens=200,
-temperature=0)` after the system message "Answer in JSON."; plus four
-`response_format={"type": "json_object"}` requests (max_tokens 100) whose prompt names the keys.
+Requests, in two sets judged apart:
+  - the first set: harness/pydantic_schemas.py's twenty (the test's) and its twelve held out (no
+    bounds: numbers, lists, optional fields as users write them), after the system message "Answer
+    in JSON."; plus four `response_format={"type": "json_object"}` requests whose prompt names the
+    keys;
+  - the blind set (issue 59): harness/blind_schemas.py's twelve models and four json_object
+    prompts, written before any server answered them, with no system message.
+Each is sent with the official `openai` client as users of vLLM call it:
+`client.chat.completions.parse(response_format=Model, max_tokens=200, temperature=0)`, a
+json_object request with max_tokens 100.
 
 Servers, one at a time on the cores, each request in turn (greedy: no batch-mate changes a reply):
   1. stallfree as serve_config.yaml ships it (compact JSON);
@@ -23,8 +28,9 @@ Per request: finished (finish_reason "stop" and the content is JSON) and parsed 
 parse() returned the model: no LengthFinishReasonError, no validation error), its completion
 tokens, and for a failure the first 80 characters of the output and its last 40. Per server: the
 shares of each.
-Goal: stallfree's parse share at least vLLM's. Writes bench/results/structured_quality.json.
-About 10 minutes with vLLM (2 of them its start); not part of make test."""
+Goal: stallfree's parse share at least vLLM's, on each set. Writes
+bench/results/structured_quality.json. About 15 minutes with vLLM (2 of them its start); not part
+of make test."""
 
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ import pydantic
 
 from bench import peers, quality
 from bench.driver import print_verdicts
-from harness import serve_cluster
+from harness import blind_schemas, serve_cluster
 from harness.pydantic_schemas import HELD_OUT_SCHEMAS, SCHEMAS, SYSTEM
 
 MAX_TOKENS = 200
@@ -45,7 +51,8 @@ JSON_OBJECT_MAX_TOKENS = 100
 END_CHARS = 40  # of a failure's output, in the result: its last (where a loop shows)
 OURS, FREE, VLLM = "stallfree", "stallfree, free whitespace", "vLLM CPU"
 APPS = {OURS: {}, "free": {"engine": {"disable_any_whitespace": False}}}  # route prefix -> args
-GOALS = {"parse_share_vs_vllm_min": 1.0}
+FIRST, BLIND = "first set", "blind set"
+GOALS = {f"parse_share_vs_vllm_min ({group})": 1.0 for group in (FIRST, BLIND)}
 JSON_OBJECT_PROMPTS = (
     "Give the name and age of a cat called Tom, aged 3, as JSON with the keys name and age.",
     "Where is the Eiffel Tower? Answer in JSON with the keys city and country.",
@@ -60,20 +67,31 @@ class Case:
     prompt: str
     model: type[pydantic.BaseModel] | None  # None: response_format json_object
     max_tokens: int
+    group: str  # FIRST or BLIND
+    system: bool  # sent after SYSTEM
 
 
 def cases() -> list[Case]:
     """Every request, each with a name unique in the run (a model asked twice gets a number)."""
     found: list[Case] = []
-    for group, schemas in (("", SCHEMAS), ("held out: ", HELD_OUT_SCHEMAS)):
+    for prefix, schemas, group in (
+        ("", SCHEMAS, FIRST),
+        ("held out: ", HELD_OUT_SCHEMAS, FIRST),
+        ("blind: ", blind_schemas.BLIND_SCHEMAS, BLIND),
+    ):
         for model, prompt in schemas:
-            name = f"{group}{model.__name__}"
+            name = f"{prefix}{model.__name__}"
             asked = sum(c.name.split(" #")[0] == name for c in found)
-            found.append(Case(f"{name} #{asked + 1}" if asked else name, prompt, model, MAX_TOKENS))
-    found += [
-        Case(f"json_object {i + 1}", prompt, None, JSON_OBJECT_MAX_TOKENS)
-        for i, prompt in enumerate(JSON_OBJECT_PROMPTS)
-    ]
+            name = f"{name} #{asked + 1}" if asked else name
+            found.append(Case(name, prompt, model, MAX_TOKENS, group, group == FIRST))
+    for prefix, prompts, group in (
+        ("", JSON_OBJECT_PROMPTS, FIRST),
+        ("blind: ", blind_schemas.JSON_OBJECT_PROMPTS, BLIND),
+    ):
+        found += [
+            Case(f"{prefix}json_object {i + 1}", prompt, None, JSON_OBJECT_MAX_TOKENS, group, group == FIRST)
+            for i, prompt in enumerate(prompts)
+        ]
     return found
 
 
@@ -89,7 +107,7 @@ def ask(client: openai.OpenAI, served_model: str, case: Case) -> dict:
     """One request as a user's client sends it, and what came back."""
     request = {
         "model": served_model,
-        "messages": [SYSTEM, {"role": "user", "content": case.prompt}],
+        "messages": [*([SYSTEM] if case.system else []), {"role": "user", "content": case.prompt}],
         "max_tokens": case.max_tokens,
         "temperature": 0,
     }
@@ -107,7 +125,8 @@ def ask(client: openai.OpenAI, served_model: str, case: Case) -> dict:
             except (openai.LengthFinishReasonError, pydantic.ValidationError) as failure:
                 error = type(failure).__name__
     except openai.APIStatusError as failure:  # a server refusing the request: a failure, not a crash
-        return {"name": case.name, "finished": False, "parsed": False, "error": f"HTTP {failure.status_code}"}
+        failed = {"name": case.name, "set": case.group, "finished": False, "parsed": False}
+        return failed | {"error": f"HTTP {failure.status_code}"}
     choice = body["choices"][0]
     content = choice["message"]["content"] or ""
     finished = choice["finish_reason"] == "stop" and _is_json(content)
@@ -116,6 +135,7 @@ def ask(client: openai.OpenAI, served_model: str, case: Case) -> dict:
         error = None if parsed_ok else f"finish_reason {choice['finish_reason']}"
     row = {
         "name": case.name,
+        "set": case.group,
         "finished": finished,
         "parsed": error is None,
         "finish_reason": choice["finish_reason"],
@@ -133,16 +153,21 @@ def measure(base_url: str, name: str, concurrency: int) -> dict:
         if not row["parsed"]:
             ends = f"{row.get('output', '')!r} ... {row.get('output_end', '')!r}"
             print(f"{name}: {row['name']}: {row['error']}: {ends}", flush=True)
-    summary = {
-        "source": "measured in this run",
+    summary = {"source": "measured in this run", **shares(rows)}
+    summary["sets"] = {group: shares([r for r in rows if r["set"] == group]) for group in (FIRST, BLIND)}
+    for group, share in summary["sets"].items():
+        print(name, group, json.dumps({k: v for k, v in share.items() if k != "failed"}), flush=True)
+    return {"summary": summary, "rows": rows}
+
+
+def shares(rows: list[dict]) -> dict:
+    return {
         "requests": len(rows),
         "finished_share": sum(r["finished"] for r in rows) / len(rows),
         "parse_share": sum(r["parsed"] for r in rows) / len(rows),
         "failed": [r["name"] for r in rows if not r["parsed"]],
         "completion_tokens": sum(r.get("completion_tokens", 0) for r in rows),
     }
-    print(name, json.dumps({k: v for k, v in summary.items() if k != "failed"}), flush=True)
-    return {"summary": summary, "rows": rows}
 
 
 def measure_vllm(work_dir: Path, concurrency: int, wanted: bool) -> dict:
@@ -171,6 +196,8 @@ def print_table(results: dict[str, dict]) -> None:
             ("requests", 10, lambda s: f"{s['requests']}"),
             ("finished", 10, lambda s: f"{s['finished_share']:.1%}"),
             ("parsed", 10, lambda s: f"{s['parse_share']:.1%}"),
+            ("first set", 11, lambda s: f"{s['sets'][FIRST]['parse_share']:.1%}"),
+            ("blind set", 11, lambda s: f"{s['sets'][BLIND]['parse_share']:.1%}"),
             ("failed to parse", 0, lambda s: ", ".join(s["failed"]) or "-"),
         ),
     )
@@ -181,19 +208,24 @@ def main(argv: list[str] | None = None) -> None:
     vllm = measure_vllm(work_dir, args.concurrency, not args.no_vllm)  # first: alone on the cores
     results = {**measure_ours(work_dir, args.concurrency), VLLM: vllm}
     print_table(results)
-    theirs = vllm["summary"].get("parse_share")
-    ours = results[OURS]["summary"]["parse_share"]
-    goal = GOALS["parse_share_vs_vllm_min"]  # ours over theirs
-    met = {"parse_share_vs_vllm_min": quality.at_least(ours, theirs, goal, VLLM)}
+    met = {}
+    for group in (FIRST, BLIND):
+        theirs = vllm["summary"].get("sets", {}).get(group, {}).get("parse_share")
+        ours = results[OURS]["summary"]["sets"][group]["parse_share"]
+        goal = f"parse_share_vs_vllm_min ({group})"  # ours over theirs
+        met[goal] = quality.at_least(ours, theirs, GOALS[goal], VLLM)
     print_verdicts(met)
     settings = {
         "max_tokens": MAX_TOKENS,
         "json_object_max_tokens": JSON_OBJECT_MAX_TOKENS,
         "temperature": 0,
-        "system": SYSTEM["content"],
         "concurrency": args.concurrency,
-        "schemas": len(SCHEMAS) + len(HELD_OUT_SCHEMAS),
-        "json_object_requests": len(JSON_OBJECT_PROMPTS),
+        "schemas": {FIRST: len(SCHEMAS) + len(HELD_OUT_SCHEMAS), BLIND: len(blind_schemas.BLIND_SCHEMAS)},
+        "json_object_requests": {
+            FIRST: len(JSON_OBJECT_PROMPTS),
+            BLIND: len(blind_schemas.JSON_OBJECT_PROMPTS),
+        },
+        "system": {FIRST: SYSTEM["content"], BLIND: None},
         "apps": {OURS: APPS[OURS], FREE: APPS["free"]},
         "vllm_command": peers.peer(VLLM).command,
     }
