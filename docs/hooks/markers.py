@@ -1,5 +1,7 @@
-"""`<!-- gen:NAME -->` markers: a line holding exactly one is replaced by the Markdown NAME
-generates. Names:
+"""`<!-- gen:NAME -->` markers: a line holding exactly one, and the block after it up to the line
+`<!-- end:NAME -->` if there is one, is replaced by the Markdown NAME generates. The files are
+committed with each block written out (committed.py), so the forge shows them too; the site
+renders them afresh. Names:
 
 - `settings:AppArgs`, `settings:EngineConfig`: the settings tables (settings.py)
 - `metrics`: every metric the code declares (metrics.py)
@@ -25,7 +27,8 @@ from docs.hooks.bench_specs_gpu import GPU_SPECS
 from docs.hooks.bench_specs_serving import SERVING_SPECS
 from docs.hooks.bench_tables import BenchSpec
 
-MARKER = re.compile(r"^<!-- gen:(?P<name>\S+) -->$", re.MULTILINE)
+# a marker line, and its block as committed (up to its end line), if written out
+MARKER = re.compile(r"^<!-- gen:(?P<name>\S+) -->$(?:\n(?:.*?\n)?<!-- end:(?P=name) -->$)?", re.M | re.S)
 SPECS: dict[str, BenchSpec] = {**ENGINE_SPECS, **CAPACITY_SPECS, **SERVING_SPECS, **FLEET_SPECS, **GPU_SPECS}
 PLOTS_DIR = "benchmarks/img"  # where the site serves bench/results/*.png (generated.py copies them)
 HEADLINE_STEM = "cpu_serving"
@@ -38,15 +41,23 @@ class UnknownMarker(ValueError):
 @dataclass(frozen=True)
 class Where:
     """Where generated Markdown lands: a docs page (its directory, relative to docs/) or a file
-    outside the site (links then point into docs/ from `prefix`, and plots are left out)."""
+    outside the site (links then point into docs/ from `prefix`, and plots are left out).
+    `committed`: the page's text as committed, read on the forge, where the site's plots
+    directory does not exist (plots link to bench/results/ instead)."""
 
     page_dir: str = ""
     outside_prefix: str | None = None
+    committed: bool = False
 
     def link(self, target: str) -> str:
         if self.outside_prefix is not None:
             return self.outside_prefix + target
         return posixpath.relpath(target, self.page_dir or ".")
+
+    def plot_link(self, stem: str) -> str:
+        if self.committed:
+            return posixpath.relpath(f"bench/results/{stem}.png", posixpath.join("docs", self.page_dir))
+        return self.link(f"{PLOTS_DIR}/{stem}.png")
 
 
 def _spec(stem: str) -> BenchSpec:
@@ -58,7 +69,7 @@ def _spec(stem: str) -> BenchSpec:
 def plot(stem: str, where: Where) -> str:
     if not (bench_tables.RESULTS / f"{stem}.png").is_file():
         raise UnknownMarker(f"no plot bench/results/{stem}.png")
-    return f"![bench/results/{stem}.png]({where.link(f'{PLOTS_DIR}/{stem}.png')})"
+    return f"![bench/results/{stem}.png]({where.plot_link(stem)})"
 
 
 def bench(stem: str, where: Where) -> str:
@@ -135,8 +146,15 @@ def render(name: str, where: Where) -> str:
 
 
 def expand(markdown: str, where: Where) -> str:
-    """`markdown` with every marker line replaced by what it names."""
-    return MARKER.sub(lambda match: render(match.group("name"), where), markdown)
+    """`markdown` with every marker (and its block) replaced by what it names: as a block between
+    its marker lines where `where.committed`, else the Markdown alone (the site's)."""
+
+    def block(match: re.Match[str]) -> str:
+        name = match.group("name")
+        body = render(name, where)
+        return f"<!-- gen:{name} -->\n{body}\n<!-- end:{name} -->" if where.committed else body
+
+    return MARKER.sub(block, markdown)
 
 
 def names_in(markdown: str) -> list[str]:

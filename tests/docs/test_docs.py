@@ -14,7 +14,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, Field
 
-from docs.hooks import metrics, readme, settings
+from docs.hooks import committed, metrics, settings
 from docs.hooks.bench_tables import RESULTS
 from docs.hooks.markers import SPECS, UnknownMarker, Where, expand, names_in, render
 
@@ -161,16 +161,25 @@ def test_every_result_file_is_shown_on_its_page() -> None:
 
 
 def test_readme_is_short() -> None:
-    assert len(readme.README.read_bytes()) <= readme.MAX_BYTES
+    assert len(committed.README.read_bytes()) <= committed.MAX_README_BYTES
 
 
-def test_readme_headline_is_what_the_result_files_give() -> None:
-    text = readme.README.read_text()
-    assert readme.current(text) == readme.block(), "stale: run python -m docs.hooks.readme"
+def test_committed_blocks_are_what_the_code_and_result_files_give() -> None:
+    """The forge shows the files as committed: each generated block is written out, and current."""
+    assert "<!-- end:readme-headline -->" in committed.README.read_text()
+    assert [path.name for path in committed.stale()] == [], "stale: run python -m docs.hooks.committed"
+
+
+def test_committed_plots_link_to_the_result_files() -> None:
+    text = (DOCS / SPECS["offline_cpu"].page).read_text()
+    links = re.findall(r"!\[[^]]*\]\(([^)]+\.png)\)", text)
+    assert links
+    for link in links:
+        assert (DOCS / SPECS["offline_cpu"].page).parent.joinpath(link).resolve().is_file(), link
 
 
 def test_readme_links_into_the_docs_exist() -> None:
-    links = re.findall(r"\]\((docs/[^)#]+)", readme.README.read_text())
+    links = re.findall(r"\]\((docs/[^)#]+)", committed.README.read_text())
     assert links
     for link in links:
         assert (REPO / link).is_file(), link
