@@ -1,4 +1,4 @@
-"""`build_app`: the Serve application (Ingress -> EngineReplica x N) from one typed set of args.
+"""`build_app`: the Serve application (Ingress -> EngineReplica x N per model) from typed args.
 
 serve_config.yaml names `deployments.app:build_app` and puts these args under `args:`; Serve
 validates them into AppArgs because the builder's parameter is a pydantic model."""
@@ -18,6 +18,7 @@ from deployments.engine_replica import EngineReplica
 from deployments.in_process_engine import ColocatedReplica
 from deployments.ingress import Ingress, IngressSettings
 from deployments.placement_fit import check_fits, cluster_nodes
+from deployments.served_model import ModelSettings
 from replica_engine import EngineConfig
 from router.autoscaling import KVPressurePolicy
 from router.kv_router import KVPressureRouter
@@ -99,9 +100,24 @@ def replica_placement(args: AppArgs, config: EngineConfig) -> dict[str, Any]:
     }
 
 
-def build_app(args: AppArgs) -> Application:
-    engine_config = args.engine_config()
-    placement = replica_placement(args, engine_config)
+def model_settings(args: AppArgs, config: EngineConfig) -> ModelSettings:
+    """What the Ingress needs of one model's settings."""
+    return ModelSettings(
+        args.model,
+        args.served_name(),
+        config.max_model_len,
+        args.sampling_defaults,
+        args.chat_template,
+        args.tool_call_parser,
+        args.lora_settings(),
+        args.reasoning_parser,
+        args.generation_config == "auto",
+    )
+
+
+def _replica_options(args: AppArgs, config: EngineConfig) -> dict[str, Any]:
+    """One model's engine replicas: their resources, limits and scaling."""
+    placement = replica_placement(args, config)
     if "placement_group_bundles" in placement and ray.is_initialized():  # where Serve builds the app
         check_fits(
             placement["placement_group_bundles"],
@@ -109,36 +125,35 @@ def build_app(args: AppArgs) -> Application:
             cluster_nodes(),
             "engine.tensor_parallel_size x pipeline_parallel_size (a bundle each, of num_cpus and num_gpus)",
         )
-    model_name = args.served_name()
-    settings = IngressSettings(
-        args.model,
-        model_name,
-        engine_config.max_model_len,
-        args.sampling_defaults,
-        args.api_key_env,
-        args.api_key_file,
-        args.max_request_body_bytes,
-        args.request_timeout_s,
-        args.chat_template,
-        args.tool_call_parser,
-        args.lora_settings(),
-        args.reasoning_parser,
-        args.generation_config == "auto",
-    )
-    replica_options = {
+    return {
         **placement,
         "max_ongoing_requests": args.max_ongoing_requests,
         "max_queued_requests": args.max_queued_requests,
         **_autoscaling(args),
     }
+
+
+def build_app(args: AppArgs) -> Application:
+    settings = IngressSettings(
+        args.api_key_env, args.api_key_file, args.max_request_body_bytes, args.request_timeout_s
+    )
     if args.colocated():  # the Ingress's replicas are the engine replicas
-        colocated = ColocatedReplica(engine_config, model_name, args.cpu_threads)
-        return Ingress.options(**replica_options, **_ingress_routing()).bind(colocated, settings)
-    replica = EngineReplica.options(**replica_options, **_routing(args))
+        config = args.engine_config()
+        colocated = ColocatedReplica(config, args.served_name(), args.cpu_threads)
+        ingress = Ingress.options(**_replica_options(args, config), **_ingress_routing())
+        return ingress.bind([(colocated, model_settings(args, config))], settings)
+    several = args.models is not None
+    engines = []
+    for index, model in enumerate(args.per_model(), 1):
+        config = model.engine_config()
+        name = f"EngineReplica-{index}" if several else "EngineReplica"
+        replica = EngineReplica.options(name=name, **_replica_options(model, config), **_routing(model))
+        bound = replica.bind(config, model.served_name(), model.cpu_threads)
+        engines.append((bound, model_settings(model, config)))
     ingress = Ingress.options(
         max_ongoing_requests=args.ingress_max_ongoing_requests,
         num_replicas=args.ingress_replicas,
         max_replicas_per_node=1 if args.ingress_replicas > 1 else None,
         **_ingress_routing(),
     )
-    return ingress.bind(replica.bind(engine_config, model_name, args.cpu_threads), settings)
+    return ingress.bind(engines, settings)

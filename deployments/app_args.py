@@ -5,7 +5,7 @@ import dataclasses
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from common.model_source import resolve_model, served_model_name
 from common.tokenizer import template_source
@@ -31,6 +31,21 @@ SAMPLING_DEFAULTS = frozenset(
 )
 
 
+# Settings of the app's one Ingress: beside `models`, never in an entry of it.
+APP_SETTINGS = frozenset(
+    {
+        "models",
+        "ingress",
+        "ingress_replicas",
+        "ingress_max_ongoing_requests",
+        "api_key_env",
+        "api_key_file",
+        "max_request_body_bytes",
+        "request_timeout_s",
+    }
+)
+
+
 def _check_known(given: dict[str, Any], known: frozenset[str], what: str) -> None:
     unknown = sorted(set(given) - known)
     if unknown:
@@ -43,6 +58,16 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    models: list[dict[str, Any]] | None = Field(
+        default=None,
+        description="Several models in one app (as Ray Serve LLM's `llm_configs`): each entry "
+        "holds any of the settings here but the app's own (`ingress*`, `api_key*`, "
+        "`max_request_body_bytes`, `request_timeout_s`), `llm_config` included, over the ones "
+        "set beside `models`. One Ingress serves them all, picking the model by a request's "
+        "`model` (a request that names none goes to the first) and listing every one in "
+        "`/v1/models`; each model has its own engine replicas (deployments `EngineReplica-1`, "
+        "`EngineReplica-2`, ...), autoscaling and request router",
+    )
     llm_config: dict[str, Any] | None = Field(
         default=None,
         description="A Ray Serve LLM `LLMConfig` as its users write it (`model_loading_config`, "
@@ -295,6 +320,8 @@ class AppArgs(BaseModel):
 
     def colocated(self) -> bool:
         """Whether each replica serves HTTP itself (`ingress`, with `auto` resolved)."""
+        if self.models is not None:
+            return False  # the Ingress picks a model's deployment
         if self.ingress == "auto":
             return self.num_replicas == 1 and not self._separate_only_settings()
         return self.ingress == "colocated"
@@ -314,6 +341,40 @@ class AppArgs(BaseModel):
             )
         self.target_ongoing_requests = in_serve_config
         return self
+
+    @model_validator(mode="after")
+    def _each_model(self) -> "AppArgs":
+        if self.models is not None:
+            if self.ingress == "colocated":
+                raise ValueError("ingress: colocated serves one model; with models, an Ingress picks one")
+            names = [args.served_name() for args in self.per_model()]
+            twice = sorted({name for name in names if names.count(name) > 1})
+            if twice:
+                raise ValueError(f"models: {twice[0]} is served twice (set served_model_name)")
+        return self
+
+    def per_model(self) -> list["AppArgs"]:
+        """Each model's settings: this app's, or each entry of `models` over the settings set
+        beside it (an entry's `engine` over theirs, key by key)."""
+        if self.models is None:
+            return [self]
+        if not self.models:
+            raise ValueError("models: list one model at least")
+        shared = {name: getattr(self, name) for name in self.model_fields_set - APP_SETTINGS - {"llm_config"}}
+        found = []
+        for index, entry in enumerate(self.models):
+            app_level = sorted(set(entry) & APP_SETTINGS)
+            if app_level:
+                raise ValueError(f"models[{index}].{app_level[0]}: an app setting; set it beside models")
+            merged = {**shared, **entry}
+            merged["engine"] = {**shared.get("engine", {}), **entry.get("engine", {})}
+            try:
+                found.append(AppArgs(**merged))
+            except ValidationError as error:
+                first = error.errors(include_url=False)[0]
+                where = ".".join(str(part) for part in first["loc"])
+                raise ValueError(f"models[{index}]{'.' + where if where else ''}: {first['msg']}") from None
+        return found
 
     def lora_settings(self) -> LoraSettings:
         return LoraSettings(

@@ -35,7 +35,8 @@ class HttpMetricsMiddleware:
     """Counts each HTTP request when its response starts, or as a 500 when the app raised before
     answering (Starlette's outermost handler writes that 500 outside any middleware). Its metrics
     are made on the first request: inside the Serve replica, where Ray's metrics can be made.
-    `served` is filled in by the app's owner once it knows them (the Ingress: its model name)."""
+    `served` is filled in by the app's owner once it knows them (the Ingress: its first model's
+    name, for routes that name no model; a route that does sets `request.state.model_name`)."""
 
     def __init__(self, app: ASGIApp, served: dict[str, str]) -> None:
         self.app = app
@@ -66,5 +67,6 @@ class HttpMetricsMiddleware:
         if self._metrics is None:
             self._metrics = HttpMetrics(RayServeSink())
         route = getattr(scope.get("route"), "path", UNMATCHED_ROUTE)
-        model = self.served.get(MODEL_LABEL, "")
+        # the model the route served (its handler's request.state), else the app's first
+        model = (scope.get("state") or {}).get(MODEL_LABEL) or self.served.get(MODEL_LABEL, "")
         self._metrics.requests.inc(1, {MODEL_LABEL: model, ROUTE_LABEL: route, STATUS_LABEL: str(status)})

@@ -127,6 +127,10 @@ class LoraRegistry:
         self._check(lora, "model")
         return lora
 
+    def knows(self, model: str) -> bool:
+        """Whether `model` names the base model or an adapter it serves (files not checked)."""
+        return model == self.base_name or self._find(model.removeprefix(f"{self.base_name}:")) is not None
+
     def _find(self, name: str) -> LoRARequest | None:
         if not _valid_name(name):
             return None  # not a name an adapter can have; nothing on disk is looked at

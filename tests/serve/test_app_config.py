@@ -108,7 +108,7 @@ def test_a_placement_group_the_cluster_cannot_hold_fails_the_deploy_by_name(bund
 def test_serves_target_ongoing_requests_is_read_where_serve_users_put_it():
     serve_style = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}
     args = AppArgs(num_replicas="auto", autoscaling_config=serve_style)
-    engine_replicas = build_app(args)._bound_deployment.init_args[0]  # the Ingress's first argument
+    engine_replicas = build_app(args)._bound_deployment.init_args[0][0][0]  # the first model's engine
     config = engine_replicas._bound_deployment._deployment_config.autoscaling_config
     assert config.policy.policy_kwargs["target_ongoing_requests"] == 8
     AppArgs(autoscaling_config=serve_style, target_ongoing_requests=8)  # the same value twice: fine
@@ -176,3 +176,63 @@ def test_a_setting_given_twice_is_refused():
         AppArgs(llm_config=RAY_SERVE_LLM, max_ongoing_requests=8)
     with pytest.raises(ValueError, match=r"engine\.max_model_len: set both"):
         AppArgs(llm_config=RAY_SERVE_LLM, engine={"max_model_len": 512})
+
+
+def test_several_models_each_take_the_shared_settings_under_their_own():
+    args = AppArgs(
+        engine={"dtype": "float32", "max_model_len": 512},
+        sampling_defaults={"temperature": 0.2},
+        api_key_env="KEYS",
+        models=[
+            {"served_model_name": "small"},
+            {"served_model_name": "large", "num_replicas": 2, "engine": {"max_model_len": 1024}},
+        ],
+    )
+    small, large = args.per_model()
+    assert (small.served_name(), small.engine, small.num_replicas) == (
+        "small",
+        {"dtype": "float32", "max_model_len": 512},
+        1,
+    )
+    assert (large.served_name(), large.engine, large.num_replicas) == (
+        "large",
+        {"dtype": "float32", "max_model_len": 1024},
+        2,
+    )
+    assert small.sampling_defaults == large.sampling_defaults == {"temperature": 0.2}
+    assert not args.colocated()  # one Ingress picks the model's deployment
+    app = build_app(args)._bound_deployment
+    names = [engine._bound_deployment.name for engine, _ in app.init_args[0]]
+    assert names == ["EngineReplica-1", "EngineReplica-2"]
+    assert [settings.model_name for _, settings in app.init_args[0]] == ["small", "large"]
+
+
+@pytest.mark.parametrize(
+    ("models", "named"),
+    [
+        ([{"served_model_name": "a", "api_key_file": "/k"}], r"models\[0\]\.api_key_file: an app setting"),
+        ([{"served_model_name": "a"}, {"served_model_name": "a"}], "a is served twice"),
+        ([{"served_model_name": "a"}, {"max_ongoing_requests": 0}], r"models\[1\].*max_ongoing_requests"),
+        ([{"served_model_name": "a"}, {"served_model_name": "b", "bogus": 1}], r"models\[1\].*bogus"),
+        ([], "list one model"),
+    ],
+)
+def test_a_bad_model_entry_is_refused_naming_it(models: list, named: str):
+    with pytest.raises(ValueError, match=named):
+        AppArgs(models=models)
+
+
+def test_several_models_cannot_be_colocated():
+    with pytest.raises(ValueError, match="ingress: colocated"):
+        AppArgs(ingress="colocated", models=[{"served_model_name": "a"}, {"served_model_name": "b"}])
+
+
+def test_the_migration_pages_several_llm_configs_read_as_two_models():
+    page = (REPO / "docs" / "migrating.md").read_text()
+    block = next(b for b in page.split("```yaml")[1:] if "models:" in b).split("```")[0]
+    args = AppArgs.model_validate(yaml.safe_load(block)["args"])
+    models = args.per_model()
+    assert [(m.served_name(), m.reasoning_parser) for m in models] == [
+        ("llama-8b", None),
+        ("qwen3-8b", "qwen3"),
+    ]

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from common.model_source import DEFAULT_MODEL, resolve_model
+from deployments.app import model_settings
 from deployments.app_args import AppArgs
-from deployments.ingress import IngressSettings, sampling_defaults
+from deployments.served_model import sampling_defaults
 from replica_engine import LLM, SamplingParams
 
 RECOMMENDED = {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 64, "do_sample": True, "eos_token_id": 2}
@@ -32,11 +33,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def ingress_defaults(model_dir: Path, **args: object) -> dict:
     app = AppArgs(model=str(model_dir), **args)
-    settings = IngressSettings(
-        app.model, app.served_name(), sampling_defaults=app.sampling_defaults,
-        model_generation_config=app.generation_config == "auto",
-    )  # fmt: skip
-    return sampling_defaults(resolve_model(app.model), settings)
+    return sampling_defaults(resolve_model(app.model), model_settings(app, app.engine_config()))
 
 
 def test_the_models_generation_config_fills_what_a_request_leaves_out(model_dir: Path):
