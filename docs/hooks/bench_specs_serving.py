@@ -230,9 +230,9 @@ SERVING_SPECS: dict[str, BenchSpec] = {
         (
             Rows(
                 "modes",
-                "Per `tool_choice`, the share of answers that are valid (`finish_reason` `tool_calls`, every"
-                " call a listed tool with arguments its model accepts; vLLM's named calls validate but end"
-                " with `stop`, as OpenAI's do: see below):",
+                "Per `tool_choice`, the share of answers that are valid (`finish_reason` `tool_calls`,"
+                " `stop` for a named tool as OpenAI's API answers; every call a listed tool with arguments"
+                " its model accepts; no tag text in `content`):",
                 "by_mode",
                 ("tool_choice",),
                 (
