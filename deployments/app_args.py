@@ -92,9 +92,11 @@ class AppArgs(BaseModel):
     num_gpus: float = Field(
         default=0,
         ge=0,
-        description="GPUs per engine worker: a replica of `tensor_parallel_size` x "
-        "`pipeline_parallel_size` workers reserves that many times this. Set it here only: a YAML "
-        "`ray_actor_options` would replace the builder's options wholesale and silently drop it",
+        description="GPUs per engine worker, at most 1 (a worker drives one GPU; below 1, GPUs "
+        "are shared): a replica of `tensor_parallel_size` x `pipeline_parallel_size` workers "
+        "reserves that many times this, so a replica over N GPUs sets `num_gpus: 1` and "
+        "`tensor_parallel_size: N`. Set it here only: a YAML `ray_actor_options` would replace "
+        "the builder's options wholesale and silently drop it",
     )
     num_cpus: float = Field(
         default=1,
@@ -263,6 +265,17 @@ class AppArgs(BaseModel):
     @classmethod
     def _lora_modules(cls, modules: object) -> dict[str, str]:
         return parse_lora_modules(modules)  # raises InvalidRequestError naming lora_modules
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _one_gpu_per_worker(cls, num_gpus: float) -> float:
+        if num_gpus > 1:
+            n = f"{num_gpus:g}"
+            raise ValueError(
+                f"{n} GPUs per engine worker, but a worker drives one: for a replica over {n} GPUs "
+                f"set num_gpus: 1 and engine.tensor_parallel_size: {n}"
+            )
+        return num_gpus
 
     @field_validator("lora_root")
     @classmethod

@@ -236,3 +236,10 @@ def test_the_migration_pages_several_llm_configs_read_as_two_models():
         ("llama-8b", None),
         ("qwen3-8b", "qwen3"),
     ]
+
+
+def test_num_gpus_over_one_is_refused_saying_what_to_set():
+    """Ray Serve LLM and vLLM users size a replica by its GPUs; ours is per worker."""
+    with pytest.raises(ValueError, match=r"num_gpus\n.*set num_gpus: 1 and engine.tensor_parallel_size: 2"):
+        AppArgs(num_gpus=2)
+    assert AppArgs(num_gpus=0.5).num_gpus == 0.5  # a shared GPU
