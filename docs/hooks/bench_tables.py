@@ -238,13 +238,16 @@ def _captioned(caption: str, table: str) -> str:
     return f"{caption}\n\n{table}" if caption else table
 
 
-def render_table(data: dict[str, Any], table: Table, stem: str) -> str:
+def render_table(data: dict[str, Any], table: Table, stem: str, verdicts: bool = True) -> str:
+    """The table's Markdown; `verdicts`: each goal's met/MISS beside its figure (benchmark pages;
+    not the README's headline, whose reader follows the link for them)."""
     where = f"bench/results/{stem}.json, table {table.id!r}"
+    mark = _mark if verdicts else lambda text, *_: text
     if isinstance(table, Values):
         body = []
         for col in table.items:
             text, _ = _cell(data, (), col, data, where)
-            body.append([col.header, _mark(text, col, "", data, where)])
+            body.append([col.header, mark(text, col, "", data, where)])
         return _captioned(table.caption, _markdown(["figure", "value"], body))
     rows = _rows(data, table, where)
     labels = dict(table.labels)
@@ -267,7 +270,7 @@ def render_table(data: dict[str, Any], table: Table, stem: str) -> str:
             shown = [labels.get(k, k) for k in keys]
         else:
             raise ResultError(f"{where}: {len(keys)} row keys, {len(table.keys)} key headers")
-        texts = [_mark(text, col, key, data, where) for (text, _), col in zip(row, table.cols, strict=True)]
+        texts = [mark(text, col, key, data, where) for (text, _), col in zip(row, table.cols, strict=True)]
         body.append([*shown, *texts])
     header = [*table.keys, *(col.header for col in table.cols)]
     return _captioned(table.caption, _markdown(header, body))

@@ -82,40 +82,42 @@ def bench(stem: str, where: Where) -> str:
     return "\n\n".join(parts)
 
 
-def bench_table(stem: str, table_id: str) -> str:
+def bench_table(stem: str, table_id: str, verdicts: bool = True) -> str:
     tables = {table.id: table for table in _spec(stem).tables}
     if table_id not in tables:
         raise UnknownMarker(f"no table {table_id!r} for {stem}; known: {sorted(tables)}")
-    return bench_tables.render_table(bench_tables.load(stem), tables[table_id], stem)
+    return bench_tables.render_table(bench_tables.load(stem), tables[table_id], stem, verdicts)
 
 
-def bench_index(where: Where) -> str:
-    lines = ["| benchmark | result file | run | goals met |", "|---|---|---|---|"]
+def bench_index(where: Where, tallies: bool = True) -> str:
+    """Every result file and its page; with `tallies`, how many of its goals it met (the
+    benchmark pages' index, not the README's)."""
+    header = ["benchmark", "result file", "run", *(["goals met"] if tallies else [])]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for stem, spec in sorted(SPECS.items(), key=lambda item: (item[1].page, item[0])):
         data = bench_tables.load(stem)
-        met, total = bench_tables.goals_tally(data)
-        tally = (
-            f"{met} of {total}" + (f" ({total - met} **MISS**)" if met < total else "")
-            if total
-            else "none judged"
-        )
-        link = f"[{spec.title}]({where.link(spec.page)})"
-        lines.append(f"| {link} | `{stem}.json` | {data.get('date', '?')[:10]} | {tally} |")
+        cells = [f"[{spec.title}]({where.link(spec.page)})", f"`{stem}.json`", data.get("date", "?")[:10]]
+        if tallies:
+            met, total = bench_tables.goals_tally(data)
+            missed = f" ({total - met} **MISS**)" if met < total else ""
+            cells.append(f"{met} of {total}{missed}" if total else "none judged")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def readme_headline(where: Where) -> str:
+    """The README's figures (and the docs home's): no verdicts, which live on the benchmark pages."""
     data = bench_tables.load(HEADLINE_STEM)
     page = where.link(SPECS[HEADLINE_STEM].page)
-    met, total = bench_tables.goals_tally(data)
     date = data.get("date", "?")[:10]
     return "\n\n".join(
         [
             f"Serving over HTTP on a 2-core CPU, beside the servers a CPU user would run instead "
-            f"(`bench/results/{HEADLINE_STEM}.json`, run {date}; [how it is measured]({page})):",
-            bench_table(HEADLINE_STEM, "headline"),
-            f"That run met {met} of its {total} goals ([each goal]({page})). Every benchmark:",
-            bench_index(where),
+            f"(`bench/results/{HEADLINE_STEM}.json`, run {date}; "
+            f"[how it is measured, and its goals]({page})):",
+            bench_table(HEADLINE_STEM, "headline", verdicts=False),
+            f"Every benchmark, each page with its goals ([the index]({where.link('benchmarks/index.md')})):",
+            bench_index(where, tallies=False),
         ]
     )
 
