@@ -110,7 +110,10 @@ def test_router_steers_away_from_a_loaded_replica(serve_cluster: ServeCluster, f
 
     hog_thread = threading.Thread(target=asyncio.run, args=(stream_hog(),))
     hog_thread.start()
-    wait_for(lambda: bool(hog.chunk_times) or hog.done_at is not None, "the long request's first token")
+    # The router reads the replicas' stats every 0.5 s (deployments/app.py): the shorts go once
+    # the hog has run 40 steps, by which its replica has reported it on any host (a step takes
+    # ~20 ms on an idle one, longer on a loaded one), and 140 of its steps are still to come.
+    wait_for(lambda: len(hog.chunk_times) >= 40 or hog.done_at is not None, "the long request's 40th token")
     for _ in range(6):
         assert httpx.post(url, json=short, timeout=HANG_S).status_code == 200
     hog_thread.join()
