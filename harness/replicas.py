@@ -21,12 +21,15 @@ STATS_TIMEOUT_S = 60  # a hang detector: the call answers in milliseconds on an 
 
 
 def engine_deployment(app: str) -> str:
-    """The deployment whose replicas run the app's engines: EngineReplica, or the Ingress where
-    the app is colocated (it has no EngineReplica deployment)."""
+    """The deployment whose replicas run the app's engines: EngineReplica (an app of several
+    models: its first model's, EngineReplica-1), or the Ingress where the app is colocated (it
+    has no EngineReplica deployment)."""
     from ray import serve
 
-    deployments = serve.status().applications[app].deployments
-    return "EngineReplica" if "EngineReplica" in deployments else "Ingress"
+    engines = sorted(
+        name for name in serve.status().applications[app].deployments if name.startswith("EngineReplica")
+    )
+    return engines[0] if engines else "Ingress"
 
 
 def engine_stats(app: str) -> EngineStats:

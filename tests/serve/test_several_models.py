@@ -12,6 +12,7 @@ from ray import serve
 
 from deployments.app import AppArgs, build_app
 from harness.metrics_scrape import scrape
+from harness.replicas import engine_deployment
 from harness.serve_cluster import ServeCluster, wait_for
 from tests.serve.thinking_model import ANSWER, THOUGHT, build
 
@@ -35,6 +36,7 @@ def test_one_app_serves_each_model_by_name(
     try:
         client = openai.OpenAI(base_url=f"{serve_cluster.base_url}/{APP}/v1", api_key="unused", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["smol", "thinker"]
+        assert engine_deployment(APP) == "EngineReplica-1"  # the first model's, for tests and tools
         smol = client.chat.completions.create(model="smol", messages=ASK, max_tokens=16, temperature=0)
         assert "Paris" in smol.choices[0].message.content and smol.model == "smol"
         thought = client.chat.completions.create(model="thinker", messages=ASK, max_tokens=16, temperature=0)
