@@ -60,6 +60,7 @@ APP_MODELED = {
     "ingress_replicas",
     "ingress",
     "llm_config",  # refused: the simulator reads our names (docs/migrating.md maps them)
+    "models",  # refused: a fleet of one model is sized at a time
 }
 APP_IGNORED = {"served_model_name", "num_gpus", "num_cpus", "resources", "cpu_threads", "max_queued_requests",
                "placement_strategy",
@@ -177,6 +178,10 @@ def fleet_settings(path: Path) -> tuple[ReplicaConfig, int, str]:
     if args.get("llm_config") is not None:
         raise ValueError(
             f"{path}: args.llm_config: write its settings as ours to size a fleet (docs/migrating.md)"
+        )
+    if args.get("models") is not None:
+        raise ValueError(
+            f"{path}: args.models: size one model's fleet at a time (its entry's settings as the args)"
         )
     if args.get("ingress", "auto") == "colocated":
         raise ValueError(

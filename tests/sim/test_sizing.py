@@ -69,6 +69,7 @@ def test_the_shipped_serve_config_sizes_a_replica_as_the_engine_does():
         (lambda args: args.update(prefill_replicas=2), "args.prefill_replicas"),
         (lambda args: args.update(ingress_replicas=3), "args.ingress_replicas 3"),
         (lambda args: args.update(ingress="colocated"), "args.ingress colocated"),
+        (lambda args: args.update(models=[{"served_model_name": "a"}]), "args.models: size one model"),
     ],
 )
 def test_a_serve_config_setting_the_simulator_cannot_model_is_an_error_naming_it(tmp_path, change, message):
