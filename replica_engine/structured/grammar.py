@@ -124,9 +124,11 @@ class GrammarCompiler:
 
 # The call formats, as xgrammar's builtin tags write them: hermes is Qwen's
 # `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`; llama3_json is Llama 3.1's
-# `{"name": ..., "parameters": ...}`. Then what goes between calls when they are required.
+# `{"name": ..., "parameters": ...}`. Then what goes between calls when they are required: hermes
+# calls side by side, as vLLM's grammar has them (with a newline allowed there, SmolLM2 wrote one
+# after its call and then the same call again, until max_tokens).
 _XGRAMMAR_TOOL_FORMATS = {"hermes": "qwen_3", "llama3_json": "llama"}
-_CALL_SEPARATORS = {"hermes": "\n", "llama3_json": "; "}
+_CALL_SEPARATORS = {"hermes": "", "llama3_json": "; "}
 
 
 def _tool_call_tag(spec: ToolCallGrammar, any_whitespace: bool) -> xgr.StructuralTag:

@@ -30,6 +30,19 @@ def test_hermes_reads_several_calls_and_the_text_before_them():
     assert all(call["type"] == "function" for call in message.tool_calls)
 
 
+@pytest.mark.parametrize("piece", [1, 5, 1000])
+def test_hermes_reads_calls_side_by_side(piece: int):
+    """As a required tool_choice's grammar writes them (no text between calls)."""
+    text = f"<tool_call>\n{WEATHER}\n</tool_call><tool_call>\n{ADD}\n</tool_call>"
+    message = parse_message(text, "hermes")
+    assert message.content is None and [name for name, _ in functions(message.tool_calls)] == [
+        "get_weather",
+        "add",
+    ]
+    content, calls = streamed(text, "hermes", piece=piece)
+    assert content == "" and functions(calls) == functions(message.tool_calls)
+
+
 def test_arguments_are_the_models_own_json_text():
     text = '<tool_call>\n{"name": "f", "arguments": {\n  "x": "é"\n}}\n</tool_call>'
     assert parse_message(text, "hermes").tool_calls[0]["function"]["arguments"] == '{\n  "x": "é"\n}'
