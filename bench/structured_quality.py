@@ -68,7 +68,11 @@ class Case:
     model: type[pydantic.BaseModel] | None  # None: response_format json_object
     max_tokens: int
     group: str  # FIRST or BLIND
-    system: bool  # sent after SYSTEM
+
+    @property
+    def system(self) -> bool:
+        """Sent after SYSTEM (the first set's; the blind set's users write no system message)."""
+        return self.group == FIRST
 
 
 def cases() -> list[Case]:
@@ -83,13 +87,13 @@ def cases() -> list[Case]:
             name = f"{prefix}{model.__name__}"
             asked = sum(c.name.split(" #")[0] == name for c in found)
             name = f"{name} #{asked + 1}" if asked else name
-            found.append(Case(name, prompt, model, MAX_TOKENS, group, group == FIRST))
+            found.append(Case(name, prompt, model, MAX_TOKENS, group))
     for prefix, prompts, group in (
         ("", JSON_OBJECT_PROMPTS, FIRST),
         ("blind: ", blind_schemas.JSON_OBJECT_PROMPTS, BLIND),
     ):
         found += [
-            Case(f"{prefix}json_object {i + 1}", prompt, None, JSON_OBJECT_MAX_TOKENS, group, group == FIRST)
+            Case(f"{prefix}json_object {i + 1}", prompt, None, JSON_OBJECT_MAX_TOKENS, group)
             for i, prompt in enumerate(prompts)
         ]
     return found

@@ -52,13 +52,12 @@ from deployments.responses import (
     Usage,
     sse_event,
 )
-from deployments.served_model import ModelSettings, ServedModel
+from deployments.served_model import ENGINE_CALL_TIMEOUT_S, ModelSettings, ServedModel
 
 if TYPE_CHECKING:  # the engine's types: this process runs no engine (unless colocated)
     from replica_engine.outputs import EngineStats
 
 logger = logging.getLogger("ray.serve")
-HEALTH_TIMEOUT_S = 5.0
 
 app = FastAPI(title="stallfree", description="OpenAI-compatible LLM serving")
 SERVED: dict[str, str] = {}  # the HTTP metrics' labels, set by the process's Ingress
@@ -134,7 +133,7 @@ class Ingress:
     async def health(self) -> Response:
         try:
             for served in self.models:
-                await asyncio.wait_for(served.engine.check_health.remote(), HEALTH_TIMEOUT_S)
+                await asyncio.wait_for(served.engine.check_health.remote(), ENGINE_CALL_TIMEOUT_S)
         except Exception as error:
             raise ApiError(503, f"engine unavailable: {error}", error_type="server_error") from None
         return Response(status_code=200)

@@ -120,8 +120,7 @@ class LoraRegistry:
         model_not_found for a name we do not serve, 400 naming `model` for a bad adapter."""
         if model is None or model == self.base_name:
             return None
-        name = model.removeprefix(f"{self.base_name}:")
-        lora = self._find(name)
+        lora = self._adapter(model)
         if lora is None:
             raise _not_found(model)
         self._check(lora, "model")
@@ -129,7 +128,11 @@ class LoraRegistry:
 
     def knows(self, model: str) -> bool:
         """Whether `model` names the base model or an adapter it serves (files not checked)."""
-        return model == self.base_name or self._find(model.removeprefix(f"{self.base_name}:")) is not None
+        return model == self.base_name or self._adapter(model) is not None
+
+    def _adapter(self, model: str) -> LoRARequest | None:
+        """The adapter `model` names (`name` or `<base>:name`), if there is one."""
+        return self._find(model.removeprefix(f"{self.base_name}:"))
 
     def _find(self, name: str) -> LoRARequest | None:
         if not _valid_name(name):
