@@ -61,6 +61,34 @@ _SERVING = (
 )
 _HEADLINE = ("c=1 tok/s", "c=1 TBT p50", "c=16 tok/s", "c=16 TTFT p50", "c=16 TBT p99", "Poisson TBT p99")
 
+# bench.serve_options' tables, for a run of every option and for one of a single option
+SERVE_OPTIONS_TABLES = (
+    Values(
+        "alone",
+        "c=16 through the app as shipped, against the engine alone in process:",
+        (
+            Col("engine alone tok/s", "engine_alone_c16_output_tok_per_s", "num"),
+            Col("shipped tok/s (median of its runs)", "shipped_c16_output_tok_per_s_median", "num"),
+            Col("shipped / alone", "shipped_c16_over_engine_alone", "x"),
+            Col("best option", "best_option", "str"),
+            Col("best option / alone", "best_c16_over_engine_alone", "x"),
+        ),
+    ),
+    Rows(
+        "options",
+        "Each option over the shipped app (median of the ratios taken within each round):",
+        "option_over_shipped",
+        ("option",),
+        (
+            Col("c=16 tok/s", "c16_tok_per_s_ratio_median", "x"),
+            Col("c=1 TBT p50", "c1_tbt_p50_ratio_median", "x"),
+            Col("c=16 TTFT p50", "c16_ttft_p50_ratio_median", "x"),
+            Col("c=16 TBT p99", "c16_tbt_p99_ratio_median", "x"),
+            Col("earns the default", "adopt", "yes"),
+        ),
+    ),
+)
+
 SERVING_SPECS: dict[str, BenchSpec] = {
     "cpu_serving": BenchSpec(
         "benchmarks/cpu_serving.md",
@@ -162,32 +190,12 @@ SERVING_SPECS: dict[str, BenchSpec] = {
     "serve_options": BenchSpec(
         "benchmarks/serve_options.md",
         "Ray-side options against the shipped app, in paired rounds",
-        (
-            Values(
-                "alone",
-                "c=16 through the app as shipped, against the engine alone in process:",
-                (
-                    Col("engine alone tok/s", "engine_alone_c16_output_tok_per_s", "num"),
-                    Col("shipped tok/s (median of its runs)", "shipped_c16_output_tok_per_s_median", "num"),
-                    Col("shipped / alone", "shipped_c16_over_engine_alone", "x"),
-                    Col("best option", "best_option", "str"),
-                    Col("best option / alone", "best_c16_over_engine_alone", "x"),
-                ),
-            ),
-            Rows(
-                "options",
-                "Each option over the shipped app (median of the ratios taken within each round):",
-                "option_over_shipped",
-                ("option",),
-                (
-                    Col("c=16 tok/s", "c16_tok_per_s_ratio_median", "x"),
-                    Col("c=1 TBT p50", "c1_tbt_p50_ratio_median", "x"),
-                    Col("c=16 TTFT p50", "c16_ttft_p50_ratio_median", "x"),
-                    Col("c=16 TBT p99", "c16_tbt_p99_ratio_median", "x"),
-                    Col("earns the default", "adopt", "yes"),
-                ),
-            ),
-        ),
+        SERVE_OPTIONS_TABLES,
+    ),
+    "serve_options_core_process": BenchSpec(
+        "benchmarks/serve_options.md",
+        "The engine core in its own process against the shipped app, alone, in three paired rounds",
+        SERVE_OPTIONS_TABLES,
     ),
     "structured_quality": BenchSpec(
         "benchmarks/structured_quality.md",
