@@ -53,7 +53,7 @@ lint: setup
 	$(PY) -m ruff format --check .
 
 bench: setup
-	$(PY) -m bench.offline
+	$(PY) -m bench offline
 
 # The docs site (mkdocs.yml), rebuilt as you edit: http://127.0.0.1:8001
 docs: setup

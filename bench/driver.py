@@ -22,6 +22,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bench import catalog
 from common.latency import RequestTiming
 from harness.random_workload import random_tokens
 from harness.serve_cluster import SHIPPED_CONFIG, shipped_app_config, with_app_args
@@ -168,9 +169,10 @@ class Spread:
 
 
 def _command(benchmark: str) -> str:
-    """How to rerun it: with this run's arguments when it was run as `python -m bench.<name>`."""
-    command = f"python -m bench.{benchmark}"
-    if Path(sys.argv[0]).resolve() == (Path(__file__).parent / f"{benchmark}.py").resolve():
+    """How to rerun it: with this run's arguments when it was run as `python -m bench <name>`."""
+    command = catalog.command(benchmark)
+    known = catalog.benchmarks().get(benchmark)
+    if known is not None and Path(sys.argv[0]).resolve() == known.path:
         return shlex.join([*command.split(), *sys.argv[1:]])
     return command
 

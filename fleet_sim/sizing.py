@@ -237,7 +237,7 @@ def model_config(model: str) -> dict[str, Any]:
 
 def load_step_time(path: Path) -> StepTimeModel:
     """A JSON file with `coefficients` (six seconds: per step, prompt token, decode, query-key
-    pair of a prompt chunk, of a decode, request), or bench.fleet_validation's result (its
+    pair of a prompt chunk, of a decode, request), or bench.fleet.fleet_validation's result (its
     `learned_from_run`)."""
     coefficients = json.loads(path.read_text()).get("coefficients")
     if isinstance(coefficients, dict):
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         "--step-time",
         type=Path,
         default=Path("bench/results/fleet_validation.json"),
-        help="step-time coefficients (default: this CPU's, from bench.fleet_validation)",
+        help="step-time coefficients (default: this CPU's, from bench.fleet.fleet_validation)",
     )
     parser.add_argument(
         "--accelerator",

@@ -1,4 +1,4 @@
-"""A second set for bench.structured_quality, written blind (issue 59): on 2026-11-29, before any
+"""A second set for bench.quality.structured_quality, written blind (issue 59): on 2026-11-29, before any
 of it was run against any server and without reading which requests failed on the first set.
 Users' own phrasing: no system message, the request itself says what to extract. Pydantic models
 as extraction code writes them (nested models, lists of models, optional and defaulted fields,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 TIE_TOLERANCE = 1e-4
-# Short and long, prose, lists and code: what the exactness tests and bench.quantization ask.
+# Short and long, prose, lists and code: what the exactness tests and bench.quality.quantization ask.
 EXACTNESS_PROMPTS = [
     "The capital of France is",
     "Hello",

@@ -1,5 +1,5 @@
 """Random LoRA adapters in PEFT's format, built by `peft` itself on a model's real shape (nothing
-downloaded): what the LoRA tests and bench.lora serve. PEFT starts B at zero (a no-op adapter);
+downloaded): what the LoRA tests and bench.engine.lora serve. PEFT starts B at zero (a no-op adapter);
 these draw A and B at random, so each adapter visibly changes the model's output."""
 
 from __future__ import annotations

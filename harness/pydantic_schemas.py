@@ -6,7 +6,7 @@ list item or a digit until max_tokens on a few of them (valid JSON so far, never
 HELD_OUT_SCHEMAS: twelve more, written after the grammar's settings were chosen (issue 40) and
 without bounds, as users write them: numbers with no minimum or maximum, lists with no length,
 optional fields (`X | None = None`), arrays of objects, nested objects, enums, booleans, a literal.
-bench.structured_quality sends both lists; the tests send the twenty."""
+bench.quality.structured_quality sends both lists; the tests send the twenty."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-# The system message every structured request here is sent with (tests and bench.structured_quality).
+# The system message every structured request here is sent with (tests and bench.quality.structured_quality).
 SYSTEM = {"role": "system", "content": "Answer in JSON."}
 
 

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _console_scripts() -> Path:
     """Where `ray` and `serve` are: beside this interpreter (a venv), else on PATH (a machine
-    where Ray was installed with --target, as bench/gpu_machine.sh does)."""
+    where Ray was installed with --target, as bench/gpu/gpu_machine.sh does)."""
     beside = Path(sys.executable).parent
     found = shutil.which("ray")
     return beside if (beside / "ray").exists() or found is None else Path(found).parent

@@ -1,4 +1,4 @@
-"""The soak load (bench.soak and tests/serve/test_load.py): streamed random-token requests at a
+"""The soak load (bench.serving.soak and tests/serve/test_load.py): streamed random-token requests at a
 fixed concurrency, some clients hanging up mid-stream, each request's outcome judged against its
 exact length (and, where known, its greedy output), and the client-side report."""
 

@@ -1,5 +1,5 @@
 """The tools that tool calling is tested and measured with (tests/serve/test_tool_calls.py and
-bench.tool_calls): three functions as Pydantic models, as an agent declares them with the
+bench.quality.tool_calls): three functions as Pydantic models, as an agent declares them with the
 `openai` client's `pydantic_function_tool`, the prompts that ask for them, and the check that a
 call names one of them with arguments its model accepts."""
 
@@ -51,7 +51,7 @@ PROMPTS = [
     "Reserve dinner for four at Luigi's at 8 pm.",
 ]
 NO_TOOL_PROMPT = "What is 2 + 2?"  # no tool fits: under auto, a text answer
-# More of the same kinds, for bench.tool_calls (written after the tests' five)
+# More of the same kinds, for bench.quality.tool_calls (written after the tests' five)
 MORE_PROMPTS = [
     "How cold is it in Reykjavik right now, in fahrenheit?",
     "I need a table for 3 adults at Sushi Zen tomorrow at noon.",

@@ -30,7 +30,7 @@ GiB = 1 << 30
 # (vLLM's usage-context defaults make the same split).
 CPU_DEFAULTS = {
     # SmolLM2 in bf16 on 2 cores: a 256-token chunk step takes ~0.25 s; 512 doubled the TBT
-    # p99 under load for 3% more throughput (bench.cpu_serving).
+    # p99 under load for 3% more throughput (bench.serving.cpu_serving).
     "max_num_batched_tokens": 256,
     "offline_max_num_batched_tokens": 2048,
     "max_num_seqs": 64,
@@ -74,7 +74,7 @@ class EngineConfig:
             "`auto`: bfloat16 on GPU and on CPUs that multiply it natively (AVX512-BF16 or AMX), "
             "else float32. `float32` is what the exactness tests run (greedy output equals "
             "transformers'); `bfloat16` halves the bytes a decode step reads (what it changes in "
-            "outputs: `python -m bench.dtype_agreement`); `float16`"
+            "outputs: `python -m bench dtype_agreement`); `float16`"
         ),
     )
     quantization: str = field(
@@ -208,8 +208,8 @@ class EngineConfig:
         metadata=_doc(
             "Structured outputs: JSON without free whitespace (compact, one space after `:` and "
             "`,`), vLLM's `disable_any_whitespace`. `false`: whitespace is the model's choice, vLLM's "
-            "default; SmolLM2 parsed fewer outputs so (`bench.structured_quality`). A request may ask "
-            "for either in `structured_outputs.disable_any_whitespace`"
+            "default; SmolLM2 parsed fewer outputs so (`python -m bench structured_quality`). A "
+            "request may ask for either in `structured_outputs.disable_any_whitespace`"
         ),
     )
     enable_prefix_caching: bool = field(

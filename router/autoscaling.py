@@ -11,7 +11,7 @@ The replicas needed are the work the arrivals bring, plus draining the queues wi
 backlog_drain_s) x work per finished request / target_utilization. Sizing for the arrival rate,
 not for the backlog, matters when replicas take long to start: a queue that builds while they
 start asked a policy on queue depth or ongoing requests (Serve's default) for far more replicas
-than the load needed, held until the downscale delay passed (bench.fleet_autoscaling). KV usage
+than the load needed, held until the downscale delay passed (bench.fleet.fleet_autoscaling). KV usage
 still counts (a replica whose pool is full cannot take more), and before any request has
 finished, queue depth and ongoing requests per replica stand in for the rates.
 

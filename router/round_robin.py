@@ -1,5 +1,5 @@
 """RoundRobinRouter: each request to the next replica in turn, blind to load. A baseline for
-bench/router.py, beside Serve's power-of-two router."""
+bench/serving/router.py, beside Serve's power-of-two router."""
 
 from __future__ import annotations
 

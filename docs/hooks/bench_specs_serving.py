@@ -61,7 +61,7 @@ _SERVING = (
 )
 _HEADLINE = ("c=1 tok/s", "c=1 TBT p50", "c=16 tok/s", "c=16 TTFT p50", "c=16 TBT p99", "Poisson TBT p99")
 
-# bench.serve_options' tables, for a run of every option and for one of a single option
+# bench.serving.serve_options' tables, for a run of every option and for one of a single option
 SERVE_OPTIONS_TABLES = (
     Values(
         "alone",

@@ -123,7 +123,7 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
 class TiledWeight:
     """A kernel weight with a bfloat16 copy in torch's layout, for steps of `AMX_MIN_ROWS` rows or
     more on CPUs with AMX: there oneDNN multiplies bf16 in AMX tiles several times faster than
-    our kernels (bench.cpu's `amx_over_q4_kernel_by_shape`), while decode steps keep reading the
+    our kernels (bench.engine.cpu's `amx_over_q4_kernel_by_shape`), while decode steps keep reading the
     smaller copy."""
 
     kernel_weight: PackedWeight | QuantizedWeight

@@ -99,7 +99,7 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         # Compact JSON by default: with the layout free (vLLM's default), SmolLM2 ran to the length
-        # limit on more requests (bench.structured_quality); either loops on some prompts.
+        # limit on more requests (bench.quality.structured_quality); either loops on some prompts.
         any_whitespace = (
             self.any_whitespace if spec.disable_any_whitespace is None else not spec.disable_any_whitespace
         )

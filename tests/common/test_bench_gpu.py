@@ -1,4 +1,4 @@
-"""`python -m bench.gpu --dry-run` on this CPU, as make test runs it so the command cannot rot
+"""`python -m bench gpu --dry-run` on this CPU, as make test runs it so the command cannot rot
 before a session is lent a GPU: every part runs (Triton in its interpreter, tiny dummy shapes, a
 served run through Ray Serve), the exactness checks pass (against the stand-in the lent machine
 uses where the embedded SmolLM2 cannot travel: a random checkpoint without a tokenizer), and the
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu, gpu_checks, gpu_served
+from bench.gpu import gpu, gpu_checks, gpu_served
 from common.errors import InvalidRequestError
 from replica_engine import LLM, SamplingParams
 

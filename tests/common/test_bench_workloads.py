@@ -11,8 +11,11 @@ import random
 
 import pytest
 
-from bench import capacity_run, chat_workload, cpu_serving, dtype_agreement, prefix, router
+from bench import chat_workload
 from bench.driver import uniform_workload
+from bench.engine import capacity_run, prefix
+from bench.quality import dtype_agreement
+from bench.serving import cpu_serving, router
 from harness.random_workload import random_tokens
 from harness.soak_load import soak_workload
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.quantization import perplexity
+from bench.quality.quantization import perplexity
 from bench.text_prompts import text_prompts
 from common.errors import InvalidRequestError
 from common.model_source import DEFAULT_MODEL, resolve_model

@@ -67,7 +67,7 @@ def test_decode_steps_through_the_padded_static_batch_give_the_same_tokens(tmp_p
     padded static inputs a graph would replay (requests finishing at different steps: 3 rows,
     then 2, then 1). Transformers' random init keeps the logits apart, so any mixing of rows
     or a stale input would change a token."""
-    from bench.gpu_checks import random_checkpoint, random_prompts
+    from bench.gpu.gpu_checks import random_checkpoint, random_prompts
     from replica_engine import LLM, SamplingParams
     from replica_engine.decode_graphs import DecodeGraphs
 

@@ -11,7 +11,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 from safetensors import safe_open
 
-from bench.quantization import GREEDY_PARAMS, divergences, perplexity
+from bench.quality.quantization import GREEDY_PARAMS, divergences, perplexity
 from bench.text_prompts import text_prompts
 from common.errors import InvalidRequestError
 from common.model_source import embedded_gguf_path

@@ -126,7 +126,7 @@ def test_with_a_perfect_model_only_decodes_and_the_minimum_chunk_exceed_the_targ
 
 def chunk_steps(scheduler, speed: float) -> list[tuple[int, float]]:
     """(prompt tokens, time on a host `speed` times TRUE's) of each step carrying a prompt chunk,
-    while four requests decode and two long prompts arrive (bench.token_budget_threads' load)."""
+    while four requests decode and two long prompts arrive (bench.engine.token_budget_threads' load)."""
     arrivals = [StepArrival(0, 24, 60)] * 4 + [StepArrival(2, 900, 2)] * 2
     run = run_to_completion(scheduler, arrivals)
     shapes = [batch.shape() for batch in run.batches]
@@ -136,7 +136,7 @@ def chunk_steps(scheduler, speed: float) -> list[tuple[int, float]]:
 def test_a_slower_host_gets_smaller_chunks_and_every_step_stays_within_the_target():
     """tbt_slo_s on hardware of two speeds, as a replica meets it: the step-time model is fitted
     on the replica's own startup profile (step_profile's shapes), here timed by a host of known
-    speed. The speed claim itself (real threads, real steps) is bench.token_budget_threads'."""
+    speed. The speed claim itself (real threads, real steps) is bench.engine.token_budget_threads'."""
     config = EngineConfig(max_num_batched_tokens=1024, max_model_len=2048, max_num_seqs=16, tbt_slo_s=0.06)
     chunks = {}
     shapes = [StepShape.of(rows) for rows in profile_shapes(1024, 2048, 16)]

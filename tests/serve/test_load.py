@@ -1,8 +1,9 @@
 """Load with disconnects, on the real Ray cluster: the whole serving path (HTTP, Ingress, router,
 two replicas, scheduler, KV cache, streaming, cancellation) under 1,000 requests at concurrency
 64. The replicas run `dummy:tiny-llama`, a 2-layer random-weight Llama: on 2 CPU cores the real
-SmolLM2 would need ~16 minutes for this workload (bench.soak runs it), and the model's math is
-not what this test is about. Shares its workload, client and report (harness.soak_load) with bench.soak."""
+SmolLM2 would need ~16 minutes for this workload (`python -m bench soak` runs it), and the model's
+math is not what this test is about. Shares its workload, client and report (harness.soak_load)
+with that benchmark."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""bench.fleet's plan entries (PROFILE:WORKLOADS:SIZES[:ROUTERS]) and its plot of a run that left
+"""bench.fleet.fleet's plan entries (PROFILE:WORKLOADS:SIZES[:ROUTERS]) and its plot of a run that left
 routers out."""
 
 import re
 
 import pytest
 
-from bench.fleet import _plan_entry, judge, plot
+from bench.fleet.fleet import _plan_entry, judge, plot
 from fleet_sim.routers import ROUTERS
 
 

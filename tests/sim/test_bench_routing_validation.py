@@ -1,4 +1,4 @@
-"""bench.fleet_routing_validation's trace (bench.fleet's, written as text both sides agree on) and
+"""bench.fleet.fleet_routing_validation's trace (bench.fleet.fleet's, written as text both sides agree on) and
 its verdict on the simulator's router ratios."""
 
 import itertools
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.fleet_profiles import Profile, cpu_step_time
-from bench.fleet_routing_validation import CONTEXT_TOKENS, as_text, judge, scaled_workload
+from bench.fleet.fleet_profiles import Profile, cpu_step_time
+from bench.fleet.fleet_routing_validation import CONTEXT_TOKENS, as_text, judge, scaled_workload
 from common.tokenizer import PromptTokenizer
 from fleet_sim.replica import ReplicaConfig
 

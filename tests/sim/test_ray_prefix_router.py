@@ -1,5 +1,5 @@
 """The simulator's copy of Ray's PrefixCacheAffinityRouter (fleet_sim/ray_prefix_router.py) against
-the real one: bench/record_ray_router.py sent the fixture's prompts one by one through Ray Serve to 3
+the real one: bench/serving/record_ray_router.py sent the fixture's prompts one by one through Ray Serve to 3
 real replicas and noted the replica Ray's router chose for each, with the queue lengths in its cache
 then. Replayed in order, the simulator must choose the same replica every time."""
 

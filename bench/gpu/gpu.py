@@ -1,0 +1,436 @@
+"""`python -m bench gpu`: the GPU path in one command, for the first session lent a device (issue 37).
+
+(a) Exactness (bench/gpu/gpu_checks.py): our engine against transformers, greedy, float32 and bfloat16,
+    with the Triton attention; the Triton kernel against the torch reference on mixed batches.
+(b) Steps (bench/gpu/gpu_steps.py) of a Llama-3-8B-shaped `dummy:` model, weights generated on the
+    device: decode at batch 1-256 against the HBM floor, mixed steps at budgets 256-2048 against
+    the FLOP floor.
+(c) Offline throughput on a ShareGPT-like workload (the anchor, vLLM's PR #18566: 6,582.87 output
+    tok/s on an H100 for Llama-3-8B): 1000 requests whose prompt and output lengths are drawn
+    log-normally to ShareGPT's means as vLLM's benchmark samples it (prompts ~230 tokens, outputs
+    ~200, each capped at 1024). The ShareGPT file itself cannot be fetched here: same shape of
+    load, not the same texts (dummy weights have no tokenizer; prompts are token ids).
+(d) Served (bench/gpu/gpu_served.py): the same requests through Ray Serve (serve_config.gpu.yaml, one
+    replica, so the API and the engine in one replica: `ingress: auto`; the same model) and
+    through the engine alone, in turn: c=1, c=64 and Poisson arrivals
+    at three rates (3 seeds): TTFT and TBT p50/p99, tok/s, failures, and served over alone.
+(e) Served options: the closed loops served with other app args (the engine core in its own
+    process; an Ingress in front of an EngineReplica, `ingress: separate`), against the engine
+    alone's closed loops in the same part.
+Writes bench/results/gpu_<device>.json with goals and goals_met and prints a table. `--parts`
+runs some parts and keeps the file's others, each part stamped with when it was measured (a
+device call is at most 10 minutes: the parts go in several calls, bench/gpu/gpu_machine.sh).
+
+`--dry-run` runs the same code on this CPU: Triton in its interpreter, a tiny dummy model, a few
+steps and requests (part of make test, so the command cannot rot); its figures mean nothing and
+its file says so. Goals (on an H100): decode steps at batch >= 32 <= 1.5x the HBM floor; offline
+>= 6,600 output tok/s, the device idle (waiting on the host: wall time less the model's) <= 10% of
+the wall time; every exactness check passes;
+greedy tokens with async scheduling those of synchronous steps; served as bench/gpu/gpu_served.py says."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import random
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from bench.driver import Arrival, BenchmarkRun, print_verdicts
+from bench.gpu import gpu_checks, gpu_served, gpu_steps
+from common.model_shapes import dummy_config_dict
+from harness import serve_cluster
+from replica_engine import LLM, SamplingParams
+from replica_engine.scheduler.plan import StepSummary
+
+EXACTNESS_KINDS = ("against_transformers", "async_against_sync", "triton_attention")
+GOALS = {
+    "decode_b32_plus_vs_hbm_floor_max": gpu_steps.GOAL_RATIO,
+    "offline_output_tok_per_s_min": 6600,
+    "offline_device_idle_share_max": 0.10,
+    **gpu_served.GOALS,
+}
+PARTS = ("exactness", "steps", "offline", "served", "served_options")
+SHAREGPT_MEAN_TOKENS = (230, 200)  # prompt, output
+LOGNORMAL_SIGMA = (1.0, 0.9)
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: str
+    exactness_lengths: tuple[int, ...]  # prompt tokens, one request each
+    exactness_tokens: int
+    oracle_stand_in: str | None  # a random checkpoint of this shape instead of SmolLM2
+    attention_heads: dict[str, tuple[int, int, int]]  # name -> (heads, kv heads, head dim)
+    steps: gpu_steps.StepPlan
+    model: str  # offline and served
+    offline_requests: int
+    max_len: int  # cap on each drawn prompt and output length
+    served: gpu_served.ServedPlan
+    served_base: Path  # the shipped config the served app is built from
+
+
+FULL = Plan(
+    device="cuda",
+    exactness_lengths=(5, 40, 200, 700),
+    exactness_tokens=32,
+    oracle_stand_in=None,
+    attention_heads=gpu_checks.HEAD_SHAPES,
+    steps=gpu_steps.StepPlan(
+        model="dummy:llama3-8b",
+        decode_batches=(1, 8, 32, 64, 128, 256),
+        context=512,
+        mixed=((32, 224), (64, 448), (128, 896), (256, 1792)),
+        num_steps=20,
+        kv_cache_bytes=None,
+    ),
+    model="dummy:llama3-8b",
+    offline_requests=1000,
+    max_len=1024,
+    served=gpu_served.ServedPlan(
+        closed=((1, 16), (64, 128)),
+        poisson_rates=(4.0, 8.0, 16.0),
+        poisson_requests=48,
+        seeds=(0, 1, 2),
+        options=(
+            ("core_process", {"engine": {"core_process": True}}),
+            ("separate", {"ingress": "separate"}),
+        ),
+    ),
+    served_base=serve_cluster.REPO / "serve_config.gpu.yaml",
+)
+DRY_RUN = Plan(
+    device="cpu",
+    exactness_lengths=(5, 20),
+    exactness_tokens=8,
+    oracle_stand_in="tiny-llama",  # SmolLM2 through the interpreter: test_triton_attention's job
+    # the interpreter runs each (request, head, tile) program in Python: SmolLM2's 9 heads only
+    attention_heads={k: v for k, v in gpu_checks.HEAD_SHAPES.items() if k.startswith("smollm2")},
+    steps=gpu_steps.StepPlan(
+        model="dummy:tiny-llama",
+        decode_batches=(1, 4),
+        context=32,
+        mixed=((4, 28),),
+        num_steps=3,
+        kv_cache_bytes=16 << 20,
+    ),
+    model="dummy:tiny-llama",
+    offline_requests=4,  # each token of both runs goes through the interpreted Triton attention
+    max_len=24,
+    served=gpu_served.ServedPlan(
+        closed=((1, 2), (4, 4)), poisson_rates=(4.0,), poisson_requests=3, seeds=(0,)
+    ),
+    served_base=serve_cluster.SHIPPED_CONFIG,
+)
+
+
+def sharegpt_like(count: int, max_len: int, vocab_size: int, seed: int = 0) -> list[Arrival]:
+    """Prompt and output lengths log-normal around ShareGPT's means, capped; prompts are token ids."""
+    rng = random.Random(seed)
+
+    def length(mean: int, sigma: float) -> int:
+        mu = math.log(mean) - sigma**2 / 2  # the log-normal whose mean is `mean`
+        return max(4, min(max_len, round(rng.lognormvariate(mu, sigma))))
+
+    arrivals = []
+    for _ in range(count):
+        prompt_len = length(SHAREGPT_MEAN_TOKENS[0], LOGNORMAL_SIGMA[0])
+        output_len = length(SHAREGPT_MEAN_TOKENS[1], LOGNORMAL_SIGMA[1])
+        arrivals.append(Arrival(0.0, [rng.randrange(vocab_size) for _ in range(prompt_len)], output_len))
+    return arrivals
+
+
+def vocab_size(model: str) -> int:
+    return dummy_config_dict(model.removeprefix("dummy:"))["vocab_size"]
+
+
+def offline(plan: Plan) -> dict:
+    """The workload eagerly and with decode steps from CUDA graphs, both with async scheduling
+    (the GPU's default), and with graphs in synchronous steps: what async scheduling gives."""
+    return {
+        "eager": _offline_run(plan, cuda_graphs=False, async_scheduling=True),
+        "graphs": _offline_run(plan, cuda_graphs=True, async_scheduling=True),
+        "graphs_sync": _offline_run(plan, cuda_graphs=True, async_scheduling=False),
+    }
+
+
+def _offline_run(plan: Plan, cuda_graphs: bool, async_scheduling: bool) -> dict:
+    engine = dict(
+        dtype="bfloat16",
+        attention_backend="triton",
+        cuda_graphs=cuda_graphs,
+        async_scheduling=async_scheduling,
+    )
+    llm = LLM(model=plan.model, device=plan.device, **engine)
+    arrivals = sharegpt_like(plan.offline_requests, plan.max_len, vocab_size(plan.model))
+    params = [SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True) for a in arrivals]
+    summaries: list[StepSummary] = []
+    llm.engine.step_listeners.append(summaries.append)
+    started = time.perf_counter()
+    outputs = llm.generate([a.prompt for a in arrivals], params)
+    wall_s = time.perf_counter() - started
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert output_tokens == sum(a.max_tokens for a in arrivals), "a request stopped short"
+    decode_only = [s for s in summaries if s.shape.num_prefill_tokens == 0]
+    model_s = sum(s.model_s for s in summaries)
+    return {
+        "requests": len(arrivals),
+        "prompt_tokens": sum(len(a.prompt) for a in arrivals),
+        "output_tokens": output_tokens,
+        "wall_s": wall_s,
+        "output_tok_per_s": output_tokens / wall_s,
+        "budget": llm.engine.config.max_num_batched_tokens,
+        # where the time went: steps, the model's share, decode-only steps (the ones graphs replay)
+        "steps": len(summaries),
+        "model_s": model_s,
+        # the host's side of each step (under async scheduling it overlaps the device's work)
+        "overhead_s": sum(s.overhead_s for s in summaries),
+        # what the host costs the device: the wall time in which it ran no step of the model
+        "device_idle_s": wall_s - model_s,
+        "device_idle_share": 1 - model_s / wall_s,
+        "decode_only_steps": len(decode_only),
+        "decode_only_s": sum(s.duration_s for s in decode_only),
+        "mean_decodes_per_step": sum(s.shape.num_decodes for s in summaries) / max(1, len(summaries)),
+    }
+
+
+def _served_setup(plan: Plan) -> tuple[dict, list[Arrival]] | None:
+    """The served app's args and the requests; None where Ray is not installed (the lent machine
+    has none until bench/gpu/gpu_machine.sh installs it)."""
+    if importlib.util.find_spec("ray") is None:
+        return None
+    num_gpus = 1 if plan.device == "cuda" else 0
+    args = {"model": plan.model, "num_replicas": 1, "num_gpus": num_gpus, "engine": {"dtype": "bfloat16"}}
+    count = max(plan.served.poisson_requests, *(n for _, n in plan.served.closed))
+    return args, sharegpt_like(count, plan.max_len, vocab_size(plan.model), seed=1)
+
+
+def served(plan: Plan, work_dir: Path) -> dict:
+    """Through Ray Serve and through the engine alone."""
+    if (setup := _served_setup(plan)) is None:
+        return {"skipped": "ray is not installed here"}
+    args, arrivals = setup
+    alone = gpu_served.engine_alone(args, plan.served_base, arrivals, plan.served)
+    gpu_steps.free_device_memory()  # the served replica sizes its pool from what is free
+    through_serve = gpu_served.through_serve(args, plan.served_base, work_dir, arrivals, plan.served)
+    return {
+        "engine_alone": alone,
+        "served": through_serve,
+        "served_vs_alone": gpu_served.comparison(alone, through_serve, plan.served),
+    }
+
+
+def served_options(plan: Plan, work_dir: Path) -> dict:
+    """The served part's closed loops with each of the plan's served options (app args changed),
+    against the engine alone's closed loops in the same part (a device call of its own)."""
+    if not plan.served.options:
+        return {"skipped": "no served options in this plan"}
+    if (setup := _served_setup(plan)) is None:
+        return {"skipped": "ray is not installed here"}
+    args, arrivals = setup
+    closed_only = replace(plan.served, poisson_rates=())
+    alone = gpu_served.engine_alone(args, plan.served_base, arrivals, closed_only)
+    gpu_steps.free_device_memory()
+    result: dict = {"engine_alone": alone}
+    for name, changed in plan.served.options:
+        option_args = {**args, **changed, "engine": {**args["engine"], **changed.get("engine", {})}}
+        runs = gpu_served.through_serve(option_args, plan.served_base, work_dir, arrivals, closed_only)
+        versus = gpu_served.comparison(alone, runs, closed_only)
+        result[name] = {"app_args": changed, "runs": runs, "vs_alone": versus}
+    return result
+
+
+def exactness(plan: Plan, work_dir: Path) -> dict:
+    what, checkpoint = gpu_checks.oracle_checkpoint(work_dir, plan.oracle_stand_in)
+    args = (plan.device, plan.exactness_lengths, plan.exactness_tokens)
+    return {
+        "checkpoint": what,
+        "against_transformers": [
+            gpu_checks.check_against_transformers(checkpoint, dtype, *args, graphs)
+            for dtype, graphs in (("float32", False), ("bfloat16", False), ("bfloat16", True))
+        ],
+        "async_against_sync": [
+            gpu_checks.check_async_against_sync(checkpoint, dtype, *args, graphs)
+            for dtype, graphs in (("float32", False), ("bfloat16", True))
+        ],
+        "triton_attention": [
+            gpu_checks.check_attention(plan.device, dtype, plan.attention_heads)
+            for dtype in ("float32", "bfloat16")
+        ],
+    }
+
+
+def steps(plan: Plan, dry_run: bool) -> dict:
+    rates = gpu_steps.device_rates(torch.device(plan.device), dry_run)
+    return gpu_steps.summary(rates, gpu_steps.measure(plan.steps, plan.device, rates))
+
+
+def run_part(name: str, part: Callable[[], dict]) -> dict:
+    """A part's figures, or the error that stopped it: one failing part (on a device no session
+    has tried yet) must not cost the others their run."""
+    print(f"-- {name}", flush=True)
+    try:
+        return part()
+    except Exception as error:  # recorded, printed, and judged a miss
+        traceback.print_exc()
+        return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-4000:]}
+    finally:  # a failed part's engine (in reference cycles) must not take the next part's memory
+        gpu_steps.free_device_memory()
+
+
+def goals_met(result: dict, dry_run: bool) -> dict[str, bool]:
+    """Each goal, judged on the parts that ran (a part missing or failed misses its goals)."""
+    parts = result["parts"]
+    ran = {name for name, part in parts.items() if "error" not in part}
+    exactness = parts.get("exactness", {})
+    checks = [c for kind in EXACTNESS_KINDS for c in exactness.get(kind, [])]
+    met = {"every exactness check passes": "exactness" in ran and all(c["passed"] for c in checks)}
+    met["greedy tokens with async scheduling identical to synchronous steps (up to ties)"] = (
+        "exactness" in ran and all(c["passed"] for c in exactness["async_against_sync"])
+    )
+    if dry_run:  # the CPU's figures are not the H100's: the speed goals are not judged
+        met["every part ran"] = ran == set(PARTS)
+        return met
+    decode_goal = (
+        f"decode steps at batch >= {gpu_steps.GOAL_MIN_BATCH} <= {gpu_steps.GOAL_RATIO}x the HBM floor"
+        " (eager or graphs, the better)"
+    )
+    best: dict[int, float] = {}  # batch -> the better ratio of its eager and graphs steps
+    for s in parts.get("steps", {}).get("steps", []):
+        if s["case"].startswith("decode-b"):
+            batch = int(s["case"].removeprefix("decode-b").removesuffix(" graphs"))
+            best[batch] = min(best.get(batch, float("inf")), s["ratio"])
+    met[decode_goal] = "steps" in ran and all(
+        ratio <= gpu_steps.GOAL_RATIO for batch, ratio in best.items() if batch >= gpu_steps.GOAL_MIN_BATCH
+    )
+    runs = parts["offline"].values() if "offline" in ran else []
+    met["offline >= 6,600 output tok/s (the best of its runs)"] = any(
+        run["output_tok_per_s"] >= GOALS["offline_output_tok_per_s_min"] for run in runs
+    )
+    share = GOALS["offline_device_idle_share_max"]
+    met[
+        f"offline: the device idle (wall less model time) <= {share:.0%} of the wall time (graphs, async)"
+    ] = "offline" in ran and parts["offline"]["graphs"]["device_idle_share"] <= share
+    comparison = parts.get("served", {}).get("served_vs_alone") if "served" in ran else None
+    return met | gpu_served.goals_met(comparison)
+
+
+def print_table(parts: dict) -> None:
+    for name, part in parts.items():
+        if "error" in part:
+            print(f"{name}: FAILED: {part['error']}")
+    if "error" not in parts.get("exactness", {"error": "not run"}):
+        exactness = parts["exactness"]
+        for against, check in [("transformers", c) for c in exactness["against_transformers"]] + [
+            ("sync steps", c) for c in exactness.get("async_against_sync", [])
+        ]:
+            verdict = "ok" if check["passed"] else "FAIL"
+            gaps = ", ".join(f"{d['top2_gap']:.2g}" for d in check["divergences"]) or "-"
+            name = check["dtype"] + (" graphs" if check["cuda_graphs"] else "")
+            name += " async" if check.get("async_scheduling") else ""
+            waited = check.get("submissions_that_waited")
+            waits = f", submissions that waited: {waited}" if waited is not None else ""
+            print(f"exactness {name:22} vs {against:12} {check['identical']}/{check['prompts']} "
+                  f"identical, gaps at divergences {gaps} (tolerance {check['tie_tolerance']}){waits}: "
+                  f"{verdict}")  # fmt: skip
+        for check in exactness["triton_attention"]:
+            worst = max(check["max_abs_error"].values())
+            verdict = "ok" if check["passed"] else "FAIL"
+            tolerance = check["tolerance"]
+            print(
+                f"triton attention {check['dtype']:9} max abs error {worst:.2e} (tol {tolerance}): {verdict}"
+            )
+    if "error" not in parts.get("steps", {"error": "not run"}):
+        rates = parts["steps"]["device"]
+        print(f"device {rates['name']}: floors {rates['bytes_per_s'] / 1e12:.3f} TB/s, "
+              f"{rates['flops_per_s'] / 1e12:.1f} TFLOP/s ({rates['source']}); measured copy "
+              f"{rates['measured_bytes_per_s'] / 1e12:.3f} TB/s, bf16 matmul "
+              f"{rates['measured_bf16_flops_per_s'] / 1e12:.1f} TFLOP/s")  # fmt: skip
+        print(f"{'case':16}{'step ms':>10}{'model ms':>10}{'floor ms':>10}  {'bound':8}{'ratio':>7}")
+        for s in parts["steps"]["steps"]:
+            print(f"{s['case']:16}{s['step_ms']:>10.2f}{s['model_ms']:>10.2f}{s['floor_ms']:>10.3f}  "
+                  f"{s['floor_kind']:8}{s['ratio']:>6.2f}x")  # fmt: skip
+    for mode, o in parts["offline"].items() if "error" not in parts.get("offline", {"error": 1}) else ():
+        print(f"offline {mode}: {o['requests']} requests, {o['output_tokens']} output tokens in "
+              f"{o['wall_s']:.1f} s: {o['output_tok_per_s']:.0f} output tok/s "
+              f"(anchor: vLLM 6,582.87 on an H100); {o['steps']} steps, model {o['model_s']:.1f} s, "
+              f"steps' host side {o['overhead_s']:.1f} s, device idle {o['device_idle_s']:.1f} s "
+              f"({o['device_idle_share']:.0%}), "
+              f"{o['decode_only_steps']} decode-only steps {o['decode_only_s']:.1f} s, "
+              f"{o['mean_decodes_per_step']:.0f} decodes a step")  # fmt: skip
+    served = parts.get("served", {})
+    for system in ("engine_alone", "served"):
+        for run, figures in served.get(system, {}).items():
+            shown = figures.get("median", figures)
+            keys = ("output_tok_per_s", "ttft_p50_s", "ttft_p99_s", "tbt_p50_s", "tbt_p99_s")
+            print(f"{system} {run}: " + ", ".join(f"{k} {shown[k]:.4g}" for k in keys if k in shown)
+                  + f", failed {figures['failed']}")  # fmt: skip
+    if "served_vs_alone" in served:
+        print("served over the engine alone:", json.dumps(served["served_vs_alone"]))
+    for name, option in parts.get("served_options", {}).items():
+        if isinstance(option, dict) and "vs_alone" in option:
+            print(f"served option {name} over the engine alone:", json.dumps(option["vs_alone"]))
+    if "skipped" in served:
+        print("served:", served["skipped"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="on this CPU: Triton interpreted, tiny shapes")
+    parser.add_argument("--output", type=Path, help="default: bench/results/gpu_<device>.json")
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help=f"some of {','.join(PARTS)}; the output's others are kept"
+    )
+    args = parser.parse_args(argv)
+    chosen = args.parts.split(",")
+    if not set(chosen) <= set(PARTS):
+        parser.error(f"--parts: each of {PARTS}, got {args.parts!r}")
+    plan = DRY_RUN if args.dry_run else FULL
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device here: run with --dry-run to rehearse on the CPU")
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before our kernel's module is first imported
+    name = "dry_run" if args.dry_run else torch.cuda.get_device_name().split()[1].lower()
+    output = args.output or Path(f"bench/results/gpu_{name}.json")
+    run = BenchmarkRun("gpu", output, GOALS)
+    work_dir = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    kept = json.loads(output.read_text()) if output.exists() and set(chosen) != set(PARTS) else {}
+    body: dict = {
+        "dry_run": args.dry_run,
+        "plan": {"model": plan.model, "steps": vars(plan.steps), "served": vars(plan.served)},
+        "parts": {name: part for name, part in kept.get("parts", {}).items() if name not in chosen},
+        "measured_at": {  # each part's own date (a kept part keeps its own)
+            name: date for name, date in kept.get("measured_at", {}).items() if name not in chosen
+        },
+    }
+    parts = {
+        "exactness": lambda: exactness(plan, work_dir),
+        "steps": lambda: steps(plan, args.dry_run),
+        "offline": lambda: offline(plan),
+        "served": lambda: served(plan, work_dir),
+        "served_options": lambda: served_options(plan, work_dir),
+    }
+    for part_name in chosen:
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        body["measured_at"][part_name] = now
+        body["parts"][part_name] = run_part(part_name, parts[part_name])
+        run.write(body, {})  # so far: a run cut short still leaves its parts
+    body["parts"] = {name: body["parts"][name] for name in PARTS if name in body["parts"]}
+    print_table(body["parts"])
+    met = goals_met(body, args.dry_run)
+    print_verdicts(met)
+    run.write(body, met)
+
+
+if __name__ == "__main__":
+    main()

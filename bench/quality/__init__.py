@@ -1,0 +1,1 @@
+"""Answers: constrained outputs and tool calls beside vLLM, dtypes and quantization."""
