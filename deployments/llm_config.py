@@ -25,6 +25,7 @@ SAME_ENGINE_NAMES = frozenset(
         "max_lora_rank",
         "max_cpu_loras",
         "async_scheduling",
+        "speculative_config",
     }
 )
 SAME_APP_NAMES = frozenset({"served_model_name", "tool_call_parser", "reasoning_parser", "chat_template"})

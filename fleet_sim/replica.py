@@ -48,6 +48,7 @@ class ReplicaConfig:
     max_loras: int = 4  # LoRA adapters running at once
     max_cpu_loras: int | None = None  # adapters held loaded (None: max_loras)
     lora_load_s: float = 0.0  # a step that needs an adapter not held loaded stalls this long to load it
+    speculative: None = None  # no speculative decoding simulated
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -19,6 +19,7 @@ from replica_engine.executor import RunnerOutput, SampledTokens
 from replica_engine.persistent_batch import PersistentBatch
 from replica_engine.sampler import DeviceSample, sample
 from replica_engine.scheduler.plan import SamplingRow, ScheduledBatch, ScheduledRow
+from replica_engine.spec_decode.verify_batch import sample_with_drafts
 from replica_engine.structured import new_bitmask
 
 
@@ -105,7 +106,10 @@ class BatchSampler:
             rows = batch.sampling_rows
             sampling = self._sampling(rows, bitmasks.result() if bitmasks is not None else None)
             started = time.perf_counter()
-            sampled = sample(step.logits, sampling)
+            if any(row.draft_token_ids for row in rows):
+                sampled = sample_with_drafts(step.logits, rows, sampling)
+            else:
+                sampled = sample(step.logits, sampling)
             sample_s = time.perf_counter() - started
             # Last: a batch that raised before here took nothing, so its rows can be rerun alone.
             self.rows.take_sampled([row.request_id for row in rows], sampled.token_ids)

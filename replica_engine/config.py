@@ -18,6 +18,7 @@ from replica_engine.parallel.pipeline_parallel import check_layers
 from replica_engine.parallel.tensor_parallel import check_divisible
 from replica_engine.pooling import POOLING_TYPES
 from replica_engine.scheduler import SCHEDULING_POLICIES
+from replica_engine.spec_decode.config import FIELD, SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKEND_NAMES = ("auto", *ATTENTION_BACKENDS)
@@ -181,6 +182,18 @@ class EngineConfig:
             "reach the client a step later). Not with tensor or pipeline parallelism"
         ),
     )
+    speculative_config: dict | None = field(
+        default=None,
+        metadata=_doc(
+            "Speculative decoding, by vLLM's names: `{method: ngram, num_speculative_tokens: k, "
+            "prompt_lookup_min, prompt_lookup_max}`. Prompt lookup proposes up to k tokens a step "
+            "from the request's own text (what followed the latest earlier occurrence of its last "
+            "1-5 tokens) and the model checks them in the same step: greedy outputs are the same "
+            "tokens, sampled ones the same distribution. Requests with structured outputs, "
+            "penalties, logit bias, logprobs or min_tokens still to reach decode one token a step. "
+            "Steps go one at a time (no async scheduling); not yet with tensor or pipeline parallelism"
+        ),
+    )
     amx_weights: bool = field(
         default=False,
         metadata=_doc(
@@ -322,6 +335,7 @@ class EngineConfig:
                 "async_scheduling",
                 "not yet with tensor or pipeline parallelism (the workers take the tokens)",
             )
+        self._check_speculative()
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise InvalidRequestError(
                 "distributed_executor_backend",
@@ -363,6 +377,23 @@ class EngineConfig:
             except RuntimeError as error:
                 raise InvalidRequestError("device", str(error)) from None
 
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_settings(self.speculative_config)
+
+    def _check_speculative(self) -> None:
+        if self.speculative is None:
+            return
+        if self.async_scheduling:
+            raise InvalidRequestError(
+                "async_scheduling",
+                "not with speculative_config (how many tokens a step keeps decides the next)",
+            )
+        if self.num_workers > 1:
+            raise InvalidRequestError(FIELD, "not yet with tensor or pipeline parallelism")
+
     def resolve(self, model_config: PretrainedConfig) -> EngineConfig:
         """A copy with every default made concrete for this machine and model."""
         device = self.device
@@ -401,7 +432,7 @@ class EngineConfig:
             else on_gpu and attention_backend == "triton" and self.pipeline_parallel_size == 1,
             async_scheduling=self.async_scheduling
             if self.async_scheduling is not None
-            else on_gpu and self.num_workers == 1,
+            else on_gpu and self.num_workers == 1 and self.speculative is None,
             amx_weights=self._amx_weights(on_gpu),
         )
 

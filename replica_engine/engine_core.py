@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import torch  # an embedding's parts; the core itself needs no torch
 
     from replica_engine.metrics import EngineMetrics
+    from replica_engine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class CoreSettings(Protocol):
     tbt_slo_s: float | None
     max_loras: int
     max_cpu_loras: int | None  # None: max_loras
+    speculative: SpeculativeConfig | None  # parsed speculative_config
 
 
 class EngineCore:
@@ -88,6 +90,7 @@ class EngineCore:
             config.max_num_seqs,
             config.max_loras,
             config.max_cpu_loras or config.max_loras,
+            config.speculative,
         )
         self.slo_budget = self._slo_budget(num_kv_blocks, step_time)
         self.scheduler = SCHEDULING_POLICIES[config.scheduling_policy](
@@ -263,7 +266,11 @@ class EngineCore:
         survivors = batch.only(alone)
         sampled = [alone[row.request_id].sampled for row in survivors.sampling_rows]
         output = RunnerOutput(
-            SampledTokens([s.token_ids[0] for s in sampled], [s.logprobs[0] for s in sampled]),
+            SampledTokens(
+                [s.token_ids[0] for s in sampled],
+                [s.logprobs[0] for s in sampled],
+                tuple(s.num_accepted[0] if s.num_accepted else 0 for s in sampled),
+            ),
             {rid: logprobs for out in alone.values() for rid, logprobs in out.prompt_logprobs.items()},
             sum(out.model_s for out in alone.values()),
             {rid: part for out in alone.values() for rid, part in out.pooled.items()},
@@ -276,11 +283,15 @@ class EngineCore:
         for request_id, logprobs in executed.output.prompt_logprobs.items():
             if request_id in self.scheduler.requests:
                 self.scheduler.requests[request_id].prompt_logprobs += logprobs
-        advanced = self.scheduler.update(ran, sampled.token_ids)
+        advanced = self.scheduler.update(ran, sampled.token_ids, sampled.num_accepted)
+        if self.metrics is not None and sampled.num_accepted:
+            for row, accepted in zip(ran.sampling_rows, sampled.num_accepted, strict=True):
+                if row.draft_token_ids:
+                    self.metrics.record_drafts(len(row.draft_token_ids), accepted)
         now = time.monotonic()
         outputs = [
-            self._token_output(request, logprob, now)
-            for request, logprob in zip(advanced, sampled.logprobs, strict=True)
+            self._token_output(request, num_new, logprob, now)
+            for (request, num_new), logprob in zip(advanced, sampled.logprobs, strict=True)
         ]
         outputs += self._pool(ran, executed.output.pooled, now)
         failed = [
@@ -324,26 +335,22 @@ class EngineCore:
         awaited = [row.request_id for row in batch.rows if row.request_id in requests]
         if len(awaited) == len(batch.rows):
             return batch, sampled
-        kept = [
-            (token_id, logprob)
-            for row, token_id, logprob in zip(
-                batch.sampling_rows, sampled.token_ids, sampled.logprobs, strict=True
-            )
-            if row.request_id in requests
-        ]
-        return batch.only(awaited), SampledTokens([t for t, _ in kept], [lp for _, lp in kept])
+        kept = [index for index, row in enumerate(batch.sampling_rows) if row.request_id in requests]
+        return batch.only(awaited), sampled.only(kept)
 
-    def _token_output(self, request: Request, logprob: TokenLogprob | None, now: float) -> CoreOutput:
+    def _token_output(
+        self, request: Request, num_new: int, logprob: TokenLogprob | None, now: float
+    ) -> CoreOutput:
         if self.metrics is not None:
-            self.metrics.record_token(request, now, request.last_token_time)
+            self.metrics.record_token(request, now, request.last_token_time, num_new)
             if request.is_finished:
                 self.metrics.record_finished(request, now)
         request.last_token_time = now
-        first = len(request.output_token_ids) == 1
+        first = len(request.output_token_ids) == num_new
         wants_prompt_logprobs = first and request.sampling_params.prompt_logprobs is not None
         return CoreOutput(
             request.request_id,
-            [request.output_token_ids[-1]],
+            request.output_token_ids[-num_new:],
             request.num_prompt_tokens,
             request.finish_reason,
             request.num_cached_tokens,

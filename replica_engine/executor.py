@@ -17,8 +17,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SampledTokens:
-    token_ids: list[int]  # one per sampling row
+    token_ids: list[int]  # one per sampling row: its last (after the draft tokens it kept)
     logprobs: list[TokenLogprob | None]  # per row: set where the request asked for logprobs
+    num_accepted: tuple[int, ...] = ()  # per row, draft tokens kept; empty where no row had any
+
+    def only(self, rows: list[int]) -> SampledTokens:
+        """These rows' tokens, in this order."""
+        accepted = tuple(self.num_accepted[i] for i in rows) if self.num_accepted else ()
+        return SampledTokens([self.token_ids[i] for i in rows], [self.logprobs[i] for i in rows], accepted)
 
 
 @dataclass(frozen=True)

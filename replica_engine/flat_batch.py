@@ -17,7 +17,8 @@ class FlatBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attention: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampling] int64: row of each sampling request's last token
+    # [num_sampling] int64: each sampling request's last token (and its draft tokens), in order
+    logits_indices: torch.Tensor
 
     def to(self, device: torch.device) -> FlatBatch:
         if device.type == "cpu":
@@ -44,21 +45,37 @@ def build_flat_batch(
     batch: ScheduledBatch, block_tables: torch.Tensor, block_size: int, pin_memory: bool = False
 ) -> FlatBatch:
     """`block_tables`: [rows, blocks] int32 in batch order, the null block past each row's own (a
-    table short of blocks, a bug, then points a token at the null block, which is refused)."""
+    table short of blocks, a bug, then points a token at the null block, which is refused).
+
+    A row with draft tokens attends as that many + 1 one-token rows over its blocks, each seeing
+    the context up to its own token: the decode kernel then computes every verified token as it
+    would a plain decode, so speculation changes no logit (the prompt kernel tiles queries, and
+    in bfloat16 its sums round otherwise)."""
     input_ids: list[int] = []
     positions: list[int] = []
-    request_rows: list[int] = []  # which request each token belongs to
+    request_rows: list[int] = []  # which attention row each token belongs to
+    table_rows: list[int] = []  # which request's block table each attention row reads
     query_lens: list[int] = []
     seq_lens_kv: list[int] = []
     logits_indices: list[int] = []
     for index, row in enumerate(batch.rows):
         input_ids.extend(row.token_ids)
         positions.extend(range(row.start_position, row.end_position))
-        request_rows.extend([index] * row.num_tokens)
-        query_lens.append(row.num_tokens)
-        seq_lens_kv.append(row.end_position)
-        if row.sampling is not None:
-            logits_indices.append(len(input_ids) - 1)
+        if row.draft_token_ids:
+            first = len(query_lens)
+            request_rows.extend(range(first, first + row.num_tokens))
+            table_rows.extend([index] * row.num_tokens)
+            query_lens.extend([1] * row.num_tokens)
+            seq_lens_kv.extend(range(row.start_position + 1, row.end_position + 1))
+        else:
+            request_rows.extend([len(query_lens)] * row.num_tokens)
+            table_rows.append(index)
+            query_lens.append(row.num_tokens)
+            seq_lens_kv.append(row.end_position)
+        if row.sampling is not None:  # the last token, and each draft token
+            logits_indices.extend(range(len(input_ids) - 1 - len(row.draft_token_ids), len(input_ids)))
+    if len(table_rows) != len(batch.rows):
+        block_tables = block_tables[torch.tensor(table_rows)]
 
     positions_t = torch.tensor(positions, dtype=torch.int64)
     rows_t = torch.tensor(request_rows, dtype=torch.int64)

@@ -28,6 +28,7 @@ class DeviceSample:
     logprob_rows: tuple[int, ...] = ()  # the rows that asked for logprobs
     num_top: tuple[int, ...] = ()  # alternatives each of them asked for
     logprobs: LogprobTensors | None = None
+    num_accepted: tuple[int, ...] = ()  # per row, draft tokens kept (speculative decoding)
 
     def tensors(self) -> list[torch.Tensor]:
         """What the host reads: copied behind the step (device_transfer.HostCopy)."""
@@ -43,7 +44,7 @@ class DeviceSample:
                 self.logprob_rows, read_logprobs(host[1:], targets, self.num_top), strict=True
             ):
                 logprobs[row] = logprob
-        return SampledTokens(token_ids, logprobs)
+        return SampledTokens(token_ids, logprobs, self.num_accepted)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -79,9 +80,24 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
 
 def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     greedy_ids = logits.argmax(dim=-1)
-    params = [r.params for r in rows]
-    if all(p.greedy for p in params):
+    if all(r.params.greedy for r in rows):
         return greedy_ids
+    probs = target_probs(logits, rows)
+    # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p; seeded rows use
+    # their own generator.
+    noise = torch.empty_like(probs).exponential_()
+    for index, row in enumerate(rows):
+        if row.generator is not None:
+            noise[index].exponential_(generator=row.generator)
+    sampled = (probs / noise).argmax(dim=-1)
+    is_greedy = to_device([r.params.greedy for r in rows], torch.bool, logits.device)
+    return torch.where(is_greedy, greedy_ids, sampled)
+
+
+def target_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution each row draws from: temperature (1 for greedy rows), top-k, top-p, then
+    min-p; [rows, vocab]."""
+    params = [r.params for r in rows]
     device = logits.device
     temperature = to_device([p.temperature if not p.greedy else 1.0 for p in params], torch.float32, device)
     logits = logits / temperature[:, None]
@@ -93,12 +109,4 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if any(p.min_p > 0 for p in params):  # below min_p times the likeliest token's probability: out
         min_p = to_device([p.min_p for p in params], torch.float32, device)
         probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
-    # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p; seeded rows use
-    # their own generator.
-    noise = torch.empty_like(probs).exponential_()
-    for index, row in enumerate(rows):
-        if row.generator is not None:
-            noise[index].exponential_(generator=row.generator)
-    sampled = (probs / noise).argmax(dim=-1)
-    is_greedy = to_device([p.greedy for p in params], torch.bool, device)
-    return torch.where(is_greedy, greedy_ids, sampled)
+    return probs

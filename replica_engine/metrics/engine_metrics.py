@@ -25,6 +25,7 @@ TOKEN_COUNT_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 
 
 MODEL_LABEL = "model_name"
 REASON_LABEL = "finished_reason"
+POSITION_LABEL = "position"
 
 
 class EngineMetrics:
@@ -119,6 +120,15 @@ class EngineMetrics:
             "Messages a replica sent on its requests' streams, each with every token then ready for "
             "its request (generation_tokens over this: tokens per message)",
         )
+        # Speculative decoding, by vLLM's names: acceptance length = 1 + accepted / drafts.
+        self.spec_drafts = counter("spec_decode_num_drafts", "Decodes that carried draft tokens")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens kept")
+        self.spec_accepted_by_position = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens kept, by their position in the draft (0: the first)",
+            (POSITION_LABEL,),
+        )
         self._zero_at_start_series: list[tuple[Counter, dict[str, str]]] = [
             (instrument, self.labels)
             for instrument in (
@@ -130,6 +140,9 @@ class EngineMetrics:
                 self.preemptions,
                 self.steps_over_slo,
                 self.steps_decodes_over_slo,
+                self.spec_drafts,
+                self.spec_draft_tokens,
+                self.spec_accepted_tokens,
             )
         ]
         self._zero_at_start_series += [
@@ -177,16 +190,28 @@ class EngineMetrics:
             if decision.decodes_over_slo:
                 self.steps_decodes_over_slo.inc(1, self.labels)
 
-    def record_token(self, request: Request, now: float, previous_token_time: float | None) -> None:
-        """A request got an output token at `now`."""
-        self.generation_tokens.inc(1, self.labels)
+    def record_token(
+        self, request: Request, now: float, previous_token_time: float | None, num_tokens: int = 1
+    ) -> None:
+        """A request got `num_tokens` output tokens at `now` (more than one: draft tokens kept,
+        each counted at an equal share of the interval)."""
+        self.generation_tokens.inc(num_tokens, self.labels)
         if previous_token_time is None:
             self.time_to_first_token.observe(now - request.arrival_time, self.labels)
             self.prompt_tokens.inc(request.num_prompt_tokens, self.labels)
             self.prefix_cache_queries.inc(request.num_prompt_tokens, self.labels)
             self.prefix_cache_hits.inc(request.num_cached_tokens, self.labels)
         else:
-            self.inter_token_latency.observe(now - previous_token_time, self.labels)
+            for _ in range(num_tokens):
+                self.inter_token_latency.observe((now - previous_token_time) / num_tokens, self.labels)
+
+    def record_drafts(self, num_drafted: int, num_accepted: int) -> None:
+        """One decode's draft: how many tokens it proposed, how many verification kept."""
+        self.spec_drafts.inc(1, self.labels)
+        self.spec_draft_tokens.inc(num_drafted, self.labels)
+        self.spec_accepted_tokens.inc(num_accepted, self.labels)
+        for position in range(num_accepted):
+            self.spec_accepted_by_position.inc(1, {**self.labels, POSITION_LABEL: str(position)})
 
     def record_finished(self, request: Request, now: float) -> None:
         reason = request.finish_reason.value if request.finish_reason else "error"

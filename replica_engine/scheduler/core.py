@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from common.finish_reason import FinishReason
@@ -18,6 +18,8 @@ from replica_engine.scheduler.plan import ScheduledBatch, StepPlan
 from replica_engine.scheduler.step_time_model import StepTimeModel
 from replica_engine.scheduler.token_budget import SLOTokenBudget
 from replica_engine.scheduler.waiting_queue import WaitingQueue, admission_key
+from replica_engine.spec_decode.config import SpeculativeConfig
+from replica_engine.spec_decode.drafts import propose_drafts
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class SchedulerConfig:
     max_num_seqs: int  # most requests holding KV at once
     max_loras: int = 1  # LoRA adapters among running requests at once
     max_cpu_loras: int = 1  # adapters the runner keeps loaded (reported to routers: most recent)
+    speculative: SpeculativeConfig | None = None  # proposes draft tokens for decodes
 
 
 class Scheduler:
@@ -44,6 +47,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_finished = 0
         self.num_added = 0  # the next request's arrival_seq
+        self.num_draft_tokens = 0  # speculative decoding: draft tokens verified so far
+        self.num_accepted_tokens = 0  # of them, kept
         self._released: list[str] = []  # held by the runner, since finished or preempted
         self.loaded_adapters: OrderedDict[str, None] = OrderedDict()  # names, least recent first
 
@@ -140,22 +145,38 @@ class Scheduler:
         """Spend the step's budget: the one thing a policy decides."""
         raise NotImplementedError
 
-    def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Request]:
-        """Advance the requests a step computed; `sampled_token_ids` follows `batch.sampling_rows`.
-        Returns the requests that got a token (some may now be finished)."""
+    def update(
+        self, batch: ScheduledBatch, sampled_token_ids: list[int], num_accepted: Sequence[int] = ()
+    ) -> list[tuple[Request, int]]:
+        """Advance the requests a step computed; `sampled_token_ids` (and `num_accepted`, draft
+        tokens kept, where any row had drafts) follow `batch.sampling_rows`. Returns the requests
+        that got tokens, with how many (some may now be finished). A rejected draft token's K/V
+        was computed but does not count: the next step writes over it."""
         for row in batch.rows:
             request = self.requests[row.request_id]
             request.num_in_flight_tokens -= row.num_tokens
-            request.num_computed_tokens += row.num_tokens
-            self.kv_cache_manager.cache_computed_blocks(request)
-        advanced = []
-        for row, token_id in zip(batch.sampling_rows, sampled_token_ids, strict=True):
+            request.num_computed_tokens += row.num_tokens - len(row.draft_token_ids)
+        advanced, finished = [], []
+        for index, (row, token_id) in enumerate(zip(batch.sampling_rows, sampled_token_ids, strict=True)):
             request = self.requests[row.request_id]
             request.num_output_placeholders -= 1
-            reason = request.append_output_token(token_id)
-            if reason is not None:
-                self.finish_request(request, reason)
-            advanced.append(request)
+            kept = row.draft_token_ids[: num_accepted[index] if num_accepted else 0]
+            self.num_draft_tokens += len(row.draft_token_ids)
+            self.num_accepted_tokens += len(kept)
+            reason, num_new = None, 0
+            for token in (*kept, token_id):
+                num_new += 1
+                reason = request.append_output_token(token)
+                if num_new <= len(kept):  # a draft token kept: its K/V is the sequence's
+                    request.num_computed_tokens += 1
+                if reason is not None:
+                    finished.append((request, reason))
+                    break
+            advanced.append((request, num_new))
+        for row in batch.rows:  # hashed once each draft token kept is in the sequence
+            self.kv_cache_manager.cache_computed_blocks(self.requests[row.request_id])
+        for request, reason in finished:
+            self.finish_request(request, reason)
         return advanced
 
     # -- building blocks for policies ---------------------------------------------------
@@ -176,6 +197,8 @@ class Scheduler:
             num_tokens = self._chunk(plan, request, owed) if chunked else owed
             if num_tokens <= 0 or num_tokens > plan.budget_left:
                 break
+            if self._schedule_drafts(plan, request, num_tokens):
+                continue
             while not self.kv_cache_manager.allocate(request, num_tokens):
                 if plan.ahead:
                     plan.blocked = True
@@ -186,6 +209,20 @@ class Scheduler:
                     break
             else:
                 plan.num_scheduled_tokens[request] = num_tokens
+
+    def _schedule_drafts(self, plan: StepPlan, request: Request, num_tokens: int) -> bool:
+        """A decode with draft tokens behind its last one, where it speculates and the pool has
+        room for them (else it decodes as any other, preempting if it must)."""
+        spec = self.config.speculative
+        is_decode = num_tokens == 1 and request.num_computed_tokens == request.num_tokens - 1
+        if spec is None or not is_decode:
+            return False
+        drafts = propose_drafts(request, spec, plan.budget_left - 1)
+        if not drafts or not self.kv_cache_manager.allocate(request, 1 + len(drafts)):
+            return False
+        plan.num_scheduled_tokens[request] = 1 + len(drafts)
+        plan.drafts[request] = tuple(drafts)
+        return True
 
     def _admit_waiting(self, plan: StepPlan, chunked: bool) -> None:
         """Admit waiting requests by (priority, arrival) while budget, width and blocks last. A request
@@ -261,6 +298,7 @@ class Scheduler:
         """Free the request's blocks and queue it again to recompute later, ahead of every later
         arrival of its priority. Its tokens (prompt and output so far) are kept: nothing is lost."""
         plan.num_scheduled_tokens.pop(request, None)
+        plan.drafts.pop(request, None)
         plan.preempted.append(request)
         self.running.remove(request)
         self._free(request)

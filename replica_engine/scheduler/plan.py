@@ -134,6 +134,9 @@ class ScheduledRow:
     history: TokenHistory | None = None  # at offset 0, for a request with penalties
     pooling: Pooling | None = None  # an embedding request's prompt chunk: the runner pools it
     lora: LoRARequest | None = None  # the adapter its tokens run with (None: the base model)
+    # A decode's draft tokens (speculative decoding), after its last token in token_ids: the step
+    # samples at the last token and at each of them, and keeps drafts while they verify.
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -182,6 +185,7 @@ class ScheduledBatch:
 class StepPlan:
     token_budget: int
     num_scheduled_tokens: dict[Request, int] = field(default_factory=dict)  # insertion order = batch order
+    drafts: dict[Request, tuple[int, ...]] = field(default_factory=dict)  # decodes that speculate
     preempted: list[Request] = field(default_factory=list)
     budget_decision: BudgetDecision | None = None
     # Scheduled while a batch is in flight (async scheduling): its requests may be scheduled on.
@@ -214,21 +218,25 @@ class StepPlan:
         Sealing is sending: each request's blocks so far count as held by the runner, and its
         tokens (and the one it samples) as in flight until the scheduler's update."""
         return ScheduledBatch(
-            tuple(_row(request, num_tokens) for request, num_tokens in self.num_scheduled_tokens.items()),
+            tuple(
+                _row(request, num_tokens, self.drafts.get(request, ()))
+                for request, num_tokens in self.num_scheduled_tokens.items()
+            ),
             len(self.preempted),
             self.budget_decision,
             released_request_ids,
         )
 
 
-def _row(request: Request, num_tokens: int) -> ScheduledRow:
+def _row(request: Request, num_tokens: int, drafts: tuple[int, ...]) -> ScheduledRow:
     start = request.num_planned_tokens
-    samples = num_tokens == request.num_owed_tokens and request.pooling is None  # embeddings: none
+    owed = num_tokens - len(drafts)
+    samples = owed == request.num_owed_tokens and request.pooling is None  # embeddings: none
     offset = request.num_blocks_in_runner
-    known = request.token_ids(start, start + num_tokens)  # short of a placeholder, if one is owed
+    known = request.token_ids(start, start + owed)  # short of a placeholder, if one is owed
     row = ScheduledRow(
         request_id=request.request_id,
-        token_ids=(*known, *[PLACEHOLDER_TOKEN_ID] * (num_tokens - len(known))),
+        token_ids=(*known, *[PLACEHOLDER_TOKEN_ID] * (owed - len(known)), *drafts),
         start_position=start,
         new_block_ids=tuple(request.block_ids[offset:]),
         is_decode=_is_decode(request, num_tokens),
@@ -238,6 +246,7 @@ def _row(request: Request, num_tokens: int) -> ScheduledRow:
         history=_token_history(request) if offset == 0 else None,
         pooling=request.pooling,
         lora=request.sampling_params.lora,
+        draft_token_ids=drafts,
     )
     request.num_blocks_in_runner = len(request.block_ids)
     request.num_in_flight_tokens += num_tokens

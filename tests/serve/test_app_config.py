@@ -154,8 +154,8 @@ def test_a_ray_serve_llm_config_is_read_into_ours():
     ("change", "message"),
     [
         (
-            {"engine_kwargs": {"speculative_config": {}}},
-            r"llm_config\.engine_kwargs\.speculative_config: not",
+            {"engine_kwargs": {"kv_transfer_config": {}}},
+            r"llm_config\.engine_kwargs\.kv_transfer_config: not",
         ),
         ({"runtime_env": {"pip": ["x"]}}, r"llm_config\.runtime_env: set it on the application"),
         (

@@ -1,0 +1,61 @@
+"""`speculative_config`, by vLLM's names: which proposer guesses a request's next tokens, and how
+many it may guess a step. Torch-free: the scheduler (and the fleet simulator's) reads it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from common.errors import InvalidRequestError
+
+FIELD = "speculative_config"
+METHODS = ("ngram",)
+# vLLM's other methods, refused by name until they are built here.
+NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+DEFAULT_LOOKUP_MAX = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, object]) -> SpeculativeConfig:
+        """From the user's mapping; a bad or unknown key raises naming it
+        (`speculative_config.<key>`)."""
+        if not isinstance(settings, Mapping):
+            raise InvalidRequestError(FIELD, f"must be a mapping of settings, got {settings!r}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        for key in settings:
+            if key not in known:
+                raise InvalidRequestError(f"{FIELD}.{key}", f"unknown setting; known: {sorted(known)}")
+        method = settings.get("method", "ngram" if "model" not in settings else "draft_model")
+        if method in NOT_YET or "model" in settings:
+            raise InvalidRequestError(
+                f"{FIELD}.method", f"{method!r} (a draft model) is not served yet; 'ngram' (prompt lookup) is"
+            )
+        if method not in METHODS:
+            raise InvalidRequestError(f"{FIELD}.method", f"must be one of {METHODS}, got {method!r}")
+        k = _count(settings.get("num_speculative_tokens"), "num_speculative_tokens", required=True)
+        lookup_max = _count(settings.get("prompt_lookup_max"), "prompt_lookup_max")
+        lookup_min = _count(settings.get("prompt_lookup_min"), "prompt_lookup_min")
+        # Unset: suffixes of 1 to 5 tokens (a lower bound above 5 alone raises the upper one to it).
+        lookup_max = lookup_max or max(lookup_min, DEFAULT_LOOKUP_MAX)
+        lookup_min = lookup_min or 1
+        if lookup_min > lookup_max:
+            raise InvalidRequestError(
+                f"{FIELD}.prompt_lookup_min", f"{lookup_min} is above prompt_lookup_max ({lookup_max})"
+            )
+        return cls(method, k, lookup_min, lookup_max)
+
+
+def _count(value: object, key: str, required: bool = False) -> int:
+    """A positive integer setting; 0 when unset (and not required)."""
+    if value is None and not required:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidRequestError(f"{FIELD}.{key}", f"must be a positive integer, got {value!r}")
+    return value

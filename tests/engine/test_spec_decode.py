@@ -1,0 +1,226 @@
+"""Speculative decoding's pieces, alone: prompt lookup proposes what followed the latest earlier
+occurrence of the longest matching suffix; verification keeps greedy outputs token for token and
+sampled outputs in the target's distribution (a chi-square test that rejects a naive rule)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import prometheus_client
+import pytest
+import torch
+
+from common.errors import InvalidRequestError
+from replica_engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from replica_engine.metrics import EngineMetrics, PrometheusSink
+from replica_engine.spec_decode.ngram_proposer import propose_ngram
+from replica_engine.spec_decode.rejection_sampler import verify_draft
+
+VOCAB = 6
+CHI2_DF5_P001 = 20.515  # chi-square critical value, 5 degrees of freedom, p = 0.001
+
+
+def test_prompt_lookup_proposes_the_continuation_of_the_longest_latest_match():
+    assert propose_ngram([1, 2, 3, 4, 1, 2, 3], 2, 2, 2) == [4, 1]
+    # [9, 2, 3] matches at index 4 only with n = 3; the 2-gram [2, 3] also occurs at 1 (followed by 5).
+    assert propose_ngram([7, 2, 3, 5, 9, 2, 3, 8, 8, 9, 2, 3], 2, 3, 2) == [8, 8]
+    assert propose_ngram([7, 2, 3, 5, 9, 2, 3, 8, 8, 9, 2, 3], 2, 2, 1) == [8]  # the latest [2, 3]
+    assert propose_ngram([5, 6, 5, 6], 2, 4, 5) == [5, 6]  # cut at the end of the tokens
+    assert propose_ngram([1, 2, 3, 4], 1, 3, 3) == []
+    assert propose_ngram([3], 1, 3, 3) == []
+
+
+def _bigram_model(seed: int) -> torch.Tensor:
+    """A toy target: the next token's distribution depends on the last token only."""
+    return torch.softmax(torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3, dim=-1)
+
+
+def test_greedy_verification_emits_what_greedy_decoding_does_whatever_the_draft():
+    model = _bigram_model(0)
+    plain = [0]
+    for _ in range(40):
+        plain.append(int(model[plain[-1]].argmax()))
+    rng = random.Random(0)
+    tokens = [0]
+    while len(tokens) < len(plain):
+        # Drafts right, wrong and half right: each step still emits greedy's next tokens.
+        ahead = plain[len(tokens) : len(tokens) + 3]
+        draft = [token if rng.random() < 0.6 else rng.randrange(VOCAB) for token in ahead]
+        rows = model[torch.tensor([tokens[-1], *draft])]
+        emitted = verify_draft(rows, draft, None, greedy=True)
+        assert 1 <= len(emitted) <= len(draft) + 1
+        tokens += emitted
+    assert tokens[: len(plain)] == plain
+
+
+Verify = Callable[[torch.Tensor, list[int], torch.Tensor | None, bool, torch.Generator], list[int]]
+
+
+def _first_token_counts(rule: Verify, p: torch.Tensor, q: torch.Tensor | None, draws: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    counts = torch.zeros(VOCAB)
+    rows = torch.stack([p, p])
+    for _ in range(draws):
+        token = int(torch.multinomial(q, 1, generator=generator)) if q is not None else 2
+        draft_probs = q[None, :] if q is not None else None
+        counts[rule(rows, [token], draft_probs, False, generator)[0]] += 1
+    return counts
+
+
+def _chi_square(counts: torch.Tensor, p: torch.Tensor) -> float:
+    expected = p * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _naive_verify(
+    target_probs: torch.Tensor,
+    draft_tokens: list[int],
+    draft_probs: torch.Tensor | None,
+    greedy: bool,
+    generator: torch.Generator,
+) -> list[int]:
+    """Accepts as verify_draft does, but corrects from p itself rather than from the residual."""
+    [token] = draft_tokens
+    q_token = float(draft_probs[0, token]) if draft_probs is not None else 1.0
+    if float(torch.rand(1, generator=generator)) * q_token < float(target_probs[0, token]):
+        return [token]
+    return [int(torch.multinomial(target_probs[0], 1, generator=generator))]
+
+
+@pytest.mark.parametrize("proposer", ["draft model", "prompt lookup"])
+def test_sampled_verification_keeps_the_targets_distribution(proposer: str):
+    generator = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(VOCAB, generator=generator), dim=-1)
+    q: torch.Tensor | None = torch.softmax(torch.randn(VOCAB, generator=generator) * 2, dim=-1)
+    if proposer == "prompt lookup":
+        q = None
+    draws = 20_000
+    assert _chi_square(_first_token_counts(verify_draft, p, q, draws), p) < CHI2_DF5_P001
+    # The same test tells a naive correction apart: it over-weights the draft's favourites.
+    assert _chi_square(_first_token_counts(_naive_verify, p, q, draws), p) > 10 * CHI2_DF5_P001
+
+
+def test_every_accepted_draft_earns_a_bonus_token():
+    certain = torch.nn.functional.one_hot(torch.tensor([3, 1, 4]), VOCAB).float()
+    generator = torch.Generator().manual_seed(0)
+    assert verify_draft(certain, [3, 1], None, greedy=False, generator=generator) == [3, 1, 4]
+    with pytest.raises(ValueError, match="draft tokens"):
+        verify_draft(certain, [3], None, greedy=True)
+
+
+# -- in the engine ----------------------------------------------------------------------------
+# Prompts that repeat themselves, so prompt lookup finds drafts that hold.
+REPEATING = [
+    "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape. Again: apple, banana,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3,",
+    "The capital of France is",
+]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def _greedy(prompts: list[str], max_tokens: int = 40, **settings: object) -> tuple[list[list[int]], LLM]:
+    llm = LLM(**settings)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    manager = llm.engine.core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_blocks  # no block held after the last request
+    return [list(o.outputs[0].token_ids) for o in outs], llm
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},  # as served on this CPU: bfloat16 where native, the file's own 4-bit blocks
+        {"max_num_batched_tokens": 16},  # drafts beside prompt chunks, cut to the budget
+        {"num_kv_blocks": 8},  # a pool that preempts
+        {"dtype": "float32", "quantization": "none", "enable_prefix_caching": False},
+    ],
+    ids=["served", "chunked", "preempting", "float32"],
+)
+def test_greedy_outputs_are_the_same_tokens_with_prompt_lookup(settings: dict):
+    plain, _ = _greedy(REPEATING, **settings)
+    speculated, llm = _greedy(REPEATING, speculative_config=NGRAM, **settings)
+    assert speculated == plain
+    scheduler = llm.engine.core.scheduler
+    assert scheduler.num_accepted_tokens > 0, "no draft token was kept: the test did not speculate"
+    assert scheduler.num_draft_tokens > scheduler.num_accepted_tokens  # and some were rejected
+    if "num_kv_blocks" in settings:
+        assert scheduler.num_preemptions > 0
+
+
+def test_requests_that_may_not_draft_decode_as_before_beside_those_that_do():
+    """Penalties, logprobs and min_tokens change a token by the ones before it: those requests
+    take no drafts, and their outputs are what they were, in a batch where others speculate."""
+    special = [
+        SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=0.5),
+        SamplingParams(max_tokens=24, temperature=0.0, logprobs=2),
+        SamplingParams(max_tokens=24, temperature=0.0, min_tokens=20),
+        SamplingParams(max_tokens=24, temperature=0.0),
+    ]
+    runs = []
+    for settings in ({}, {"speculative_config": NGRAM}):
+        llm = LLM(**settings)
+        outs = llm.generate(REPEATING, special)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    assert runs[1] == runs[0]
+
+
+def test_sampled_requests_finish_with_their_lengths_and_free_their_blocks():
+    llm = LLM(speculative_config=NGRAM)
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True) for i in range(4)
+    ]
+    outs = llm.generate(REPEATING, params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [30] * 4
+    again = LLM(speculative_config=NGRAM).generate(REPEATING, params)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]  # seeded
+    manager = llm.engine.core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+SPEC = "speculative_config"
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({SPEC: {"method": "eagle", "num_speculative_tokens": 2}}, f"{SPEC}.method"),
+        ({SPEC: {"model": "some/draft", "num_speculative_tokens": 2}}, f"{SPEC}.method"),
+        ({SPEC: {"method": "ngram"}}, f"{SPEC}.num_speculative_tokens"),
+        ({SPEC: {**NGRAM, "prompt_lookup_min": 4, "prompt_lookup_max": 2}}, f"{SPEC}.prompt_lookup_min"),
+        ({SPEC: {**NGRAM, "lookahead": 2}}, f"{SPEC}.lookahead"),
+        ({SPEC: NGRAM, "async_scheduling": True}, "async_scheduling"),
+        ({SPEC: NGRAM, "tensor_parallel_size": 2}, SPEC),
+    ],
+)
+def test_bad_speculative_settings_are_refused_by_name(settings: dict, named: str):
+    with pytest.raises(InvalidRequestError) as raised:
+        EngineConfig(**settings)
+    assert raised.value.param == named
+
+
+def test_the_metrics_count_drafts_kept_tokens_and_positions():
+    registry = prometheus_client.CollectorRegistry()
+    engine = LLMEngine(
+        EngineConfig(speculative_config=NGRAM), EngineMetrics(PrometheusSink(registry), "smollm2")
+    )
+    for prompt in REPEATING:
+        engine.add_request(prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    scheduler = engine.core.scheduler
+
+    def value(name: str, **labels: str) -> float:
+        found = registry.get_sample_value(f"stallfree_{name}_total", {"model_name": "smollm2", **labels})
+        return found or 0.0
+
+    assert value("spec_decode_num_draft_tokens") == scheduler.num_draft_tokens > 0
+    assert value("spec_decode_num_accepted_tokens") == scheduler.num_accepted_tokens > 0
+    by_position = [value("spec_decode_num_accepted_tokens_per_pos", position=str(p)) for p in range(4)]
+    assert sum(by_position) == scheduler.num_accepted_tokens
+    assert by_position == sorted(
+        by_position, reverse=True
+    )  # a draft token is kept only after those before it
+    assert value("spec_decode_num_drafts") <= value("spec_decode_num_draft_tokens")
+    assert value("generation_tokens") == 30 * len(REPEATING)  # kept tokens counted as output
