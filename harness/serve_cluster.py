@@ -249,16 +249,17 @@ def stop(cluster: ServeCluster) -> None:
 def end_session(session_id: int, grace_s: float = 10) -> None:
     """SIGTERM every process of the session, then SIGKILL what is left after `grace_s`."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = _session_pids(session_id)
+        pids = session_pids(session_id)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + grace_s
-        while _session_pids(session_id) and time.monotonic() < deadline:
+        while session_pids(session_id) and time.monotonic() < deadline:
             time.sleep(0.2)
 
 
-def _session_pids(session_id: int) -> list[int]:
+def session_pids(session_id: int) -> list[int]:
+    """The live processes of a session (a cluster's: `ray start` and everything it starts)."""
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:

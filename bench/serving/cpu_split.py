@@ -16,7 +16,8 @@ import psutil
 TOP = 6  # groups named in the result; the rest are summed
 
 
-def _label(process: psutil.Process) -> str:
+def label(process: psutil.Process) -> str:
+    """What a process is: a Ray worker by its actor, else its name."""
     if process.pid == os.getpid():
         return "load generator (this process)"
     cmdline = process.cmdline()
@@ -30,7 +31,7 @@ def _cpu_seconds() -> dict[int, tuple[str, float]]:
     for process in psutil.process_iter():
         try:
             times = process.cpu_times()
-            seen[process.pid] = (_label(process), times.user + times.system)
+            seen[process.pid] = (label(process), times.user + times.system)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return seen

@@ -31,6 +31,25 @@ def test_prompt_lookup_proposes_the_continuation_of_the_longest_latest_match():
     assert propose_ngram([3], 1, 3, 3) == []
 
 
+def _lookup_by_hand(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The definition, written out: longest suffix first, its latest earlier occurrence."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[len(tokens) - n :]:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_prompt_lookup_follows_its_definition_on_random_sequences():
+    rng = random.Random(0)
+    for _ in range(500):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        min_n = rng.randrange(1, 4)
+        max_n = rng.randrange(min_n, 6)
+        k = rng.randrange(1, 6)
+        assert propose_ngram(tokens, min_n, max_n, k) == _lookup_by_hand(tokens, min_n, max_n, k), tokens
+
+
 def _bigram_model(seed: int) -> torch.Tensor:
     """A toy target: the next token's distribution depends on the last token only."""
     return torch.softmax(torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3, dim=-1)
