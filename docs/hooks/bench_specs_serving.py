@@ -197,6 +197,40 @@ SERVING_SPECS: dict[str, BenchSpec] = {
         "The engine core in its own process against the shipped app, alone, in three paired rounds",
         SERVE_OPTIONS_TABLES,
     ),
+    "idle_cluster": BenchSpec(
+        "benchmarks/serve_options.md",
+        "A served cluster at rest: Serve's default control loop against the shipped one",
+        (
+            Rows(
+                "systems",
+                "CPU milliseconds per second of the idle cluster's processes (median over rounds [spread]):",
+                "systems",
+                ("control loop",),
+                (
+                    Col("whole cluster", "total_ms_per_s", "num", best="min"),
+                    Col("Serve's controller", "controller_ms_per_s", "num", best="min"),
+                ),
+            ),
+            Values(
+                "ratios",
+                "Shipped over Serve's default, round by round (median [spread]):",
+                (
+                    Col(
+                        "controller",
+                        "shipped_vs_default/controller",
+                        "x",
+                        goal="controller_cpu_vs_serve_default_max",
+                    ),
+                    Col(
+                        "whole cluster",
+                        "shipped_vs_default/cluster",
+                        "x",
+                        goal="cluster_cpu_vs_serve_default_max",
+                    ),
+                ),
+            ),
+        ),
+    ),
     "structured_quality": BenchSpec(
         "benchmarks/structured_quality.md",
         "Constrained outputs finished and parsed: stallfree (compact JSON, free whitespace) and vLLM CPU",
