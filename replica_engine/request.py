@@ -60,6 +60,9 @@ class Request:
     # then only carries its cache salt and priority). `pooled`: its chunks' parts added up so far.
     pooling: Pooling | None = None
     pooled: torch.Tensor | None = None
+    # Speculative decoding: how many draft tokens its next decode may take (spec_decode/drafts.py
+    # adapts it to what verification kept); None: the configured number.
+    draft_length: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,7 +19,7 @@ from replica_engine.scheduler.step_time_model import StepTimeModel
 from replica_engine.scheduler.token_budget import SLOTokenBudget
 from replica_engine.scheduler.waiting_queue import WaitingQueue, admission_key
 from replica_engine.spec_decode.config import SpeculativeConfig
-from replica_engine.spec_decode.drafts import propose_drafts
+from replica_engine.spec_decode.drafts import adapt_draft_length, propose_drafts
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,8 @@ class Scheduler:
             kept = row.draft_token_ids[: num_accepted[index] if num_accepted else 0]
             self.num_draft_tokens += len(row.draft_token_ids)
             self.num_accepted_tokens += len(kept)
+            if self.config.speculative is not None:
+                adapt_draft_length(request, self.config.speculative, len(row.draft_token_ids), len(kept))
             reason, num_new = None, 0
             for token in (*kept, token_id):
                 num_new += 1

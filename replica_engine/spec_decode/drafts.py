@@ -30,10 +30,20 @@ def propose_drafts(request: Request, spec: SpeculativeConfig, room: int) -> list
     max_tokens) for a request about to decode; none where it may not draft."""
     room = min(
         room,
-        spec.num_speculative_tokens,
+        request.draft_length or spec.num_speculative_tokens,
         request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
     )
     if room < 1 or not may_draft(request):
         return []
     tokens = request.prompt_token_ids + request.output_token_ids
     return propose_ngram(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
+
+
+def adapt_draft_length(request: Request, spec: SpeculativeConfig, drafted: int, kept: int) -> None:
+    """After a verification, the next draft's length: one more than was kept, or twice as long
+    when all of it was (up to the configured length). A request whose drafts keep failing then
+    proposes one token at a time (a step computes one extra token for it, not k), and one whose
+    drafts hold is back at k within a few steps."""
+    if drafted:
+        grown = 2 * drafted if kept == drafted else kept + 1
+        request.draft_length = min(spec.num_speculative_tokens, grown)

@@ -14,6 +14,9 @@ import torch
 from common.errors import InvalidRequestError
 from replica_engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from replica_engine.metrics import EngineMetrics, PrometheusSink
+from replica_engine.request import Request
+from replica_engine.spec_decode.config import SpeculativeConfig
+from replica_engine.spec_decode.drafts import adapt_draft_length, propose_drafts
 from replica_engine.spec_decode.ngram_proposer import propose_ngram
 from replica_engine.spec_decode.rejection_sampler import verify_draft
 
@@ -243,3 +246,18 @@ def test_the_metrics_count_drafts_kept_tokens_and_positions():
     )  # a draft token is kept only after those before it
     assert value("spec_decode_num_drafts") <= value("spec_decode_num_draft_tokens")
     assert value("generation_tokens") == 30 * len(REPEATING)  # kept tokens counted as output
+
+
+def test_a_request_whose_drafts_fail_proposes_one_token_and_grows_back_when_they_hold():
+    spec = SpeculativeConfig("ngram", 4, 1, 5)
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=100))
+    adapt_draft_length(request, spec, drafted=4, kept=0)
+    assert request.draft_length == 1
+    adapt_draft_length(request, spec, drafted=1, kept=1)
+    assert request.draft_length == 2
+    adapt_draft_length(request, spec, drafted=2, kept=2)
+    assert request.draft_length == 4
+    adapt_draft_length(request, spec, drafted=4, kept=2)
+    assert request.draft_length == 3
+    request.prompt_token_ids = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+    assert propose_drafts(request, spec, room=10) == [7, 8, 9]  # three, as the last verdict allows
