@@ -251,6 +251,53 @@ ENGINE_SPECS: dict[str, BenchSpec] = {
             ),
         ),
     ),
+    "spec": BenchSpec(
+        "benchmarks/spec.md",
+        "Speculative decoding by prompt lookup against none, on editing, JSON and chat",
+        (
+            Rows(
+                "points",
+                "Output tok/s per workload (median over seeds [spread]); c=1: decode tok/s:",
+                "points",
+                ("workload",),
+                (
+                    Col("no speculation", "plain_tok_per_s", "num"),
+                    Col("prompt lookup (k=4)", "ngram_tok_per_s", "num"),
+                    Col("ratio", "ngram_vs_plain", "x"),
+                ),
+            ),
+            Values(
+                "goals",
+                "Against the goals:",
+                (
+                    Col(
+                        "editing, c=1",
+                        "points/editing c=1/ngram_vs_plain",
+                        "x",
+                        goal="editing_c1_tok_per_s_vs_plain_min",
+                    ),
+                    Col(
+                        "chat, c=1",
+                        "points/chat c=1/ngram_vs_plain",
+                        "x",
+                        goal="chat_c1_tok_per_s_vs_plain_min",
+                    ),
+                    Col(
+                        "chat, c=16",
+                        "points/chat c=16/ngram_vs_plain",
+                        "x",
+                        goal="chat_c16_tok_per_s_vs_plain_min",
+                    ),
+                    Col(
+                        "identical answers",
+                        "identical_outputs/share",
+                        "pct",
+                        goal="identical_outputs_share_min",
+                    ),
+                ),
+            ),
+        ),
+    ),
     "token_budget_threads": BenchSpec(
         "benchmarks/token_budget_threads.md",
         "One TBT target on a 1-thread and a 2-thread replica: adaptive against fixed budget",
