@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,7 +16,7 @@ import psutil
 TOP = 6  # groups named in the result; the rest are summed
 
 
-def label(process: psutil.Process) -> str:
+def _label(process: psutil.Process) -> str:
     """What a process is: a Ray worker by its actor, else its name."""
     if process.pid == os.getpid():
         return "load generator (this process)"
@@ -26,12 +26,13 @@ def label(process: psutil.Process) -> str:
     return process.name()
 
 
-def _cpu_seconds() -> dict[int, tuple[str, float]]:
+def cpu_seconds(processes: Iterable[psutil.Process]) -> dict[int, tuple[str, float]]:
+    """pid -> (label, CPU seconds so far) of those of `processes` still alive."""
     seen = {}
-    for process in psutil.process_iter():
+    for process in processes:
         try:
             times = process.cpu_times()
-            seen[process.pid] = (label(process), times.user + times.system)
+            seen[process.pid] = (_label(process), times.user + times.system)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return seen
@@ -43,13 +44,13 @@ def cpu_split() -> Iterator[dict[str, Any]]:
     machine's "cores", and "by_process": per group (the TOP largest, then "the rest") its CPU
     seconds and their share of the machine's core-seconds."""
     split: dict[str, Any] = {}
-    before = _cpu_seconds()
+    before = cpu_seconds(psutil.process_iter())
     started = time.monotonic()
     yield split
     wall_s = time.monotonic() - started
     by_group: Counter[str] = Counter()
-    for pid, (label, seconds) in _cpu_seconds().items():
-        by_group[label] += seconds - before.get(pid, (label, 0.0))[1]
+    for pid, (group, seconds) in cpu_seconds(psutil.process_iter()).items():
+        by_group[group] += seconds - before.get(pid, (group, 0.0))[1]
     named = {group: seconds for group, seconds in by_group.most_common(TOP) if seconds >= 0.01}
     named["the rest"] = sum(by_group.values()) - sum(named.values())
     cores = psutil.cpu_count() or 1

@@ -11,6 +11,7 @@ threads. Writes bench/results/idle_cluster.json; about 6 minutes, not part of ma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 from collections import Counter
@@ -19,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from bench.driver import BenchmarkRun, Spread, print_verdicts
-from bench.serving.cpu_split import label
+from bench.serving.cpu_split import cpu_seconds
 from harness import serve_cluster
 
 DEFAULT, SHIPPED = "Serve's default loop (0.1 s)", "shipped (0.5 s)"
@@ -30,16 +31,13 @@ WINDOW_S = 30
 GOALS = {"controller_cpu_vs_serve_default_max": 0.5, "cluster_cpu_vs_serve_default_max": 0.85}
 
 
-def cpu_seconds(session_id: int) -> dict[int, tuple[str, float]]:
-    seen = {}
+def session_cpu_seconds(session_id: int) -> dict[int, tuple[str, float]]:
+    """The cluster's own processes only: those of its session."""
+    processes = []
     for pid in serve_cluster.session_pids(session_id):
-        try:
-            process = psutil.Process(pid)
-            times = process.cpu_times()
-            seen[pid] = (label(process), times.user + times.system)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return seen
+        with contextlib.suppress(psutil.NoSuchProcess):
+            processes.append(psutil.Process(pid))
+    return cpu_seconds(processes)
 
 
 def idle_run(env: dict[str, str], window_s: float) -> dict[str, object]:
@@ -51,9 +49,9 @@ def idle_run(env: dict[str, str], window_s: float) -> dict[str, object]:
     try:
         cluster.wait_ready()
         time.sleep(SETTLE_S)
-        before, started = cpu_seconds(cluster.session_id), time.monotonic()
+        before, started = session_cpu_seconds(cluster.session_id), time.monotonic()
         time.sleep(window_s)
-        after, wall_s = cpu_seconds(cluster.session_id), time.monotonic() - started
+        after, wall_s = session_cpu_seconds(cluster.session_id), time.monotonic() - started
     finally:
         serve_cluster.stop(cluster)
     by_group: Counter[str] = Counter()

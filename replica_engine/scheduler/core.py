@@ -14,7 +14,7 @@ from common.finish_reason import FinishReason
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.outputs import EngineStats
 from replica_engine.request import Request, RequestStatus
-from replica_engine.scheduler.plan import ScheduledBatch, StepPlan
+from replica_engine.scheduler.plan import ScheduledBatch, StepPlan, is_decode
 from replica_engine.scheduler.step_time_model import StepTimeModel
 from replica_engine.scheduler.token_budget import SLOTokenBudget
 from replica_engine.scheduler.waiting_queue import WaitingQueue, admission_key
@@ -216,8 +216,7 @@ class Scheduler:
         """A decode with draft tokens behind its last one, where it speculates and the pool has
         room for them (else it decodes as any other, preempting if it must)."""
         spec = self.config.speculative
-        is_decode = num_tokens == 1 and request.num_computed_tokens == request.num_tokens - 1
-        if spec is None or not is_decode:
+        if spec is None or not is_decode(request, num_tokens):
             return False
         drafts = propose_drafts(request, spec, plan.budget_left - 1)
         if not drafts or not self.kv_cache_manager.allocate(request, 1 + len(drafts)):

@@ -196,7 +196,7 @@ class StepPlan:
 
     def shape(self) -> StepShape:
         return StepShape.of(
-            (request.num_planned_tokens, num_tokens, _is_decode(request, num_tokens))
+            (request.num_planned_tokens, num_tokens, is_decode(request, num_tokens))
             for request, num_tokens in self.num_scheduled_tokens.items()
         )
 
@@ -239,7 +239,7 @@ def _row(request: Request, num_tokens: int, drafts: tuple[int, ...]) -> Schedule
         token_ids=(*known, *[PLACEHOLDER_TOKEN_ID] * (owed - len(known)), *drafts),
         start_position=start,
         new_block_ids=tuple(request.block_ids[offset:]),
-        is_decode=_is_decode(request, num_tokens),
+        is_decode=is_decode(request, num_tokens),
         sampling=_sampling_row(request) if samples else None,
         prompt_logprobs=_prompt_logprobs_slice(request, start, start + num_tokens),
         block_offset=offset,
@@ -287,6 +287,6 @@ def _prompt_logprobs_slice(request: Request, start: int, end: int) -> PromptLogp
     return PromptLogprobsSlice(first - start, tuple(request.prompt_token_ids[first + 1 : last + 1]), num_top)
 
 
-def _is_decode(request: Request, num_tokens: int) -> bool:
+def is_decode(request: Request, num_tokens: int) -> bool:
     """One token, past the prompt (read before the step runs)."""
     return num_tokens == 1 and request.num_planned_tokens >= request.num_prompt_tokens

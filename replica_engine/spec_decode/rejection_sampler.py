@@ -23,7 +23,8 @@ def verify_draft(
     """The tokens a step emits for one request: the accepted draft tokens, then one from the
     target (the correction at the first rejection, or the bonus token after the last draft).
     `target_probs`: [k + 1, vocab], the target's processed distributions at the last token and
-    at each draft token; `draft_probs`: [k, vocab] (None: one-hot on the draft tokens)."""
+    at each draft token (greedy reads only their argmax: the logits will do); `draft_probs`:
+    [k, vocab] (None: one-hot on the draft tokens)."""
     k = len(draft_tokens)
     if target_probs.shape[0] != k + 1:
         raise ValueError(

@@ -37,8 +37,10 @@ def sample_with_drafts(
         if not drafts:
             continue
         block = logits[starts[i] : starts[i] + 1 + len(drafts)]
-        probs = target_probs(block, [sampling[i]] * len(block))
-        emitted = verify_draft(probs, list(drafts), None, sampling[i].params.greedy, sampling[i].generator)
+        greedy = sampling[i].params.greedy
+        # Greedy reads the logits' argmax, as plain decoding does; sampling, the distributions.
+        scores = block if greedy else target_probs(block, [sampling[i]] * len(block))
+        emitted = verify_draft(scores, list(drafts), None, greedy, sampling[i].generator)
         tokens[i], accepted[i] = emitted[-1], len(emitted) - 1
     token_ids = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
     if base is None or base.logprobs is None:
