@@ -186,9 +186,13 @@ class EngineConfig:
         default=None,
         metadata=_doc(
             "Speculative decoding, by vLLM's names: `{method: ngram, num_speculative_tokens: k, "
-            "prompt_lookup_min, prompt_lookup_max}`. Prompt lookup proposes up to k tokens a step "
-            "from the request's own text (what followed the latest earlier occurrence of its last "
-            "1-5 tokens) and the model checks them in the same step: greedy outputs are the same "
+            "prompt_lookup_min, prompt_lookup_max}` or `{method: suffix, suffix_decoding_max_tree_depth, "
+            "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, "
+            "suffix_decoding_min_token_prob}`. Prompt lookup proposes up to k tokens a step from the "
+            "request's own text (what followed the latest earlier occurrence of its last 1-5 tokens); "
+            "suffix decoding what most earlier occurrences of its longest matching suffix went on "
+            "with, in its own text and in earlier requests' outputs. The model checks them in the "
+            "same step, as far as the step-time model says they pay: greedy outputs are the same "
             "tokens, sampled ones the same distribution. Requests with structured outputs, "
             "penalties, logit bias, logprobs or min_tokens still to reach decode one token a step. "
             "Steps go one at a time (no async scheduling); not yet with tensor or pipeline parallelism"

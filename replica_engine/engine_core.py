@@ -92,17 +92,21 @@ class EngineCore:
             config.max_cpu_loras or config.max_loras,
             config.speculative,
         )
-        self.slo_budget = self._slo_budget(num_kv_blocks, step_time)
+        learned = step_time is None
+        step_time = step_time or self._profiled_step_time(num_kv_blocks)
+        self.slo_budget = (
+            SLOTokenBudget(step_time, config.tbt_slo_s) if step_time and config.tbt_slo_s else None
+        )
         self.scheduler = SCHEDULING_POLICIES[config.scheduling_policy](
-            scheduler_config, self.kv_cache_manager, self.slo_budget
+            scheduler_config, self.kv_cache_manager, self.slo_budget, step_time
         )
         self.metrics = metrics
         self.step_load = StepLoad()
         self.step_listeners: list[StepListener] = [self.step_load]
         if metrics is not None:
             self.step_listeners.append(metrics.record_step)
-        if self.slo_budget is not None and step_time is None:
-            self.step_listeners.append(StepTimeLearner(self.slo_budget, metrics))
+        if isinstance(step_time, StepTimeModel) and learned:
+            self.step_listeners.append(StepTimeLearner(step_time, self.slo_budget, metrics))
         # Under pipeline parallelism or async scheduling: the batches in flight, oldest first,
         # with when each was scheduled.
         self._pipeline = cast(PipelinedExecutor, runner) if runner.pipeline_depth > 1 else None
@@ -112,24 +116,24 @@ class EngineCore:
         self.stats = self.scheduler.stats()
         self.publish_stats()
 
-    def _slo_budget(self, num_kv_blocks: int, step_time: StepTime | None) -> SLOTokenBudget | None:
-        """With a TBT target: the given step-time model, else one fitted on a startup profile."""
-        if self.config.tbt_slo_s is None:
+    def _profiled_step_time(self, num_kv_blocks: int) -> StepTimeModel | None:
+        """For a TBT target or speculative decoding (which price a step's tokens): a step-time
+        model fitted on a startup profile; None without either."""
+        if self.config.tbt_slo_s is None and self.config.speculative is None:
             return None
-        if step_time is not None:
-            return SLOTokenBudget(step_time, self.config.tbt_slo_s)
         from replica_engine.step_profile import profile_step_times  # runs the model: torch
 
         started = time.perf_counter()
         model = StepTimeModel()
-        model.fit_profile(profile_step_times(self.runner, self.config, num_kv_blocks))  # type: ignore[arg-type]
+        prompts = self.config.tbt_slo_s is not None  # drafts are priced by decodes alone
+        model.fit_profile(profile_step_times(self.runner, self.config, num_kv_blocks, prompts))  # type: ignore[arg-type]
         logger.info(
             "step-time model fitted in %.1f s: coefficients %s, calibration %.2f",
             time.perf_counter() - started,
             model.coefficients,
             model.calibration,
         )
-        return SLOTokenBudget(model, self.config.tbt_slo_s)
+        return model
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

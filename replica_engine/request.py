@@ -60,9 +60,10 @@ class Request:
     # then only carries its cache salt and priority). `pooled`: its chunks' parts added up so far.
     pooling: Pooling | None = None
     pooled: torch.Tensor | None = None
-    # Speculative decoding: how many draft tokens its next decode may take (spec_decode/drafts.py
-    # adapts it to what verification kept); None: the configured number.
-    draft_length: int | None = None
+    # Speculative decoding: draft tokens kept and drafts cut short, decayed (spec_decode/drafts.py
+    # estimates the chance of the next one kept from them; one of each: a prior of one half).
+    drafts_kept: float = 1.0
+    drafts_rejected: float = 1.0
 
     @property
     def num_prompt_tokens(self) -> int:

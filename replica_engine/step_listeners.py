@@ -1,7 +1,7 @@
 """What listens to the engine's steps: each is called on the step thread with the StepSummary of
 every step in which some request ran. The engine registers its step work (StepLoad, which the
-autoscaling report reads), the metrics (EngineMetrics.record_step) and, with a TBT target, the
-step-time model's learning; tests and benchmarks add their own."""
+autoscaling report reads), the metrics (EngineMetrics.record_step) and, with a TBT target or
+speculative decoding, the step-time model's learning; tests and benchmarks add their own."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from replica_engine.scheduler.plan import StepSummary
+from replica_engine.scheduler.step_time_model import StepTimeModel
 from replica_engine.scheduler.token_budget import SLOTokenBudget
 
 if TYPE_CHECKING:
@@ -34,19 +35,20 @@ class StepLoad:
 
 @dataclass(frozen=True)
 class StepTimeLearner:
-    """Refreshes the TBT budget's step-time model with each measured step, and reports the model's
-    error and the budget it set."""
+    """Refreshes the step-time model with each measured step, and reports the model's error and
+    the budget a TBT target set."""
 
-    slo_budget: SLOTokenBudget
+    model: StepTimeModel
+    slo_budget: SLOTokenBudget | None
     metrics: EngineMetrics | None
 
     def __call__(self, step: StepSummary) -> None:
         if step.num_failed_requests:  # its time includes the rows rerun one by one: not its shape's
             return
-        model = self.slo_budget.model
+        model = self.model
         predicted_s = model.predict_raw(step.shape)  # the fit's error, before calibration
         model.observe(step.shape, step.duration_s)
-        if self.metrics is not None:
+        if self.metrics is not None and self.slo_budget is not None:
             self.metrics.record_budget(
                 step.budget_decision, predicted_s, step.duration_s, self.slo_budget.tbt_slo_s
             )

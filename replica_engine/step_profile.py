@@ -19,17 +19,18 @@ _GREEDY = SamplingRow(SamplingParams(max_tokens=1, temperature=0.0), None)
 
 
 def profile_step_times(
-    runner: ModelRunner | ParallelExecutor, config: EngineConfig, num_kv_blocks: int
+    runner: ModelRunner | ParallelExecutor, config: EngineConfig, num_kv_blocks: int, prompts: bool = True
 ) -> list[tuple[StepShape, float]]:
     """Each shape run twice, the second timed (the first warms caches and allocators). Rows share
     the pool's blocks cyclically: their K/V is garbage, written and read, never cached."""
     samples = []
     cap, max_len, max_seqs = config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs
     assert cap is not None and max_len is not None and max_seqs is not None
-    for rows in profile_shapes(cap, max_len, max_seqs):
+    for rows in profile_shapes(cap, max_len, max_seqs, prompts):
         batch = ScheduledBatch(
             tuple(
-                _row(i, start, n, decode, config, num_kv_blocks) for i, (start, n, decode) in enumerate(rows)
+                profile_row(i, start, n, decode, config, num_kv_blocks)
+                for i, (start, n, decode) in enumerate(rows)
             )
         )
         runner.execute(batch)
@@ -40,9 +41,26 @@ def profile_step_times(
     return samples
 
 
-def _row(
-    index: int, start: int, num_tokens: int, is_decode: bool, config: EngineConfig, num_kv_blocks: int
+def profile_row(
+    index: int,
+    start: int,
+    num_tokens: int,
+    is_decode: bool,
+    config: EngineConfig,
+    num_kv_blocks: int,
+    num_drafts: int = 0,
 ) -> ScheduledRow:
+    """A synthetic row: `num_tokens` tokens after `start`, the last `num_drafts` of them draft
+    tokens to verify (a decode with drafts), on blocks of the pool taken cyclically."""
     num_blocks = blocks_for_tokens(start + num_tokens, config.block_size)
     block_ids = tuple(NULL_BLOCK_ID + 1 + (index + b) % num_kv_blocks for b in range(num_blocks))
-    return ScheduledRow(f"profile-{index}", (TOKEN_ID,) * num_tokens, start, block_ids, is_decode, _GREEDY)
+    drafts = (TOKEN_ID,) * num_drafts
+    return ScheduledRow(
+        f"profile-{index}",
+        (TOKEN_ID,) * num_tokens,
+        start,
+        block_ids,
+        is_decode,
+        _GREEDY,
+        draft_token_ids=drafts,
+    )

@@ -14,12 +14,14 @@ from common.finish_reason import FinishReason
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.outputs import EngineStats
 from replica_engine.request import Request, RequestStatus
+from replica_engine.scheduler.draft_pricing import price_drafts
 from replica_engine.scheduler.plan import ScheduledBatch, StepPlan, is_decode
-from replica_engine.scheduler.step_time_model import StepTimeModel
+from replica_engine.scheduler.step_time_model import StepShape, StepTime, StepTimeModel
 from replica_engine.scheduler.token_budget import SLOTokenBudget
 from replica_engine.scheduler.waiting_queue import WaitingQueue, admission_key
 from replica_engine.spec_decode.config import SpeculativeConfig
-from replica_engine.spec_decode.drafts import adapt_draft_length, propose_drafts
+from replica_engine.spec_decode.drafts import may_draft, record_verification
+from replica_engine.spec_decode.proposers import make_proposer
 
 
 @dataclass(frozen=True)
@@ -37,10 +39,13 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         slo_budget: SLOTokenBudget | None = None,
+        step_time: StepTime | None = None,
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.slo_budget = slo_budget  # sizes prompt chunks from a TBT target; None: the budget alone
+        self.step_time = step_time  # prices draft tokens (and is the TBT budget's model)
+        self.proposer = make_proposer(config.speculative) if config.speculative is not None else None
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # in admission order
@@ -110,6 +115,8 @@ class Scheduler:
             self.waiting.remove(request)
         self._free(request)
         del self.requests[request.request_id]  # its batches in flight: their rows are dropped
+        if self.proposer is not None:
+            self.proposer.request_finished(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.num_finished += 1
@@ -129,6 +136,7 @@ class Scheduler:
         if ahead and any(r.grammar is not None for r in self.running):
             return plan.seal()
         self._fill(plan)
+        self._schedule_drafts(plan)
         if plan.is_empty or plan.blocked:  # not run: its blocks stay allocated for the next plan
             return StepPlan(plan.token_budget).seal()  # the runner hears of the released ones later
         released, self._released = tuple(self._released), []
@@ -163,8 +171,7 @@ class Scheduler:
             kept = row.draft_token_ids[: num_accepted[index] if num_accepted else 0]
             self.num_draft_tokens += len(row.draft_token_ids)
             self.num_accepted_tokens += len(kept)
-            if self.config.speculative is not None:
-                adapt_draft_length(request, self.config.speculative, len(row.draft_token_ids), len(kept))
+            record_verification(request, len(row.draft_token_ids), len(kept))
             reason, num_new = None, 0
             for token in (*kept, token_id):
                 num_new += 1
@@ -199,8 +206,6 @@ class Scheduler:
             num_tokens = self._chunk(plan, request, owed) if chunked else owed
             if num_tokens <= 0 or num_tokens > plan.budget_left:
                 break
-            if self._schedule_drafts(plan, request, num_tokens):
-                continue
             while not self.kv_cache_manager.allocate(request, num_tokens):
                 if plan.ahead:
                     plan.blocked = True
@@ -212,18 +217,31 @@ class Scheduler:
             else:
                 plan.num_scheduled_tokens[request] = num_tokens
 
-    def _schedule_drafts(self, plan: StepPlan, request: Request, num_tokens: int) -> bool:
-        """A decode with draft tokens behind its last one, where it speculates and the pool has
-        room for them (else it decodes as any other, preempting if it must)."""
+    def _schedule_drafts(self, plan: StepPlan) -> None:
+        """Draft tokens behind the plan's decodes, from what its budget leaves, as far as they
+        pay (scheduler/draft_pricing.py) and the pool has room without preempting."""
         spec = self.config.speculative
-        if spec is None or not is_decode(request, num_tokens):
-            return False
-        drafts = propose_drafts(request, spec, plan.budget_left - 1)
-        if not drafts or not self.kv_cache_manager.allocate(request, 1 + len(drafts)):
-            return False
-        plan.num_scheduled_tokens[request] = 1 + len(drafts)
-        plan.drafts[request] = tuple(drafts)
-        return True
+        if self.proposer is None or spec is None or plan.blocked or plan.budget_left <= 0:
+            return
+        decodes = [r for r, n in plan.num_scheduled_tokens.items() if is_decode(r, n) and may_draft(r)]
+        proposals = {}
+        for request in decodes:
+            room = min(
+                spec.num_speculative_tokens,
+                request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
+            )
+            if room > 0 and (drafts := self.proposer.propose(request, min(room, plan.budget_left))):
+                proposals[request] = drafts
+        if not proposals:
+            return
+        decode_shape = StepShape.of(
+            (r.num_planned_tokens, 1, True) for r, n in plan.num_scheduled_tokens.items() if is_decode(r, n)
+        )
+        taken = price_drafts(proposals, decode_shape, plan.shape(), plan.budget_left, self.step_time)
+        for request, num_drafts in taken.items():
+            if self.kv_cache_manager.allocate(request, 1 + num_drafts):
+                plan.num_scheduled_tokens[request] = 1 + num_drafts
+                plan.drafts[request] = tuple(proposals[request][:num_drafts])
 
     def _admit_waiting(self, plan: StepPlan, chunked: bool) -> None:
         """Admit waiting requests by (priority, arrival) while budget, width and blocks last. A request
@@ -299,7 +317,6 @@ class Scheduler:
         """Free the request's blocks and queue it again to recompute later, ahead of every later
         arrival of its priority. Its tokens (prompt and output so far) are kept: nothing is lost."""
         plan.num_scheduled_tokens.pop(request, None)
-        plan.drafts.pop(request, None)
         plan.preempted.append(request)
         self.running.remove(request)
         self._free(request)

@@ -12,7 +12,7 @@ is sent as PLACEHOLDER_TOKEN_ID; the runner puts in the token it sampled for tha
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -157,7 +157,12 @@ class ScheduledBatch:
     released_request_ids: tuple[str, ...] = ()  # the runner may forget them: finished or preempted
 
     def shape(self) -> StepShape:
-        return StepShape.of((row.start_position, row.num_tokens, row.is_decode) for row in self.rows)
+        return StepShape.of(
+            step_rows(
+                (row.start_position, row.num_tokens, row.is_decode, len(row.draft_token_ids))
+                for row in self.rows
+            )
+        )
 
     @property
     def is_empty(self) -> bool:
@@ -196,8 +201,10 @@ class StepPlan:
 
     def shape(self) -> StepShape:
         return StepShape.of(
-            (request.num_planned_tokens, num_tokens, is_decode(request, num_tokens))
-            for request, num_tokens in self.num_scheduled_tokens.items()
+            step_rows(
+                (request.num_planned_tokens, n, is_decode(request, n), len(self.drafts.get(request, ())))
+                for request, n in self.num_scheduled_tokens.items()
+            )
         )
 
     @property
@@ -285,6 +292,16 @@ def _prompt_logprobs_slice(request: Request, start: int, end: int) -> PromptLogp
     if first >= last:
         return None
     return PromptLogprobsSlice(first - start, tuple(request.prompt_token_ids[first + 1 : last + 1]), num_top)
+
+
+def step_rows(rows: Iterable[tuple[int, int, bool, int]]) -> Iterator[tuple[int, int, bool]]:
+    """(start, tokens, is decode) per row of the step-time model, from (start, tokens, is decode,
+    draft tokens): a drafting row runs as one-token decodes (flat_batch.py), and is priced so."""
+    for start, num_tokens, decode, num_drafts in rows:
+        if num_drafts:
+            yield from ((start + i, 1, True) for i in range(num_tokens))
+        else:
+            yield start, num_tokens, decode
 
 
 def is_decode(request: Request, num_tokens: int) -> bool:

@@ -97,17 +97,18 @@ class StepTime(Protocol):
         ...
 
 
-def profile_shapes(cap: int, max_len: int, max_seqs: int) -> list[Rows]:
-    """Every profile shape within the budget `cap`, `max_seqs` and the context (positions < max_len)."""
+def profile_shapes(cap: int, max_len: int, max_seqs: int, prompts: bool = True) -> list[Rows]:
+    """Every profile shape within the budget `cap`, `max_seqs` and the context (positions < max_len);
+    decodes alone without `prompts` (what pricing draft tokens needs, in a third of the time)."""
     largest = min(cap, max_len)
-    chunks = sorted({c for c in CHUNK_SIZES if c < largest} | {largest})
+    chunks = sorted({c for c in CHUNK_SIZES if c < largest} | {largest}) if prompts else []
     batches = [b for b in DECODE_BATCHES if b <= min(cap, max_seqs)]
     shapes: list[Rows] = []
     for context in CONTEXTS:
         shapes += [[(context if context + c <= max_len else 0, c, False)] for c in chunks]
         shapes += [[(min(context, max_len - 1), 1, True)] * b for b in batches]
     mixed_decodes = min(8, cap // 2, max_seqs - 1)
-    if mixed_decodes > 0:
+    if mixed_decodes > 0 and prompts:
         decode = (min(256, max_len - 1), 1, True)
         shapes.append([decode] * mixed_decodes + [(0, min(cap - mixed_decodes, max_len), False)])
     return shapes

@@ -9,10 +9,17 @@ from dataclasses import dataclass
 from common.errors import InvalidRequestError
 
 FIELD = "speculative_config"
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
 # vLLM's other methods, refused by name until they are built here.
-NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 DEFAULT_LOOKUP_MAX = 5
+# Suffix decoding's settings, with vLLM's defaults.
+SUFFIX_DEFAULTS = {
+    "suffix_decoding_max_tree_depth": 24,
+    "suffix_decoding_max_cached_requests": 10000,
+    "suffix_decoding_max_spec_factor": 1.0,
+    "suffix_decoding_min_token_prob": 0.1,
+}
 
 
 @dataclass(frozen=True)
@@ -21,6 +28,12 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
+    # suffix: the longest suffix matched; earlier outputs kept (0: the request's own tokens
+    # only); a draft's length at most this times the match's; a token's least path frequency.
+    max_tree_depth: int = SUFFIX_DEFAULTS["suffix_decoding_max_tree_depth"]
+    max_cached_requests: int = SUFFIX_DEFAULTS["suffix_decoding_max_cached_requests"]
+    max_spec_factor: float = SUFFIX_DEFAULTS["suffix_decoding_max_spec_factor"]
+    min_token_prob: float = SUFFIX_DEFAULTS["suffix_decoding_min_token_prob"]
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, object]) -> SpeculativeConfig:
@@ -28,7 +41,14 @@ class SpeculativeConfig:
         (`speculative_config.<key>`)."""
         if not isinstance(settings, Mapping):
             raise InvalidRequestError(FIELD, f"must be a mapping of settings, got {settings!r}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "model",
+            *SUFFIX_DEFAULTS,
+        }
         for key in settings:
             if key not in known:
                 raise InvalidRequestError(f"{FIELD}.{key}", f"unknown setting; known: {sorted(known)}")
@@ -39,6 +59,8 @@ class SpeculativeConfig:
             )
         if method not in METHODS:
             raise InvalidRequestError(f"{FIELD}.method", f"must be one of {METHODS}, got {method!r}")
+        if method == "suffix":
+            return cls._suffix(settings)
         k = _count(settings.get("num_speculative_tokens"), "num_speculative_tokens", required=True)
         lookup_max = _count(settings.get("prompt_lookup_max"), "prompt_lookup_max")
         lookup_min = _count(settings.get("prompt_lookup_min"), "prompt_lookup_min")
@@ -51,6 +73,24 @@ class SpeculativeConfig:
             )
         return cls(method, k, lookup_min, lookup_max)
 
+    @classmethod
+    def _suffix(cls, settings: Mapping[str, object]) -> SpeculativeConfig:
+        """Suffix decoding: k defaults to the tree depth, as vLLM's."""
+        depth = _count(settings.get("suffix_decoding_max_tree_depth"), "suffix_decoding_max_tree_depth")
+        depth = depth or SUFFIX_DEFAULTS["suffix_decoding_max_tree_depth"]
+        cached = settings.get(
+            "suffix_decoding_max_cached_requests", SUFFIX_DEFAULTS["suffix_decoding_max_cached_requests"]
+        )
+        if not isinstance(cached, int) or isinstance(cached, bool) or cached < 0:
+            raise InvalidRequestError(
+                f"{FIELD}.suffix_decoding_max_cached_requests",
+                f"must be a non-negative integer, got {cached!r}",
+            )
+        factor = _fraction(settings, "suffix_decoding_max_spec_factor", upper=None)
+        min_prob = _fraction(settings, "suffix_decoding_min_token_prob", upper=1.0)
+        k = _count(settings.get("num_speculative_tokens"), "num_speculative_tokens") or depth
+        return cls("suffix", k, 1, depth, depth, cached, factor, min_prob)
+
 
 def _count(value: object, key: str, required: bool = False) -> int:
     """A positive integer setting; 0 when unset (and not required)."""
@@ -59,3 +99,17 @@ def _count(value: object, key: str, required: bool = False) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise InvalidRequestError(f"{FIELD}.{key}", f"must be a positive integer, got {value!r}")
     return value
+
+
+def _fraction(settings: Mapping[str, object], key: str, upper: float | None) -> float:
+    """A positive number setting (at most `upper`), its default when unset."""
+    value = settings.get(key, SUFFIX_DEFAULTS[key])
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or value <= 0
+        or (upper and value > upper)
+    ):
+        bound = f" and at most {upper}" if upper else ""
+        raise InvalidRequestError(f"{FIELD}.{key}", f"must be a number above 0{bound}, got {value!r}")
+    return float(value)

@@ -1,15 +1,21 @@
-"""Which decodes speculate, and their draft tokens: the scheduler's side of speculative decoding.
+"""Which decodes speculate, and how far: the scheduler's side of speculative decoding.
+
 A request drafts when each token it samples depends on nothing but the model's distribution at
 that position (temperature, top-k, top-p, min-p): verification then keeps its outputs exact.
 Structured outputs, penalties, logit bias, logprobs and min_tokens still to reach make a token
 depend on the ones before it in ways the verifier does not replay yet; those decode one token a
-step."""
+step.
+
+A request's j-th draft token is expected kept with probability a^j, where a is its share of
+draft tokens kept so far (decayed, so it follows the text): the scheduler prices drafts with it
+(scheduler/draft_pricing.py)."""
 
 from __future__ import annotations
 
 from replica_engine.request import Request
-from replica_engine.spec_decode.config import SpeculativeConfig
-from replica_engine.spec_decode.ngram_proposer import propose_ngram
+
+DECAY = 0.9  # per verification, of the counts a request's acceptance is estimated from
+MAX_ACCEPTANCE = 0.95  # so a long run of kept drafts still prices later positions below earlier
 
 
 def may_draft(request: Request) -> bool:
@@ -25,25 +31,14 @@ def may_draft(request: Request) -> bool:
     )
 
 
-def propose_drafts(request: Request, spec: SpeculativeConfig, room: int) -> list[int]:
-    """Up to `room` draft tokens (what is left of the step's budget and of the request's
-    max_tokens) for a request about to decode; none where it may not draft."""
-    room = min(
-        room,
-        request.draft_length or spec.num_speculative_tokens,
-        request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
-    )
-    if room < 1 or not may_draft(request):
-        return []
-    tokens = request.prompt_token_ids + request.output_token_ids
-    return propose_ngram(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
-
-
-def adapt_draft_length(request: Request, spec: SpeculativeConfig, drafted: int, kept: int) -> None:
-    """After a verification, the next draft's length: one more than was kept, or twice as long
-    when all of it was (up to the configured length). A request whose drafts keep failing then
-    proposes one token at a time (a step computes one extra token for it, not k), and one whose
-    drafts hold is back at k within a few steps."""
+def record_verification(request: Request, drafted: int, kept: int) -> None:
+    """What verification kept of a request's draft, for its acceptance estimate."""
     if drafted:
-        grown = 2 * drafted if kept == drafted else kept + 1
-        request.draft_length = min(spec.num_speculative_tokens, grown)
+        request.drafts_kept = DECAY * request.drafts_kept + kept
+        request.drafts_rejected = DECAY * request.drafts_rejected + (kept < drafted)
+
+
+def acceptance(request: Request) -> float:
+    """The estimated chance that each next draft token is kept (a prior of one half)."""
+    kept = request.drafts_kept
+    return min(MAX_ACCEPTANCE, kept / (kept + request.drafts_rejected))

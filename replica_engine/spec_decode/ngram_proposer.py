@@ -3,14 +3,15 @@ suffix of the tokens so far, `min_n` to `max_n` tokens long, that also occurs ea
 proposes the tokens that followed that earlier occurrence. Code edits, quotes and repeated
 structure copy long runs of the prompt, which the target then verifies in one step.
 
-Vectorised over the sequence (a scheduler step runs it for every decode that may draft): the
-candidates are the earlier places of the last token, and each step back narrows them."""
+The search is suffix_match's, over the request's own tokens."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
+
+from replica_engine.spec_decode.suffix_match import match_lengths
 
 
 def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -23,12 +24,7 @@ def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list
     ends = np.flatnonzero(seq[:end] == seq[end]) if end > 0 else np.empty(0, dtype=np.int64)
     if not len(ends):
         return []
-    matched = np.ones(len(ends), dtype=np.int64)  # suffix tokens matched backwards from each p
-    alive = np.ones(len(ends), dtype=bool)
-    for back in range(1, min(max_n, end)):  # p - back >= 0, with p < end
-        alive &= ends >= back
-        alive[alive] = seq[ends[alive] - back] == seq[end - back]
-        matched += alive
+    matched = match_lengths(seq, ends, seq, max_n)
     if matched.max() < min_n:
         return []
     longest = min(int(matched.max()), max_n)

@@ -188,3 +188,24 @@ def test_bad_adapters_are_refused_naming_model(lora_llm, exact_llm, adapters, tm
     save_file(tensors, wrong / "adapter_model.safetensors")
     refused(LoRARequest("wrong", str(wrong)), "expected")
     assert not lora_llm.engine.has_unfinished_requests()
+
+
+def test_speculation_keeps_each_adapters_greedy_tokens(lora_llm, adapters):
+    """Drafts verified through the request's own adapter: base and adapter requests in one batch,
+    with suffix decoding, answer the tokens they answer without it."""
+    prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2,", *PROMPTS]
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0, lora=lora)
+        for lora in (None, adapters["a"], adapters["b"])
+        for _ in prompts
+    ]
+    plain = [o.outputs[0].token_ids for o in lora_llm.generate(prompts * 3, params)]
+    speculating = LLM(
+        dtype="float32",
+        quantization="none",
+        enable_lora=True,
+        max_loras=2,
+        speculative_config={"method": "suffix"},
+    )
+    assert [o.outputs[0].token_ids for o in speculating.generate(prompts * 3, params)] == plain
+    assert speculating.engine.core.scheduler.num_accepted_tokens > 0, "nothing was drafted: not a test"

@@ -14,9 +14,6 @@ import torch
 from common.errors import InvalidRequestError
 from replica_engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from replica_engine.metrics import EngineMetrics, PrometheusSink
-from replica_engine.request import Request
-from replica_engine.spec_decode.config import SpeculativeConfig
-from replica_engine.spec_decode.drafts import adapt_draft_length, propose_drafts
 from replica_engine.spec_decode.ngram_proposer import propose_ngram
 from replica_engine.spec_decode.rejection_sampler import verify_draft
 
@@ -150,25 +147,52 @@ def _greedy(prompts: list[str], max_tokens: int = 40, **settings: object) -> tup
     return [list(o.outputs[0].token_ids) for o in outs], llm
 
 
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
+SETTINGS = {
+    "served": {},  # as served on this CPU: bfloat16 where native, the file's own 4-bit blocks
+    "chunked": {"max_num_batched_tokens": 16},  # drafts beside prompt chunks, cut to the budget
+    "preempting": {"num_kv_blocks": 8},  # a pool that preempts
+    "float32": {"dtype": "float32", "quantization": "none", "enable_prefix_caching": False},
+}
+_plain: dict[str, list[list[int]]] = {}
+
+
 @pytest.mark.parametrize(
-    "settings",
-    [
-        {},  # as served on this CPU: bfloat16 where native, the file's own 4-bit blocks
-        {"max_num_batched_tokens": 16},  # drafts beside prompt chunks, cut to the budget
-        {"num_kv_blocks": 8},  # a pool that preempts
-        {"dtype": "float32", "quantization": "none", "enable_prefix_caching": False},
-    ],
-    ids=["served", "chunked", "preempting", "float32"],
+    ("setting", "spec"),
+    [(name, NGRAM) for name in SETTINGS] + [("served", SUFFIX), ("preempting", SUFFIX)],
+    ids=[*(f"ngram-{name}" for name in SETTINGS), "suffix-served", "suffix-preempting"],
 )
-def test_greedy_outputs_are_the_same_tokens_with_prompt_lookup(settings: dict):
-    plain, _ = _greedy(REPEATING, **settings)
-    speculated, llm = _greedy(REPEATING, speculative_config=NGRAM, **settings)
-    assert speculated == plain
+def test_greedy_outputs_are_the_same_tokens_with_speculation(setting: str, spec: dict):
+    settings = SETTINGS[setting]
+    if setting not in _plain:
+        _plain[setting] = _greedy(REPEATING, **settings)[0]
+    speculated, llm = _greedy(REPEATING, speculative_config=spec, **settings)
+    assert speculated == _plain[setting]
     scheduler = llm.engine.core.scheduler
     assert scheduler.num_accepted_tokens > 0, "no draft token was kept: the test did not speculate"
     assert scheduler.num_draft_tokens > scheduler.num_accepted_tokens  # and some were rejected
     if "num_kv_blocks" in settings:
         assert scheduler.num_preemptions > 0
+
+
+def test_suffix_decoding_drafts_a_repeated_answer_from_the_earlier_one():
+    """The same question twice, one at a time: the second answer is drafted from the first's
+    output, kept by the engine; with no output kept, it drafts only from its own tokens."""
+    question = "Write a haiku about the sea."
+    kept = []
+    for cached in (1, 0):
+        llm = LLM(speculative_config={**SUFFIX, "suffix_decoding_max_cached_requests": cached})
+        first = (
+            llm.generate([question], SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0].token_ids
+        )
+        scheduler = llm.engine.core.scheduler
+        before = scheduler.num_accepted_tokens
+        again = (
+            llm.generate([question], SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0].token_ids
+        )
+        assert again == first
+        kept.append(scheduler.num_accepted_tokens - before)
+    assert kept[0] >= len(first) // 2 > kept[1]
 
 
 def test_requests_that_may_not_draft_decode_as_before_beside_those_that_do():
@@ -212,6 +236,12 @@ SPEC = "speculative_config"
         ({SPEC: {"method": "ngram"}}, f"{SPEC}.num_speculative_tokens"),
         ({SPEC: {**NGRAM, "prompt_lookup_min": 4, "prompt_lookup_max": 2}}, f"{SPEC}.prompt_lookup_min"),
         ({SPEC: {**NGRAM, "lookahead": 2}}, f"{SPEC}.lookahead"),
+        ({SPEC: {**SUFFIX, "suffix_decoding_min_token_prob": 1.5}}, f"{SPEC}.suffix_decoding_min_token_prob"),
+        (
+            {SPEC: {**SUFFIX, "suffix_decoding_max_cached_requests": -1}},
+            f"{SPEC}.suffix_decoding_max_cached_requests",
+        ),
+        ({SPEC: {**SUFFIX, "suffix_decoding_max_tree_depth": 0}}, f"{SPEC}.suffix_decoding_max_tree_depth"),
         ({SPEC: NGRAM, "async_scheduling": True}, "async_scheduling"),
         ({SPEC: NGRAM, "tensor_parallel_size": 2}, SPEC),
     ],
@@ -246,18 +276,3 @@ def test_the_metrics_count_drafts_kept_tokens_and_positions():
     )  # a draft token is kept only after those before it
     assert value("spec_decode_num_drafts") <= value("spec_decode_num_draft_tokens")
     assert value("generation_tokens") == 30 * len(REPEATING)  # kept tokens counted as output
-
-
-def test_a_request_whose_drafts_fail_proposes_one_token_and_grows_back_when_they_hold():
-    spec = SpeculativeConfig("ngram", 4, 1, 5)
-    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=100))
-    adapt_draft_length(request, spec, drafted=4, kept=0)
-    assert request.draft_length == 1
-    adapt_draft_length(request, spec, drafted=1, kept=1)
-    assert request.draft_length == 2
-    adapt_draft_length(request, spec, drafted=2, kept=2)
-    assert request.draft_length == 4
-    adapt_draft_length(request, spec, drafted=4, kept=2)
-    assert request.draft_length == 3
-    request.prompt_token_ids = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
-    assert propose_drafts(request, spec, room=10) == [7, 8, 9]  # three, as the last verdict allows
