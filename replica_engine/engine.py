@@ -41,18 +41,25 @@ def _resolve(config: EngineConfig) -> tuple[ModelSource, PretrainedConfig, Engin
 
 
 def build_core(config: EngineConfig, metrics: EngineMetrics | None) -> EngineCore:
-    """Load the model and size the KV pool (the engine core's process, or the caller's)."""
-    source, model_config, config = _resolve(config)
+    """Load the model and size the KV pool (the engine core's process, or the caller's); with a
+    draft model, load it too, with a pool of as many blocks."""
+    source, model_config, resolved = _resolve(config)
     runner: ModelRunner | ParallelExecutor = (
-        load_runner(source, model_config, config)
-        if config.num_workers == 1
-        else ParallelExecutor(config, model_config.vocab_size)
+        load_runner(source, model_config, resolved)
+        if resolved.num_workers == 1
+        else ParallelExecutor(resolved, model_config.vocab_size)
     )
     num_kv_blocks = runner.num_kv_blocks()
     if num_kv_blocks < 1:
-        param = "num_kv_blocks" if config.num_kv_blocks is not None else "kv_cache_bytes"
+        param = "num_kv_blocks" if resolved.num_kv_blocks is not None else "kv_cache_bytes"
         raise InvalidRequestError(param, "leaves no room for a single KV block")
-    return EngineCore(config, runner, num_kv_blocks, metrics)
+    spec = resolved.speculative
+    proposer = None
+    if spec is not None and spec.method == "draft_model":
+        from replica_engine.spec_decode.draft_model import build_draft_proposer
+
+        proposer = build_draft_proposer(config, resolved, spec, model_config.vocab_size, num_kv_blocks)
+    return EngineCore(resolved, runner, num_kv_blocks, metrics, proposer=proposer)
 
 
 def build_inputs(config: EngineConfig, num_kv_blocks: int) -> InputProcessor:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from replica_engine.metrics import EngineMetrics
     from replica_engine.spec_decode.config import SpeculativeConfig
+    from replica_engine.spec_decode.proposers import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +75,12 @@ class EngineCore:
         metrics: EngineMetrics | None,
         step_time: StepTime | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        proposer: Proposer | None = None,
     ) -> None:
         """`step_time`: a fixed step-time model for a TBT target (the simulator's); without it, one
         is fitted on a startup profile of `runner` and keeps learning from every step. `clock`
-        times the steps (the simulator's is virtual)."""
+        times the steps (the simulator's is virtual). `proposer`: a draft model's, loaded with the
+        engine (other speculative methods build their own)."""
         self.config = config
         self.runner = runner
         self.clock = clock
@@ -98,7 +101,7 @@ class EngineCore:
             SLOTokenBudget(step_time, config.tbt_slo_s) if step_time and config.tbt_slo_s else None
         )
         self.scheduler = SCHEDULING_POLICIES[config.scheduling_policy](
-            scheduler_config, self.kv_cache_manager, self.slo_budget, step_time
+            scheduler_config, self.kv_cache_manager, self.slo_budget, step_time, proposer
         )
         self.metrics = metrics
         self.step_load = StepLoad()

@@ -21,7 +21,7 @@ from replica_engine.scheduler.token_budget import SLOTokenBudget
 from replica_engine.scheduler.waiting_queue import WaitingQueue, admission_key
 from replica_engine.spec_decode.config import SpeculativeConfig
 from replica_engine.spec_decode.drafts import may_draft, record_verification
-from replica_engine.spec_decode.proposers import make_proposer
+from replica_engine.spec_decode.proposers import Proposer, make_proposer
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,15 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         slo_budget: SLOTokenBudget | None = None,
         step_time: StepTime | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.slo_budget = slo_budget  # sizes prompt chunks from a TBT target; None: the budget alone
         self.step_time = step_time  # prices draft tokens (and is the TBT budget's model)
-        self.proposer = make_proposer(config.speculative) if config.speculative is not None else None
+        # drafts for decodes: `proposer` (a draft model's, which the engine loads), else the method's
+        spec = config.speculative
+        self.proposer = proposer or (make_proposer(spec) if spec is not None else None)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # in admission order
@@ -224,14 +227,14 @@ class Scheduler:
         if self.proposer is None or spec is None or plan.blocked or plan.budget_left <= 0:
             return
         decodes = [r for r, n in plan.num_scheduled_tokens.items() if is_decode(r, n) and may_draft(r)]
-        proposals = {}
+        limits = {}
         for request in decodes:
-            room = min(
-                spec.num_speculative_tokens,
-                request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
-            )
-            if room > 0 and (drafts := self.proposer.propose(request, min(room, plan.budget_left))):
-                proposals[request] = drafts
+            room = request.sampling_params.max_tokens - len(request.output_token_ids) - 1
+            if (limit := min(spec.num_speculative_tokens, room, plan.budget_left)) > 0:
+                limits[request] = limit
+        proposals = (
+            {r: drafts for r, drafts in self.proposer.propose(limits).items() if drafts} if limits else {}
+        )
         if not proposals:
             return
         decode_shape = StepShape.of(
@@ -318,6 +321,8 @@ class Scheduler:
         arrival of its priority. Its tokens (prompt and output so far) are kept: nothing is lost."""
         plan.num_scheduled_tokens.pop(request, None)
         plan.preempted.append(request)
+        if self.proposer is not None:
+            self.proposer.request_preempted(request)
         self.running.remove(request)
         self._free(request)
         request.num_computed_tokens = 0

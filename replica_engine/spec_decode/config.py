@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from common.errors import InvalidRequestError
 
 FIELD = "speculative_config"
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 # vLLM's other methods, refused by name until they are built here.
-NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 DEFAULT_LOOKUP_MAX = 5
 # Suffix decoding's settings, with vLLM's defaults.
 SUFFIX_DEFAULTS = {
@@ -34,6 +34,7 @@ class SpeculativeConfig:
     max_cached_requests: int = SUFFIX_DEFAULTS["suffix_decoding_max_cached_requests"]
     max_spec_factor: float = SUFFIX_DEFAULTS["suffix_decoding_max_spec_factor"]
     min_token_prob: float = SUFFIX_DEFAULTS["suffix_decoding_min_token_prob"]
+    model: str | None = None  # draft_model: the draft (what `model` accepts), the target's vocabulary
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, object]) -> SpeculativeConfig:
@@ -53,14 +54,25 @@ class SpeculativeConfig:
             if key not in known:
                 raise InvalidRequestError(f"{FIELD}.{key}", f"unknown setting; known: {sorted(known)}")
         method = settings.get("method", "ngram" if "model" not in settings else "draft_model")
-        if method in NOT_YET or "model" in settings:
+        if method in NOT_YET:
             raise InvalidRequestError(
-                f"{FIELD}.method", f"{method!r} (a draft model) is not served yet; 'ngram' (prompt lookup) is"
+                f"{FIELD}.method",
+                f"{method!r} is not served yet; {METHODS} are (a draft model: 'draft_model')",
             )
         if method not in METHODS:
             raise InvalidRequestError(f"{FIELD}.method", f"must be one of {METHODS}, got {method!r}")
+        if "model" in settings and method != "draft_model":
+            raise InvalidRequestError(
+                f"{FIELD}.model", f"a draft model is for method 'draft_model', not {method!r}"
+            )
         if method == "suffix":
             return cls._suffix(settings)
+        if method == "draft_model":
+            model = settings.get("model")
+            if not isinstance(model, str) or not model:
+                raise InvalidRequestError(f"{FIELD}.model", f"a draft model is needed, got {model!r}")
+            k = _count(settings.get("num_speculative_tokens"), "num_speculative_tokens", required=True)
+            return cls(method, k, 1, DEFAULT_LOOKUP_MAX, model=model)
         k = _count(settings.get("num_speculative_tokens"), "num_speculative_tokens", required=True)
         lookup_max = _count(settings.get("prompt_lookup_max"), "prompt_lookup_max")
         lookup_min = _count(settings.get("prompt_lookup_min"), "prompt_lookup_min")

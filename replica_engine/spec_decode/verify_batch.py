@@ -40,7 +40,7 @@ def sample_with_drafts(
         greedy = sampling[i].params.greedy
         # Greedy reads the logits' argmax, as plain decoding does; sampling, the distributions.
         scores = block if greedy else target_probs(block, [sampling[i]] * len(block))
-        emitted = verify_draft(scores, list(drafts), None, greedy, sampling[i].generator)
+        emitted = verify_draft(scores, list(drafts), greedy, sampling[i].generator)
         tokens[i], accepted[i] = emitted[-1], len(emitted) - 1
     token_ids = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
     if base is None or base.logprobs is None:

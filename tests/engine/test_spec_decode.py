@@ -1,6 +1,7 @@
-"""Speculative decoding's pieces, alone: prompt lookup proposes what followed the latest earlier
-occurrence of the longest matching suffix; verification keeps greedy outputs token for token and
-sampled outputs in the target's distribution (a chi-square test that rejects a naive rule)."""
+"""Speculative decoding's pieces and the engine with them: prompt lookup proposes what followed
+the latest earlier occurrence of the longest matching suffix; verification keeps greedy outputs
+token for token and sampled outputs in the target's distribution (a chi-square test that rejects
+a naive rule), seeded ones token for token too."""
 
 from __future__ import annotations
 
@@ -67,23 +68,22 @@ def test_greedy_verification_emits_what_greedy_decoding_does_whatever_the_draft(
         ahead = plain[len(tokens) : len(tokens) + 3]
         draft = [token if rng.random() < 0.6 else rng.randrange(VOCAB) for token in ahead]
         rows = model[torch.tensor([tokens[-1], *draft])]
-        emitted = verify_draft(rows, draft, None, greedy=True)
+        emitted = verify_draft(rows, draft, greedy=True)
         assert 1 <= len(emitted) <= len(draft) + 1
         tokens += emitted
     assert tokens[: len(plain)] == plain
 
 
-Verify = Callable[[torch.Tensor, list[int], torch.Tensor | None, bool, torch.Generator], list[int]]
+Verify = Callable[[torch.Tensor, list[int], bool, torch.Generator], list[int]]
 
 
-def _first_token_counts(rule: Verify, p: torch.Tensor, q: torch.Tensor | None, draws: int) -> torch.Tensor:
+def _first_token_counts(rule: Verify, p: torch.Tensor, draws: int) -> torch.Tensor:
+    """What the first emitted token is, over `draws` verifications of the draft token 2."""
     generator = torch.Generator().manual_seed(1)
     counts = torch.zeros(VOCAB)
     rows = torch.stack([p, p])
     for _ in range(draws):
-        token = int(torch.multinomial(q, 1, generator=generator)) if q is not None else 2
-        draft_probs = q[None, :] if q is not None else None
-        counts[rule(rows, [token], draft_probs, False, generator)[0]] += 1
+        counts[rule(rows, [2], False, generator)[0]] += 1
     return counts
 
 
@@ -93,39 +93,30 @@ def _chi_square(counts: torch.Tensor, p: torch.Tensor) -> float:
 
 
 def _naive_verify(
-    target_probs: torch.Tensor,
-    draft_tokens: list[int],
-    draft_probs: torch.Tensor | None,
-    greedy: bool,
-    generator: torch.Generator,
+    target_probs: torch.Tensor, draft_tokens: list[int], greedy: bool, generator: torch.Generator
 ) -> list[int]:
-    """Accepts as verify_draft does, but corrects from p itself rather than from the residual."""
+    """Keeps the draft with probability p(x), as verification does, but replaces a rejected one
+    with a draw from p itself rather than from p without x."""
     [token] = draft_tokens
-    q_token = float(draft_probs[0, token]) if draft_probs is not None else 1.0
-    if float(torch.rand(1, generator=generator)) * q_token < float(target_probs[0, token]):
+    if float(torch.rand(1, generator=generator)) < float(target_probs[0, token]):
         return [token]
     return [int(torch.multinomial(target_probs[0], 1, generator=generator))]
 
 
-@pytest.mark.parametrize("proposer", ["draft model", "prompt lookup"])
-def test_sampled_verification_keeps_the_targets_distribution(proposer: str):
-    generator = torch.Generator().manual_seed(0)
-    p = torch.softmax(torch.randn(VOCAB, generator=generator), dim=-1)
-    q: torch.Tensor | None = torch.softmax(torch.randn(VOCAB, generator=generator) * 2, dim=-1)
-    if proposer == "prompt lookup":
-        q = None
+def test_sampled_verification_keeps_the_targets_distribution():
+    p = torch.softmax(torch.randn(VOCAB, generator=torch.Generator().manual_seed(0)), dim=-1)
     draws = 20_000
-    assert _chi_square(_first_token_counts(verify_draft, p, q, draws), p) < CHI2_DF5_P001
-    # The same test tells a naive correction apart: it over-weights the draft's favourites.
-    assert _chi_square(_first_token_counts(_naive_verify, p, q, draws), p) > 10 * CHI2_DF5_P001
+    assert _chi_square(_first_token_counts(verify_draft, p, draws), p) < CHI2_DF5_P001
+    # The same test tells a naive correction apart: it over-weights the draft token.
+    assert _chi_square(_first_token_counts(_naive_verify, p, draws), p) > 10 * CHI2_DF5_P001
 
 
 def test_every_accepted_draft_earns_a_bonus_token():
     certain = torch.nn.functional.one_hot(torch.tensor([3, 1, 4]), VOCAB).float()
     generator = torch.Generator().manual_seed(0)
-    assert verify_draft(certain, [3, 1], None, greedy=False, generator=generator) == [3, 1, 4]
+    assert verify_draft(certain, [3, 1], greedy=False, generator=generator) == [3, 1, 4]
     with pytest.raises(ValueError, match="draft tokens"):
-        verify_draft(certain, [3], None, greedy=True)
+        verify_draft(certain, [3], greedy=True)
 
 
 # -- in the engine ----------------------------------------------------------------------------
@@ -137,6 +128,7 @@ REPEATING = [
     "The capital of France is",
 ]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
 
 
 def _greedy(prompts: list[str], max_tokens: int = 40, **settings: object) -> tuple[list[list[int]], LLM]:
@@ -147,7 +139,6 @@ def _greedy(prompts: list[str], max_tokens: int = 40, **settings: object) -> tup
     return [list(o.outputs[0].token_ids) for o in outs], llm
 
 
-SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
 SETTINGS = {
     "served": {},  # as served on this CPU: bfloat16 where native, the file's own 4-bit blocks
     "chunked": {"max_num_batched_tokens": 16},  # drafts beside prompt chunks, cut to the budget
@@ -212,15 +203,20 @@ def test_requests_that_may_not_draft_decode_as_before_beside_those_that_do():
     assert runs[1] == runs[0]
 
 
-def test_sampled_requests_finish_with_their_lengths_and_free_their_blocks():
-    llm = LLM(speculative_config=NGRAM)
+@pytest.mark.parametrize("spec", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_seeded_sampled_requests_draw_the_same_tokens_as_without_speculation(spec: dict):
+    """Verification draws each position as plain decoding does, one draw per token, so a seeded
+    request's tokens do not depend on how many drafts each step took; its lengths hold and its
+    blocks come back."""
     params = [
         SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True) for i in range(4)
     ]
-    outs = llm.generate(REPEATING, params)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [30] * 4
-    again = LLM(speculative_config=NGRAM).generate(REPEATING, params)
-    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]  # seeded
+    plain = [o.outputs[0].token_ids for o in LLM().generate(REPEATING, params)]
+    llm = LLM(speculative_config=spec)
+    outs = [o.outputs[0].token_ids for o in llm.generate(REPEATING, params)]
+    assert outs == plain
+    assert [len(o) for o in outs] == [30] * 4
+    assert llm.engine.core.scheduler.num_accepted_tokens > 0, "no draft was kept: not a test"
     manager = llm.engine.core.kv_cache_manager
     assert manager.num_free_blocks == manager.num_blocks
 
@@ -232,7 +228,7 @@ SPEC = "speculative_config"
     ("settings", "named"),
     [
         ({SPEC: {"method": "eagle", "num_speculative_tokens": 2}}, f"{SPEC}.method"),
-        ({SPEC: {"model": "some/draft", "num_speculative_tokens": 2}}, f"{SPEC}.method"),
+        ({SPEC: {"method": "mtp", "num_speculative_tokens": 2}}, f"{SPEC}.method"),
         ({SPEC: {"method": "ngram"}}, f"{SPEC}.num_speculative_tokens"),
         ({SPEC: {**NGRAM, "prompt_lookup_min": 4, "prompt_lookup_max": 2}}, f"{SPEC}.prompt_lookup_min"),
         ({SPEC: {**NGRAM, "lookahead": 2}}, f"{SPEC}.lookahead"),

@@ -107,14 +107,14 @@ def test_the_suffix_proposer_drafts_from_an_earlier_output_the_request_has_not_s
     earlier.output_token_ids = [40, 41, 42, 43, 44, 45, 46, 47]
     proposer.request_finished(earlier)
     request = Request("b", [7, 8, 9, 40, 41, 42], SamplingParams(max_tokens=20))
-    assert proposer.propose(request, limit=4) == [43, 44, 45]  # three: a three-token match
+    assert proposer.propose_one(request, limit=4) == [43, 44, 45]  # three: a three-token match
     request.output_token_ids = [43, 44, 45, 46]
-    assert proposer.propose(request, limit=4) == [47]  # to the end of that output
+    assert proposer.propose_one(request, limit=4) == [47]  # to the end of that output
     alone = SuffixProposer(
         SpeculativeConfig.from_settings({"method": "suffix", "suffix_decoding_max_cached_requests": 0})
     )
     alone.request_finished(earlier)
-    assert alone.propose(request, limit=4) == []
+    assert alone.propose_one(request, limit=4) == []
 
 
 def _request(name: str, kept: float, rejected: float, context: int = 100) -> Request:

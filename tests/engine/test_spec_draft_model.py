@@ -1,0 +1,104 @@
+"""A draft model proposes, the target verifies: greedy outputs are the target's own tokens whether
+the draft is the target itself (nearly every draft kept) or a tiny random model of the same
+vocabulary (nearly every draft rejected), through chunks and preemption; the draft's pool and
+rows are given back when requests end; a draft that cannot serve the target is refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.errors import InvalidRequestError
+from common.model_source import DEFAULT_MODEL
+from replica_engine import LLM, EngineConfig, SamplingParams
+
+PROMPTS = [
+    "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape. Again: apple, banana,",
+    "The capital of France is",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+]
+EXACT = {"dtype": "float32", "quantization": "none"}
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory) -> Path:
+    """Two layers of random weights with SmolLM2's vocabulary and context: a draft that is nearly
+    always wrong."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+    )
+    path = tmp_path_factory.mktemp("tiny_draft")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict[str, list[list[int]]]:
+    """The target's greedy outputs without speculation, by pool setting."""
+    return {}
+
+
+def _greedy(settings: dict) -> tuple[list[list[int]], LLM]:
+    llm = LLM(**EXACT, **settings)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0.0))
+    return [list(o.outputs[0].token_ids) for o in outs], llm
+
+
+@pytest.mark.parametrize(
+    ("draft", "pool"),
+    [("target", {}), ("tiny", {}), ("tiny", {"num_kv_blocks": 8, "max_num_batched_tokens": 16})],
+    ids=["self-draft", "random-draft", "random-draft-preempting-chunked"],
+)
+def test_greedy_outputs_are_the_targets_tokens_whatever_the_draft(draft, pool, tiny_draft, plain):
+    key = str(sorted(pool.items()))
+    if key not in plain:
+        plain[key] = _greedy(pool)[0]
+    model = DEFAULT_MODEL if draft == "target" else str(tiny_draft)
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 4}
+    speculated, llm = _greedy({**pool, "speculative_config": spec})
+    assert speculated == plain[key]
+    scheduler = llm.engine.core.scheduler
+    kept, drafted = scheduler.num_accepted_tokens, scheduler.num_draft_tokens
+    assert drafted > 0, "nothing was drafted: not a test"
+    if draft == "target":
+        assert kept >= 0.8 * drafted  # the target drafting for itself: kept but for near-ties
+    else:
+        assert kept <= 0.2 * drafted
+    if pool:
+        assert scheduler.num_preemptions > 0
+    proposer = scheduler.proposer
+    assert proposer.states == {}  # every request's draft state given back with its end
+    assert len(proposer._free) == llm.engine.core.kv_cache_manager.num_blocks
+    manager = llm.engine.core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_a_draft_model_that_cannot_serve_the_target_is_refused_by_name():
+    draft = {"method": "draft_model", "num_speculative_tokens": 4}
+    with pytest.raises(InvalidRequestError) as raised:
+        LLM(speculative_config={**draft, "model": "dummy:llama3-8b"})
+    assert raised.value.param == "speculative_config.model"
+    assert "128256" in str(raised.value)  # its vocabulary, against the target's
+    with pytest.raises(InvalidRequestError) as raised:
+        LLM(speculative_config={**draft, "model": "/no/such/draft"})
+    assert raised.value.param == "speculative_config.model"
+    lookup = {"method": "ngram", "num_speculative_tokens": 4}
+    for settings, named in (
+        (draft, "speculative_config.model"),
+        ({**lookup, "model": DEFAULT_MODEL}, "speculative_config.model"),
+        ({"model": DEFAULT_MODEL}, "speculative_config.num_speculative_tokens"),
+    ):
+        with pytest.raises(InvalidRequestError) as raised:
+            EngineConfig(speculative_config=settings)
+        assert raised.value.param == named
