@@ -14,7 +14,7 @@ from common.finish_reason import FinishReason
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.outputs import EngineStats
 from replica_engine.request import Request, RequestStatus
-from replica_engine.scheduler.draft_pricing import price_drafts
+from replica_engine.scheduler.draft_pricing import DraftPricing
 from replica_engine.scheduler.plan import ScheduledBatch, StepPlan, is_decode
 from replica_engine.scheduler.step_time_model import StepShape, StepTime, StepTimeModel
 from replica_engine.scheduler.token_budget import SLOTokenBudget
@@ -226,22 +226,21 @@ class Scheduler:
         spec = self.config.speculative
         if self.proposer is None or spec is None or plan.blocked or plan.budget_left <= 0:
             return
-        decodes = [r for r, n in plan.num_scheduled_tokens.items() if is_decode(r, n) and may_draft(r)]
+        decodes = [r for r, n in plan.num_scheduled_tokens.items() if is_decode(r, n)]
+        pricing = DraftPricing.of(
+            StepShape.of((r.num_planned_tokens, 1, True) for r in decodes),
+            plan.shape(),
+            self.step_time,
+            self.slo_budget.target_s if self.slo_budget is not None else None,
+        )
         limits = {}
         for request in decodes:
             room = request.sampling_params.max_tokens - len(request.output_token_ids) - 1
-            if (limit := min(spec.num_speculative_tokens, room, plan.budget_left)) > 0:
+            limit = min(spec.num_speculative_tokens, room, plan.budget_left)
+            if limit > 0 and may_draft(request) and pricing.may_pay(request):
                 limits[request] = limit
-        proposals = (
-            {r: drafts for r, drafts in self.proposer.propose(limits).items() if drafts} if limits else {}
-        )
-        if not proposals:
-            return
-        decode_shape = StepShape.of(
-            (r.num_planned_tokens, 1, True) for r, n in plan.num_scheduled_tokens.items() if is_decode(r, n)
-        )
-        taken = price_drafts(proposals, decode_shape, plan.shape(), plan.budget_left, self.step_time)
-        for request, num_drafts in taken.items():
+        proposals = {r: d for r, d in self.proposer.propose(limits).items() if d} if limits else {}
+        for request, num_drafts in pricing.take(proposals, plan.budget_left).items():
             if self.kv_cache_manager.allocate(request, 1 + num_drafts):
                 plan.num_scheduled_tokens[request] = 1 + num_drafts
                 plan.drafts[request] = tuple(proposals[request][:num_drafts])

@@ -24,14 +24,12 @@ NO_DRAFT = Draft([], 0.0)
 
 def match_lengths(source: np.ndarray, ends: np.ndarray, pattern: np.ndarray, max_n: int) -> np.ndarray:
     """For occurrences of the pattern's last token ending at `ends` in `source`, how many of the
-    pattern's last tokens (at most `max_n`) each one matches, reading backwards."""
-    matched = np.ones(len(ends), dtype=np.int64)
-    alive = np.ones(len(ends), dtype=bool)
-    for back in range(1, min(max_n, len(pattern))):
-        alive &= ends >= back
-        alive[alive] = source[ends[alive] - back] == pattern[-1 - back]
-        matched += alive
-    return matched
+    pattern's last tokens (at most `max_n`) each one matches, reading backwards: one comparison
+    of every occurrence at every depth, then the run of agreement from the end."""
+    back = np.arange(min(max_n, len(pattern)))
+    places = ends[:, None] - back[None, :]
+    agree = (places >= 0) & (source[np.maximum(places, 0)] == pattern[len(pattern) - 1 - back][None, :])
+    return np.logical_and.accumulate(agree, axis=1).sum(axis=1)
 
 
 def frequent_continuation(source: np.ndarray, starts: np.ndarray, limit: int, min_prob: float) -> Draft:
@@ -40,17 +38,24 @@ def frequent_continuation(source: np.ndarray, starts: np.ndarray, limit: int, mi
     the share of occurrences that agree with the whole draft so far is at least `min_prob`.
     Occurrences stop at the source's end and at END_OF_SEQUENCE."""
     tokens: list[int] = []
-    share = score = 0.0
+    score = 0.0
     total = len(starts)
-    for _ in range(limit):
+    while len(tokens) < limit:
         starts = starts[starts < len(source)]
+        if len(starts) == 1:  # one occurrence left: the rest of it, at one share
+            return _one_occurrence(
+                source, int(starts[0]), limit - len(tokens), 1 / total, min_prob, tokens, score
+            )
         if not len(starts):
             break
         following = source[starts]
-        _, inverse, counts = np.unique(following, return_inverse=True, return_counts=True)
-        latest_of_most = np.flatnonzero(counts[inverse] == counts.max())[-1]
-        token = int(following[latest_of_most])
-        agreeing = following == token
+        latest = following[-1]
+        if (following == latest).all():  # they agree: no count needed (the common case)
+            token, agreeing = int(latest), np.ones(len(following), dtype=bool)
+        else:
+            _, inverse, counts = np.unique(following, return_inverse=True, return_counts=True)
+            token = int(following[np.flatnonzero(counts[inverse] == counts.max())[-1]])
+            agreeing = following == token
         share = int(agreeing.sum()) / total
         if token == END_OF_SEQUENCE or share < min_prob:
             break
@@ -58,6 +63,18 @@ def frequent_continuation(source: np.ndarray, starts: np.ndarray, limit: int, mi
         score += share
         starts = starts[agreeing] + 1
     return Draft(tokens, score)
+
+
+def _one_occurrence(
+    source: np.ndarray, start: int, limit: int, share: float, min_prob: float, tokens: list[int], score: float
+) -> Draft:
+    """`tokens` continued by what follows `start`, up to the end or END_OF_SEQUENCE, all at `share`."""
+    if share < min_prob:
+        return Draft(tokens, score)
+    rest = source[start : start + limit]
+    ends = np.flatnonzero(rest == END_OF_SEQUENCE)
+    rest = rest[: ends[0]] if len(ends) else rest
+    return Draft(tokens + rest.tolist(), score + share * len(rest))
 
 
 def suffix_draft(

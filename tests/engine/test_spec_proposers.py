@@ -13,7 +13,7 @@ import pytest
 
 from common.sampling_params import SamplingParams
 from replica_engine.request import Request
-from replica_engine.scheduler.draft_pricing import price_drafts
+from replica_engine.scheduler.draft_pricing import DraftPricing
 from replica_engine.scheduler.step_time_model import StepShape, StepTimeModel
 from replica_engine.spec_decode import output_corpus
 from replica_engine.spec_decode.config import SpeculativeConfig
@@ -143,9 +143,9 @@ CPU_STEP = StepTimeModel.from_coefficients([0.011, 0.0008, 0.0004, 0.0, 0.0, 0.0
 
 def _price(requests: list[Request], k: int, budget: int = 512) -> dict[str, int]:
     decodes = StepShape.of((r.num_computed_tokens, 1, True) for r in requests)
-    proposals = {r: [5] * k for r in requests}
-    taken = price_drafts(proposals, decodes, decodes, budget, CPU_STEP)
-    return {r.request_id: n for r, n in taken.items()}
+    pricing = DraftPricing.of(decodes, decodes, CPU_STEP)
+    proposals = {r: [5] * k for r in requests if pricing.may_pay(r)}
+    return {r.request_id: n for r, n in pricing.take(proposals, budget).items()}
 
 
 def test_drafts_shrink_as_the_batch_grows_and_stop_where_they_cannot_pay():
@@ -155,12 +155,25 @@ def test_drafts_shrink_as_the_batch_grows_and_stop_where_they_cannot_pay():
     unsure = [_request(f"u{i}", 1.0, 1.0) for i in range(16)]
     assert sum(_price(sure, k=8).values()) > 0
     assert _price(unsure, k=8) == {}  # a coin flip per token does not pay in a full batch
+    decodes = StepShape.of((r.num_computed_tokens, 1, True) for r in unsure)
+    assert not DraftPricing.of(decodes, decodes, CPU_STEP).may_pay(unsure[0])  # nor is one proposed
     mixed = _price([*sure[:8], *unsure[:8]], k=8)
     assert set(mixed) <= {r.request_id for r in sure}
     assert sum(_price(sure, k=8, budget=5).values()) == 5  # never past the budget
 
 
+def test_drafts_never_take_a_step_past_its_tbt_target():
+    request = _request("a", 9.0, 1.0)
+    shape = StepShape.of([(100, 1, True)])
+    assert DraftPricing.of(shape, shape, CPU_STEP).take({request: [5] * 8}, 512) == {request: 8}
+    # 11.8 ms for the decode, 0.8 ms a draft token: 14.3 ms holds three of them
+    within = DraftPricing.of(shape, shape, CPU_STEP, target_s=0.0143)
+    assert within.take({request: [5] * 8}, 512) == {request: 3}
+
+
 def test_without_a_step_time_model_the_budget_alone_bounds_drafts():
     request = _request("a", 1.0, 1.0)
     shape = StepShape.of([(100, 1, True)])
-    assert price_drafts({request: [5] * 6}, shape, shape, 4, None) == {request: 4}
+    unpriced = DraftPricing.of(shape, shape, None)
+    assert unpriced.may_pay(request)
+    assert unpriced.take({request: [5] * 6}, 4) == {request: 4}
