@@ -34,6 +34,19 @@ MODEL_AND_OVERHEAD = (
 _RUNNER_AND_HOST = (Col("model runner", "runner_ms", "ms_value"), Col("host", "host_ms", "ms_value"))
 
 
+# bench spec's goals: each speculating method against none at each point it is held to
+_SPEC_RATIOS = tuple(
+    Col(
+        f"{method}, {point}",
+        f"points/{point}/{method}_vs_plain",
+        "x",
+        goal=f"{method}_{point.replace(' c=', '_c')}_tok_per_s_vs_plain_min",
+    )
+    for method in ("suffix", "ngram")
+    for point in ("editing c=1", "chat c=1", "chat c=16", "chat c=64")
+)
+
+
 ENGINE_SPECS: dict[str, BenchSpec] = {
     "offline_cpu": BenchSpec(
         "benchmarks/offline_cpu.md",
@@ -253,7 +266,7 @@ ENGINE_SPECS: dict[str, BenchSpec] = {
     ),
     "spec": BenchSpec(
         "benchmarks/spec.md",
-        "Speculative decoding by prompt lookup against none, on editing, JSON and chat",
+        "Speculative decoding (prompt lookup, suffix decoding) against none, on editing, JSON and chat",
         (
             Rows(
                 "points",
@@ -263,37 +276,36 @@ ENGINE_SPECS: dict[str, BenchSpec] = {
                 (
                     Col("no speculation", "plain_tok_per_s", "num"),
                     Col("prompt lookup (k=4)", "ngram_tok_per_s", "num"),
-                    Col("ratio", "ngram_vs_plain", "x"),
+                    Col("suffix decoding", "suffix_tok_per_s", "num"),
+                    Col("prompt lookup / none", "ngram_vs_plain", "x"),
+                    Col("suffix / none", "suffix_vs_plain", "x"),
                 ),
             ),
             Values(
                 "goals",
                 "Against the goals:",
                 (
-                    Col(
-                        "editing, c=1",
-                        "points/editing c=1/ngram_vs_plain",
-                        "x",
-                        goal="editing_c1_tok_per_s_vs_plain_min",
-                    ),
-                    Col(
-                        "chat, c=1",
-                        "points/chat c=1/ngram_vs_plain",
-                        "x",
-                        goal="chat_c1_tok_per_s_vs_plain_min",
-                    ),
-                    Col(
-                        "chat, c=16",
-                        "points/chat c=16/ngram_vs_plain",
-                        "x",
-                        goal="chat_c16_tok_per_s_vs_plain_min",
-                    ),
+                    *_SPEC_RATIOS,
                     Col(
                         "identical answers",
                         "identical_outputs/share",
                         "pct",
                         goal="identical_outputs_share_min",
                     ),
+                ),
+            ),
+            Rows(
+                "pricing",
+                "Steps with draft tokens, timed, against the step-time model fitted on plain decodes "
+                "(context 512):",
+                "verification_pricing",
+                (),
+                (
+                    Col("decodes", "decodes", "int"),
+                    Col("drafts each", "drafts", "int"),
+                    Col("measured", "measured_s", "ms"),
+                    Col("predicted", "predicted_s", "ms"),
+                    Col("measured / predicted", "measured_vs_predicted", "x"),
                 ),
             ),
         ),
