@@ -197,6 +197,32 @@ SERVING_SPECS: dict[str, BenchSpec] = {
         "The engine core in its own process against the shipped app, alone, in three paired rounds",
         SERVE_OPTIONS_TABLES,
     ),
+    "spec_serving": BenchSpec(
+        "benchmarks/spec.md",
+        "Speculative decoding served over HTTP, beside vLLM CPU's prompt lookup",
+        (
+            Rows(
+                "servers",
+                "Editing at c=1, decode tok/s (median over rounds [spread]):",
+                "tok_per_s",
+                ("server",),
+                (Col("decode tok/s", "", "num", best="max"),),
+            ),
+            Values(
+                "ratios",
+                "Against vLLM CPU's prompt lookup, round by round (median [spread]):",
+                (
+                    Col(
+                        "stallfree prompt lookup",
+                        "vs_vllm_ngram/stallfree ngram",
+                        "x",
+                        goal="ours_ngram_vs_vllm_ngram_c1_min",
+                    ),
+                    Col("stallfree suffix decoding", "vs_vllm_ngram/stallfree suffix", "x"),
+                ),
+            ),
+        ),
+    ),
     "idle_cluster": BenchSpec(
         "benchmarks/serve_options.md",
         "A served cluster at rest: Serve's default control loop against the shipped one",
