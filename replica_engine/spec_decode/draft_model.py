@@ -45,6 +45,10 @@ class DraftModelProposer:
         self._free = list(range(NULL_BLOCK_ID + 1, num_blocks + 1))
         self.states: dict[str, DraftState] = {}
 
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
     def propose(self, limits: dict[Request, int]) -> dict[Request, list[int]]:
         sequences = {r: r.prompt_token_ids + r.output_token_ids for r in limits}
         ready = [r for r in limits if self._hold(r, len(sequences[r]) + limits[r] - 1, set(limits))]

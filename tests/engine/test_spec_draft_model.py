@@ -13,6 +13,7 @@ import torch
 from common.errors import InvalidRequestError
 from common.model_source import DEFAULT_MODEL
 from replica_engine import LLM, EngineConfig, SamplingParams
+from tests.engine.test_models import TINY
 
 PROMPTS = [
     "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape. Again: apple, banana,",
@@ -29,15 +30,7 @@ def tiny_draft(tmp_path_factory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-    )
+    config = LlamaConfig(**{**TINY, "max_position_embeddings": 8192})
     path = tmp_path_factory.mktemp("tiny_draft")
     LlamaForCausalLM(config).save_pretrained(path)
     return path
@@ -79,7 +72,7 @@ def test_greedy_outputs_are_the_targets_tokens_whatever_the_draft(draft, pool, t
         assert scheduler.num_preemptions > 0
     proposer = scheduler.proposer
     assert proposer.states == {}  # every request's draft state given back with its end
-    assert len(proposer._free) == llm.engine.core.kv_cache_manager.num_blocks
+    assert proposer.num_free_blocks == llm.engine.core.kv_cache_manager.num_blocks
     manager = llm.engine.core.kv_cache_manager
     assert manager.num_free_blocks == manager.num_blocks
 
