@@ -95,3 +95,29 @@ def test_a_draft_model_that_cannot_serve_the_target_is_refused_by_name():
         with pytest.raises(InvalidRequestError) as raised:
             EngineConfig(speculative_config=settings)
         assert raised.value.param == named
+
+
+@pytest.mark.parametrize("spec", ["suffix", "draft_model"])
+def test_a_request_aborted_while_speculating_gives_back_every_block(spec: str):
+    """Aborted between steps that carry its drafts: the target's pool, the draft's pool and its
+    rows come back, and the request beside it finishes with the tokens it has alone."""
+    settings = {"method": "suffix"} if spec == "suffix" else {"method": spec, "model": DEFAULT_MODEL}
+    llm = LLM(**EXACT, speculative_config={"num_speculative_tokens": 4, **settings})
+    engine, params = llm.engine, SamplingParams(max_tokens=24, temperature=0.0)
+    counting = engine.add_request("1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2,", params)
+    other = engine.add_request(PROMPTS[2], params)
+    scheduler, before = engine.core.scheduler, []
+    while scheduler.num_draft_tokens == 0:  # until a step has verified drafts
+        before += engine.step()
+    assert engine.abort_request(counting).finish_reason == "abort"
+    after = []
+    while engine.has_unfinished_requests():
+        after += engine.step()
+    assert {o.request_id for o in after} == {other}  # the aborted request never comes back
+    alone = LLM(**EXACT).generate([PROMPTS[2]], params)[0].outputs[0].token_ids
+    assert [t for o in before + after if o.request_id == other for t in o.new_token_ids] == list(alone)
+    manager = engine.core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    if spec == "draft_model":
+        assert scheduler.proposer.states == {}
+        assert scheduler.proposer.num_free_blocks == manager.num_blocks
