@@ -95,8 +95,8 @@ class EngineCore:
             config.max_cpu_loras or config.max_loras,
             config.speculative,
         )
-        learned = step_time is None
-        step_time = step_time or self._profiled_step_time(num_kv_blocks)
+        profiled = None if step_time is not None else self._profiled_step_time(num_kv_blocks)
+        step_time = step_time or profiled
         self.slo_budget = (
             SLOTokenBudget(step_time, config.tbt_slo_s) if step_time and config.tbt_slo_s else None
         )
@@ -108,8 +108,8 @@ class EngineCore:
         self.step_listeners: list[StepListener] = [self.step_load]
         if metrics is not None:
             self.step_listeners.append(metrics.record_step)
-        if isinstance(step_time, StepTimeModel) and learned:
-            self.step_listeners.append(StepTimeLearner(step_time, self.slo_budget, metrics))
+        if profiled is not None:  # fitted here: it keeps learning (a given model stays as it is)
+            self.step_listeners.append(StepTimeLearner(profiled, self.slo_budget, metrics))
         # Under pipeline parallelism or async scheduling: the batches in flight, oldest first,
         # with when each was scheduled.
         self._pipeline = cast(PipelinedExecutor, runner) if runner.pipeline_depth > 1 else None

@@ -17,11 +17,13 @@ from replica_engine.spec_decode.drafts import acceptance
 
 @dataclass(frozen=True)
 class DraftPricing:
-    """One step's prices: its shape so far (decodes and prompt chunks placed), the time of a token
-    of its plain decodes, and the TBT target's share drafts may not overrun (None: no target)."""
+    """One step's prices: its shape so far (decodes and prompt chunks placed) and its predicted
+    time, the time of a token of its plain decodes, and the TBT target's share drafts may not
+    overrun (None: no target)."""
 
     step_time: StepTime | None
     step: StepShape
+    seconds: float
     seconds_per_token: float
     target_s: float | None = None
 
@@ -32,7 +34,8 @@ class DraftPricing:
         per_token = (
             step_time.predict(decodes) / decodes.num_decodes if step_time and decodes.num_decodes else 0.0
         )
-        return cls(step_time, step, per_token, target_s)
+        seconds = step_time.predict(step) if step_time is not None else 0.0
+        return cls(step_time, step, seconds, per_token, target_s)
 
     def may_pay(self, request: Request) -> bool:
         """Whether the request's first draft token could pay for itself: asked before proposing,
@@ -40,7 +43,7 @@ class DraftPricing:
         if self.step_time is None:
             return True
         one_more = self.step.plus(request.num_planned_tokens + 1, 1, is_decode=True)
-        extra = self.step_time.predict(one_more) - self.step_time.predict(self.step)
+        extra = self.step_time.predict(one_more) - self.seconds
         return extra <= acceptance(request) * self.seconds_per_token
 
     def take(self, proposals: dict[Request, list[int]], budget: int) -> dict[Request, int]:
@@ -56,8 +59,7 @@ class DraftPricing:
             key=lambda candidate: (-candidate[0], candidate[1]),
         )
         taken = dict.fromkeys(proposals, 0)
-        step_time, step = self.step_time, self.step
-        seconds = step_time.predict(step) if step_time is not None else 0.0
+        step_time, step, seconds = self.step_time, self.step, self.seconds
         for chance, j, request in candidates:
             if budget == 0:
                 break

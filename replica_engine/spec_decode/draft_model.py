@@ -51,7 +51,8 @@ class DraftModelProposer:
 
     def propose(self, limits: dict[Request, int]) -> dict[Request, list[int]]:
         sequences = {r: r.prompt_token_ids + r.output_token_ids for r in limits}
-        ready = [r for r in limits if self._hold(r, len(sequences[r]) + limits[r] - 1, set(limits))]
+        drafting = {r.request_id for r in limits}
+        ready = [r for r in limits if self._hold(r, len(sequences[r]) + limits[r] - 1, drafting)]
         drafts: dict[Request, list[int]] = {r: [] for r in ready}
         rows = {}
         for r in ready:  # the catch-up, whose last token's logits give the first draft
@@ -89,14 +90,13 @@ class DraftModelProposer:
         state.num_blocks_in_runner = len(state.block_ids)
         return row
 
-    def _hold(self, request: Request, num_tokens: int, drafting: set[Request]) -> bool:
-        """Blocks for the request's first `num_tokens` tokens; states of requests not drafting
-        now are given up for them if the pool is short."""
+    def _hold(self, request: Request, num_tokens: int, drafting: set[str]) -> bool:
+        """Blocks for the request's first `num_tokens` tokens; states of requests not `drafting`
+        now (by id) are given up for them if the pool is short."""
         state = self.states.setdefault(request.request_id, DraftState())
         missing = blocks_for_tokens(num_tokens, self.block_size) - len(state.block_ids)
         if missing > len(self._free):
-            keep = {r.request_id for r in drafting}
-            for request_id in [i for i in self.states if i not in keep]:
+            for request_id in [i for i in self.states if i not in drafting]:
                 self._forget(request_id)
         if missing > len(self._free):
             return False
