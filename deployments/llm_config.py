@@ -18,6 +18,7 @@ SAME_ENGINE_NAMES = frozenset(
         "seed",
         "tensor_parallel_size",
         "pipeline_parallel_size",
+        "enable_expert_parallel",
         "gpu_memory_utilization",
         "distributed_executor_backend",
         "enable_lora",

@@ -152,6 +152,15 @@ class EngineConfig:
             "combined with `tensor_parallel_size`"
         ),
     )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata=_doc(
+            "For a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE): the "
+            "`tensor_parallel_size` workers split the experts among them, each holding whole "
+            "experts, instead of a slice of every expert's width (attention stays split by "
+            "heads). Must divide the number of experts; refused for a dense model"
+        ),
+    )
     distributed_executor_backend: str = field(
         default="mp",
         metadata=_doc(
@@ -491,7 +500,7 @@ class EngineConfig:
 
     def check_parallel(self, model_config: PretrainedConfig) -> None:
         """The parallel layout against the model's shape (also at deploy time, on any node)."""
-        check_divisible(model_config, self.tensor_parallel_size)
+        check_divisible(model_config, self.tensor_parallel_size, self.enable_expert_parallel)
         check_layers(model_config, self.pipeline_parallel_size)
         if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
             raise InvalidRequestError(

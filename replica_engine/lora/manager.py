@@ -20,7 +20,8 @@ from common.lora import AdapterInfo, LoRARequest, read_adapter
 from replica_engine.device_transfer import move_to
 from replica_engine.lora.linear import LoRALinear, LoRAStep
 from replica_engine.lora.slots import AdapterSlots
-from replica_engine.models.llama import LlamaForCausalLM, MergedLinear
+from replica_engine.models.layers import MergedLinear
+from replica_engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ import torch
 from replica_engine.kernels.quantized_weight import pack_quantized
 from replica_engine.models.gguf_blocks import DECODERS, BlockCodes
 from replica_engine.models.gguf_file import GgufTensor, read_tensors
-from replica_engine.models.llama import Linear, LlamaForCausalLM
+from replica_engine.models.layers import Linear
+from replica_engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

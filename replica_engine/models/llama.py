@@ -1,11 +1,11 @@
-"""Our flat-token Llama family (Llama, Mistral, Qwen2, Qwen3): every op works on [T, hidden],
-where T is all scheduled tokens of all requests; attention goes through the backend."""
+"""Our flat-token Llama family (Llama, Mistral, Qwen2, Qwen3, and with experts in place of the MLP
+Mixtral, Qwen2-MoE and Qwen3-MoE: models/moe.py): every op works on [T, hidden], where T is all
+scheduled tokens of all requests; attention goes through the backend."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -14,81 +14,14 @@ from torch import nn
 
 from replica_engine.attention.base import AttentionBackend, AttentionMetadata
 from replica_engine.kernels import cpu as cpu_kernels
-from replica_engine.kernels import pointwise
 from replica_engine.kernels.quantized_weight import QuantizedWeight, dequantize_rows
+from replica_engine.models.layers import MLP, Linear, MergedLinear, RMSNorm
+from replica_engine.models.moe import MOE_MODEL_TYPES, Experts, MoeShape, SparseMoeBlock
 from replica_engine.models.rotary import RotaryEmbedding, apply_rotary
-
-if TYPE_CHECKING:
-    from replica_engine.lora.linear import LoRALinear
 
 CosSin = tuple[torch.Tensor, torch.Tensor]  # every token's rotary cos and sin, [T, 1, head_dim]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return pointwise.rms_norm(x, self.weight, self.eps)[0]
-
-    def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x); the residual stream starts as x (residual None)."""
-        return pointwise.rms_norm(x, self.weight, self.eps, residual)
-
-
-class Linear(nn.Linear):
-    """nn.Linear, through a CPU kernel once its weight is held in that kernel's layout: packed
-    by `pack_for_cpu`, or quantized (`hold`). Row-parallel under tensor parallelism
-    (`sum_across_workers`): each worker holds a slice of the input features, and the partial
-    products are summed over the workers before the bias. With LoRA, each token's adapter
-    delta is added to the product (replica_engine/lora)."""
-
-    packed: cpu_kernels.PackedWeight | QuantizedWeight | cpu_kernels.TiledWeight | None = None
-    sum_across_workers = False
-    lora: LoRALinear | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = cpu_kernels.linear(x, self.packed or self.weight)
-        if self.lora is not None:
-            self.lora.add_delta(x, out)
-        if self.sum_across_workers:
-            dist.all_reduce(out)
-        return out if self.bias is None else out + self.bias
-
-    def hold(self, weight: QuantizedWeight) -> None:
-        """Serve from a quantized weight; the float one is freed."""
-        assert (weight.out_features, weight.in_features) == (self.out_features, self.in_features)
-        self.packed, self.weight = weight, None
-
-    def pack_for_cpu(self, amx_weights: bool = False) -> None:
-        """Repack the weight for the CPU kernel where it applies (a quantized weight is already
-        in its kernel's layout); the packed copy replaces it. `amx_weights`: with a bfloat16 copy
-        beside it for steps of many tokens (EngineConfig.amx_weights)."""
-        if self.packed is None:
-            self.packed = cpu_kernels.pack_weight(self.weight)
-        if self.packed is None:
-            return
-        if amx_weights and not isinstance(self.packed, cpu_kernels.TiledWeight):
-            self.packed = cpu_kernels.tiled_weight(self.packed, self.weight)
-        self.weight = None
-
-
-class MergedLinear(Linear):
-    """Several projections of one input stacked into one matmul (q/k/v, gate/up)."""
-
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_sizes), bias=bias)
-        self.shard_sizes = shard_sizes
-
-    def shard_range(self, shard_id: int) -> tuple[int, int]:
-        start = sum(self.shard_sizes[:shard_id])
-        return start, start + self.shard_sizes[shard_id]
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 
 
 class Attention(nn.Module):
@@ -98,13 +31,13 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scale = self.head_dim**-0.5
-        qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        qkv_bias = config.model_type in ("qwen2", "qwen2_moe") or getattr(config, "attention_bias", False)
         kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(
             config.hidden_size, [self.num_heads * self.head_dim, kv_size, kv_size], bias=qkv_bias
         )
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-        self.has_qk_norm = config.model_type == "qwen3"
+        self.has_qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.has_qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -129,21 +62,16 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(pointwise.silu_mul(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, config, backend: AttentionBackend) -> None:
+    def __init__(self, config, backend: AttentionBackend, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, backend)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        moe = MoeShape.of(config)
+        self.mlp: MLP | SparseMoeBlock
+        if moe is not None and index in moe.sparse_layers:
+            self.mlp = SparseMoeBlock(config, moe)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -167,7 +95,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -280,11 +208,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def pack_for_cpu(self, amx_weights: bool = False) -> None:
-        """Every linear layer's weight repacked for the CPU kernel (where it applies), with a
-        bfloat16 copy for AMX if asked. Tied embeddings keep their rows for the lookup and get a
-        packed copy for the logits (rows of the sampled tokens only: no AMX copy)."""
+        """Every linear layer's weight (and every expert's) repacked for the CPU kernel (where it
+        applies), with a bfloat16 copy for AMX if asked. Tied embeddings keep their rows for the
+        lookup and get a packed copy for the logits (rows of the sampled tokens only: no AMX copy)."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear | Experts):
                 module.pack_for_cpu(amx_weights)
         if self.tie_word_embeddings and self.packed_embeddings is None:
             self.packed_embeddings = cpu_kernels.pack_weight(self.model.embed_tokens.weight)

@@ -24,7 +24,9 @@ from common.model_source import ModelSource, model_config_dict
 from replica_engine.attention.base import AttentionBackend
 from replica_engine.kernels.quantized_weight import quantize_int8
 from replica_engine.models.gguf_weights import hold_gguf_weights
-from replica_engine.models.llama import Linear, LlamaForCausalLM, MergedLinear
+from replica_engine.models.layers import Linear, MergedLinear
+from replica_engine.models.llama import LlamaForCausalLM
+from replica_engine.models.moe import Experts
 from replica_engine.parallel.pipeline_parallel import keep_stage
 from replica_engine.parallel.place import WHOLE_MODEL, WorkerPlace
 from replica_engine.parallel.tensor_parallel import shard_model
@@ -32,6 +34,7 @@ from replica_engine.parallel.tensor_parallel import shard_model
 logger = logging.getLogger(__name__)
 
 # Hugging Face projection name -> (our merged parameter, shard index)
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _MERGED = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
@@ -98,7 +101,7 @@ def load_model(
     if quantization == "gguf":
         assert source.gguf_path is not None, "config.resolve allows gguf for GGUF models only"
         hold_gguf_weights(model, source.gguf_path)
-    shard_model(model, place.rank, place.tensor_parallel_size)
+    shard_model(model, place.rank, place.tensor_parallel_size, place.expert_parallel)
     keep_stage(model, place.rank, place.pipeline_parallel_size)
     if quantization == "int8":
         _quantize_int8(model)
@@ -125,6 +128,10 @@ def _quantize_int8(model: LlamaForCausalLM) -> None:
     for module in model.modules():
         if isinstance(module, Linear) and module.in_features % 32 == 0:
             module.hold(quantize_int8(module.weight))
+        if isinstance(module, Experts) and module.gate_up_proj is not None and module.down_proj is not None:
+            stacked = (module.gate_up_proj, module.down_proj)
+            if all(w.shape[2] % 32 == 0 for w in stacked):
+                module.hold([tuple(quantize_int8(w[e]) for w in stacked) for e in range(module.num_experts)])
     if model.vocab_shard is None and model.config.hidden_size % 32 == 0:
         model.hold_embeddings(quantize_int8(model.model.embed_tokens.weight))
 
@@ -148,14 +155,57 @@ def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
             param.uniform_(-1e-3, 1e-3, generator=generator)
 
 
-def _checkpoint_name_to_ours(hf_name: str) -> tuple[str, int | None]:
-    """`...self_attn.k_proj.weight` -> (`...self_attn.qkv_proj.weight`, 1); others map to themselves."""
+def _checkpoint_name_to_ours(hf_name: str) -> tuple[str, tuple[int, ...]]:
+    """A checkpoint's weight -> (our parameter, where in it): `()` the whole,
+    `(shard,)` a merged projection's shard (`...self_attn.k_proj.weight` -> `...qkv_proj.weight`,
+    (1,)), `(expert, shard)` or `(expert,)` a slice of the stacked experts
+    (`...mlp.experts.3.up_proj.weight` -> `...mlp.experts.gate_up_proj`, (3, 1)). Mixtral's
+    `block_sparse_moe` and w1/w3/w2 are read as `mlp` and gate/up/down."""
     parts = hf_name.split(".")
+    parts = ["mlp" if p == "block_sparse_moe" else p for p in parts]
+    if "experts" in parts and parts[-1] == "weight":
+        at = parts.index("experts")
+        expert, projection = int(parts[at + 1]), _MIXTRAL_EXPERT.get(parts[at + 2], parts[at + 2])
+        prefix = ".".join(parts[: at + 1])
+        if projection == "down_proj":
+            return f"{prefix}.down_proj", (expert,)
+        return f"{prefix}.gate_up_proj", (expert, _MERGED[projection][1])
     for index, part in enumerate(parts):
         if part in _MERGED:
             merged, shard_id = _MERGED[part]
-            return ".".join([*parts[:index], merged, *parts[index + 1 :]]), shard_id
-    return hf_name, None
+            return ".".join([*parts[:index], merged, *parts[index + 1 :]]), (shard_id,)
+    return ".".join(parts), ()
+
+
+def _regions(model: LlamaForCausalLM) -> dict[str, list[tuple[int, ...]]]:
+    """Every parameter's parts a checkpoint must fill, as _checkpoint_name_to_ours names them."""
+    modules = dict(model.named_modules())
+    regions: dict[str, list[tuple[int, ...]]] = {}
+    for name, _ in model.named_parameters():
+        owner_name, leaf = name.rsplit(".", 1)
+        owner = modules[owner_name]
+        if isinstance(owner, MergedLinear):
+            regions[name] = [(i,) for i in range(len(owner.shard_sizes))]
+        elif isinstance(owner, Experts):
+            shards = (0, 1) if leaf == "gate_up_proj" else (None,)  # gate | up; down whole
+            regions[name] = [(e,) if s is None else (e, s) for e in range(owner.num_experts) for s in shards]
+        else:
+            regions[name] = [()]
+    return regions
+
+
+def _region(model: LlamaForCausalLM, name: str, param: torch.Tensor, where: tuple[int, ...]) -> torch.Tensor:
+    if not where:
+        return param
+    owner = model.get_submodule(name.rsplit(".", 1)[0])
+    if isinstance(owner, MergedLinear):
+        start, end = owner.shard_range(where[0])
+        return param[start:end]
+    if len(where) == 1:
+        return param[where[0]]
+    expert, shard = where
+    width = param.shape[1] // 2
+    return param[expert, shard * width : (shard + 1) * width]
 
 
 @torch.no_grad()
@@ -164,27 +214,19 @@ def _load_safetensors(model: LlamaForCausalLM, hf_dir: Path) -> None:
     if not files:
         raise ValueError(f"model: no *.safetensors files in {hf_dir}")
     params = dict(model.named_parameters())
-    merged = {name: m for name, m in model.named_modules() if isinstance(m, MergedLinear)}
-    expected: set[str] = set()
-    for name in params:
-        owner = merged.get(name.rsplit(".", 1)[0])
-        expected.update([f"{name}#{i}" for i in range(len(owner.shard_sizes))] if owner else [name])
-    loaded: set[str] = set()
+    expected = {(name, where) for name, parts in _regions(model).items() for where in parts}
+    loaded: set[tuple[str, tuple[int, ...]]] = set()
     for file in files:
         with safe_open(str(file), framework="pt") as reader:
             for hf_name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if "rotary_emb" in hf_name or (hf_name == "lm_head.weight" and model.tie_word_embeddings):
                     continue
-                name, shard_id = _checkpoint_name_to_ours(hf_name)
-                if name not in params:
+                name, where = _checkpoint_name_to_ours(hf_name)
+                if (name, where) not in expected:
                     raise ValueError(f"model: unexpected weight {hf_name!r} in {file.name}")
-                if shard_id is None:
-                    params[name].copy_(reader.get_tensor(hf_name))
-                    loaded.add(name)
-                else:
-                    start, end = merged[name.rsplit(".", 1)[0]].shard_range(shard_id)
-                    params[name][start:end].copy_(reader.get_tensor(hf_name))
-                    loaded.add(f"{name}#{shard_id}")
+                _region(model, name, params[name], where).copy_(reader.get_tensor(hf_name))
+                loaded.add((name, where))
     missing = expected - loaded
     if missing:
-        raise ValueError(f"model: {hf_dir} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+        named = sorted(f"{name}{list(where) if where else ''}" for name, where in missing)
+        raise ValueError(f"model: {hf_dir} lacks {len(missing)} weights, e.g. {named[:3]}")

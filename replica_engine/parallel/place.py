@@ -13,6 +13,7 @@ class WorkerPlace:
     rank: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    expert_parallel: bool = False  # tensor-parallel ranks split a mixture's experts, not their width
 
     @property
     def world_size(self) -> int:

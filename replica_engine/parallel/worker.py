@@ -42,7 +42,12 @@ class WorkerArgs:
 
     @property
     def place(self) -> WorkerPlace:
-        return WorkerPlace(self.rank, self.config.tensor_parallel_size, self.config.pipeline_parallel_size)
+        return WorkerPlace(
+            self.rank,
+            self.config.tensor_parallel_size,
+            self.config.pipeline_parallel_size,
+            self.config.enable_expert_parallel,
+        )
 
 
 @dataclass(frozen=True)

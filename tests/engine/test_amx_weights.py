@@ -17,7 +17,7 @@ from common.model_source import DEFAULT_MODEL, resolve_model
 from replica_engine import LLM, EngineConfig, SamplingParams
 from replica_engine.kernels import cpu as cpu_kernels
 from replica_engine.kernels.quantized_weight import dequantize, pack_quantized
-from replica_engine.models.llama import Linear
+from replica_engine.models.layers import Linear
 from replica_engine.models.loader import load_config
 
 pytestmark = pytest.mark.skipif(cpu_kernels.cpu_ops() is None, reason="the CPU kernels need AVX-512")

@@ -53,7 +53,7 @@ def test_what_cannot_be_packed_stays_with_torch():
 def test_a_loaded_model_runs_on_packed_weights(exact_llm):
     """Loading on the CPU packs every linear layer (its weight is gone: one copy in memory) and
     the tied embeddings get a packed copy for the logits."""
-    from replica_engine.models.llama import Linear
+    from replica_engine.models.layers import Linear
 
     model = exact_llm.engine.core.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]

@@ -1,0 +1,137 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) against transformers on tiny random
+checkpoints in float32: greedy tokens and their logprobs, with prompts chunked and requests
+preempted; split over two workers (by expert width, and by experts) against one; int8 experts
+against their dequantized weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.errors import InvalidRequestError
+from harness.hf_reference import assert_matches_up_to_ties
+from harness.tiny_moe import CONFIGS, save_tiny_moe, tiny_moe
+from replica_engine import LLM, SamplingParams
+from replica_engine.kernels.quantized_weight import QuantizedWeight, dequantize, quantize_int8
+from replica_engine.models.moe import Experts, MoeShape
+from replica_engine.parallel.tensor_parallel import check_divisible
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time in a land far away, there lived a king who had three daughters. The eldest",
+]
+LOGPROB_TOLERANCE = 1e-4
+MAX_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory, model_dir: Path) -> tuple[str, torch.nn.Module, Path]:
+    hf = tiny_moe(request.param)
+    directory = save_tiny_moe(hf, tmp_path_factory.mktemp(request.param), model_dir)
+    return request.param, hf, directory
+
+
+def hf_logprobs(hf, ids: list[int], num_prompt: int) -> list[float]:
+    """Transformers' logprob of each output token, from one forward pass over prompt + output."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [logprobs[i - 1, ids[i]].item() for i in range(num_prompt, len(ids))]
+
+
+def test_greedy_tokens_and_logprobs_match_transformers_chunked_and_preempted(checkpoint, tokenizer):
+    architecture, hf, directory = checkpoint
+    # An 8-token budget chunks every prompt; 4 blocks of 16 tokens for 3 requests preempts.
+    llm = LLM(str(directory), dtype="float32", max_num_batched_tokens=8, num_kv_blocks=4)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.stats().num_preemptions > 0
+    manager = llm.engine.core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        prompt_ids = tokenizer(prompt).input_ids
+        ours = out.outputs[0].token_ids
+        with torch.no_grad():
+            ids = torch.tensor([prompt_ids])
+            theirs = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False
+            )
+        assert_matches_up_to_ties(hf, prompt_ids, ours, theirs[0, len(prompt_ids) :].tolist(), architecture)
+        expected = hf_logprobs(hf, prompt_ids + ours, len(prompt_ids))
+        mine = [entry.logprob for entry in out.outputs[0].logprobs]
+        assert max(abs(a - b) for a, b in zip(mine, expected, strict=True)) <= LOGPROB_TOLERANCE
+
+
+def test_the_router_follows_each_config(checkpoint):
+    """Top-k of the softmax, renormalised only where the config says; the dense layers of
+    `mlp_only_layers` stay dense."""
+    architecture, hf, _ = checkpoint
+    shape = MoeShape.of(hf.config)
+    assert shape is not None
+    assert shape.norm_topk_prob == (architecture != "qwen2_moe")
+    assert shape.sparse_layers == ({0, 2} if architecture == "qwen3_moe" else {0, 1, 2})
+    assert (shape.shared_width > 0) == (architecture == "qwen2_moe")
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["split_width", "split_experts"])
+def test_two_workers_answer_as_one(expert_parallel, tmp_path: Path, model_dir: Path):
+    """Qwen2-MoE (a shared expert, a dense-free stack) over gloo: each worker a slice of every
+    expert, or half the experts; chunked and preempted as above."""
+    directory = save_tiny_moe(tiny_moe("qwen2_moe"), tmp_path, model_dir)
+    settings = dict(dtype="float32", max_num_batched_tokens=8, num_kv_blocks=4)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
+    whole = LLM(str(directory), **settings).generate(PROMPTS, params)
+    split_llm = LLM(
+        str(directory), **settings, tensor_parallel_size=2, enable_expert_parallel=expert_parallel
+    )
+    split = split_llm.generate(PROMPTS, params)
+    for ours, theirs in zip(split, whole, strict=True):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        for mine, reference in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
+            assert abs(mine.logprob - reference.logprob) <= LOGPROB_TOLERANCE
+    assert split_llm.engine.stats().num_preemptions > 0
+    manager = split_llm.engine.core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_int8_experts_compute_what_their_dequantized_weights_do():
+    """The grouped CPU path on quantized per-expert weights against plain matmuls of the same
+    values, token by token (every token's picks differ; some experts get no token)."""
+    gen = torch.Generator().manual_seed(0)
+    experts = Experts(num_experts=6, hidden=64, width=32)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.1, generator=gen)
+        experts.down_proj.normal_(0, 0.1, generator=gen)
+    stacked = (experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone())
+    experts.hold([tuple(quantize_int8(w[e]) for w in stacked) for e in range(6)])
+    x = torch.randn(5, 64, generator=gen)
+    ids = torch.tensor([[0, 1], [1, 0], [3, 0], [1, 3], [0, 3]])  # experts 2, 4, 5 idle
+    weights = torch.rand(5, 2, generator=gen)
+    expected = torch.zeros(5, 64)
+    for token in range(5):
+        for slot in range(2):
+            gate_up, down = (dequantize(w) for w in experts.kernel_weights[ids[token, slot]])
+            assert isinstance(experts.kernel_weights[ids[token, slot]][0], QuantizedWeight)
+            gate, up = (x[token] @ gate_up.T).chunk(2)
+            expected[token] += weights[token, slot] * ((torch.nn.functional.silu(gate) * up) @ down.T)
+    # the kernel rounds activations to int16 (test_quantized.py): that is all that differs
+    assert (experts(x, ids, weights) - expected).abs().max() <= 1e-3 * expected.abs().max()
+
+
+def test_layouts_a_mixture_cannot_take_are_refused_by_name():
+    with pytest.raises(
+        InvalidRequestError, match=r"enable_expert_parallel: the model \(llama\) has no experts"
+    ):
+        LLM(model="dummy:tiny-llama", tensor_parallel_size=2, enable_expert_parallel=True)
+    config = CONFIGS["mixtral"]()
+    config.num_local_experts = 3
+    with pytest.raises(
+        InvalidRequestError, match="tensor_parallel_size: 2 does not divide the model's 3 experts"
+    ):
+        check_divisible(config, 2, expert_parallel=True)
+    config.intermediate_size = 33  # Mixtral's expert width
+    with pytest.raises(InvalidRequestError, match="2 does not divide the model's 33 expert width"):
+        check_divisible(config, 2)
