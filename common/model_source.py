@@ -167,7 +167,7 @@ def context_length(config: Mapping[str, Any]) -> int:
     """The model's context, capped at a sliding window: we attend over the full context, which
     equals sliding-window attention only up to the window's length."""
     window = config.get("sliding_window")
-    uses_window = config.get("use_sliding_window", config.get("model_type") == "mistral")
+    uses_window = config.get("use_sliding_window", config.get("model_type") in ("mistral", "mixtral"))
     if window and uses_window:
         return min(config["max_position_embeddings"], window)
     return config["max_position_embeddings"]

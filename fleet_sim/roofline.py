@@ -8,11 +8,15 @@ token), the decodes' attention (each key and value read once for one query), the
 attention (a matrix product: compute), the LM head for each sampled row, and a fixed overhead
 per step (launches, the scheduler). Under tensor parallelism over N GPUs each does 1/N of every
 term but the overhead, and two all-reduces per layer of the step's hidden states are added (a
-ring's 2(N-1)/N of the bytes over the GPU interconnect, plus a fixed latency each). Not
-modelled: a prompt chunk's reads of its cached context, pipeline parallelism, quantized weights
-or KV. The engine's linear StepTimeModel
-cannot stand for it: fitted to this roofline it is 30-50% off on both sides of the knee where
-the linear layers turn from memory-bound to compute-bound, where decode steps live.
+ring's 2(N-1)/N of the bytes over the GPU interconnect, plus a fixed latency each). A mixture
+of experts (models/moe.py) computes only each token's top-k experts, and reads only the experts
+its step touches: with n tokens each picking k of E, E(1 - (1 - k/E)^n) distinct experts per layer
+if routing were uniform (a trained router is skewed, touching fewer: so this is an upper bound
+on the bytes), growing with the batch until every expert is read. Not modelled: a prompt
+chunk's reads of its cached context, pipeline parallelism, quantized weights or KV. The engine's
+linear StepTimeModel cannot stand for it: fitted to this roofline it is 30-50% off on both
+sides of the knee where the linear layers turn from memory-bound to compute-bound, where decode
+steps live.
 
     python -m fleet_sim.roofline --accelerator h100-sxm --model llama3-8b
 
@@ -25,8 +29,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from transformers import AutoConfig
+
 from common.model_shapes import DUMMY_SHAPES, dummy_config_dict
 from replica_engine.kv_cache_manager import kv_block_bytes
+from replica_engine.models.moe import MOE_MODEL_TYPES, MoeShape
 from replica_engine.scheduler.step_time_model import StepShape
 
 BYTES_PER_VALUE = 2  # bf16 weights and KV
@@ -68,13 +75,17 @@ ACCELERATORS = {
 class ModelCost:
     """What the weights, a token and an attention pair cost, from a model's config."""
 
-    weight_bytes: float
-    linear_flops_per_token: float  # every layer's matmuls, without the LM head
+    weight_bytes: float  # all of them, experts included
+    linear_flops_per_token: float  # every layer's matmuls, without the LM head (experts: top-k)
     lm_head_flops: float  # per sampled row
     kv_bytes_per_token: float  # K and V of one token in every layer
     attention_flops_per_pair: float  # QK^T and PV, every head, every layer
     num_layers: int
     hidden_bytes_per_token: float  # one token's hidden state: what an all-reduce sums
+    # Mixtures of experts: the experts of all sparse layers, and how many a token picks of how many
+    expert_bytes_per_expert: float = 0.0  # one expert id's weights summed over the sparse layers
+    num_experts: int = 0
+    top_k: int = 0
 
     @classmethod
     def of(cls, config: Mapping[str, Any]) -> ModelCost:
@@ -84,18 +95,41 @@ class ModelCost:
         head_dim = config.get("head_dim") or hidden // heads
         attention_weights = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o; k, v
         mlp_weights = 3 * hidden * config["intermediate_size"]  # gate, up, down
-        layer_weights = layers * (attention_weights + mlp_weights)
+        moe = MoeShape.of(AutoConfig.for_model(**config)) if config["model_type"] in MOE_MODEL_TYPES else None
+        sparse = len(moe.sparse_layers) if moe else 0
+        dense_weights = layers * attention_weights + (layers - sparse) * mlp_weights
+        expert_weights, active_expert_weights = 0.0, 0.0
+        if moe is not None:  # the router and a shared expert are read and computed as dense weights
+            dense_weights += sparse * (hidden * moe.num_experts + 3 * hidden * moe.shared_width)
+            expert_weights = sparse * moe.expert_bytes(hidden, 1)  # one expert id, every sparse layer
+            active_expert_weights = moe.top_k * expert_weights
         embedding = config["vocab_size"] * hidden
-        num_weights = layer_weights + embedding * (1 if config.get("tie_word_embeddings") else 2)
+        num_experts = moe.num_experts if moe else 0
+        num_weights = (
+            dense_weights
+            + num_experts * expert_weights
+            + embedding * (1 if config.get("tie_word_embeddings") else 2)
+        )
         return cls(
             weight_bytes=num_weights * BYTES_PER_VALUE,
-            linear_flops_per_token=2 * layer_weights,
+            linear_flops_per_token=2 * (dense_weights + active_expert_weights),
             lm_head_flops=2 * embedding,
             kv_bytes_per_token=kv_block_bytes(layers, 1, kv_heads, head_dim, BYTES_PER_VALUE),
             attention_flops_per_pair=4 * layers * heads * head_dim,
             num_layers=layers,
             hidden_bytes_per_token=hidden * BYTES_PER_VALUE,
+            expert_bytes_per_expert=expert_weights * BYTES_PER_VALUE,
+            num_experts=num_experts,
+            top_k=moe.top_k if moe else 0,
         )
+
+    def bytes_read(self, num_tokens: int) -> float:
+        """The weights a step of `num_tokens` tokens reads: all but the experts its tokens do not
+        pick (uniform routing: the expected count of distinct experts a layer's tokens pick)."""
+        if not self.num_experts:
+            return self.weight_bytes
+        untouched = self.num_experts * (1 - self.top_k / self.num_experts) ** num_tokens
+        return self.weight_bytes - untouched * self.expert_bytes_per_expert
 
 
 @dataclass(frozen=True)
@@ -118,7 +152,9 @@ class RooflineStepTime:
         a, cost, gpus = self.accelerator, self.cost, self.tensor_parallel_size
         tokens = shape.num_prefill_tokens + shape.num_decodes
         linear_flops = tokens * cost.linear_flops_per_token / gpus
-        linear = max(a.memory_s(cost.weight_bytes / gpus), a.compute_s(linear_flops, a.compute_efficiency))
+        linear = max(
+            a.memory_s(cost.bytes_read(tokens) / gpus), a.compute_s(linear_flops, a.compute_efficiency)
+        )
         decode_pairs = shape.num_decode_attention_pairs / gpus  # each GPU its share of the heads
         decode_attention = max(
             a.memory_s(decode_pairs * cost.kv_bytes_per_token),

@@ -47,6 +47,8 @@ ENGINE_IGNORED = {
     "distributed_executor_backend",
     "quantization",
     "disable_any_whitespace",  # structured outputs: what is generated, not how fast
+    # the roofline gives each of N GPUs 1/N of the experts' bytes and FLOPs, split by width or not
+    "enable_expert_parallel",
 }
 # ingress_replicas: one is the simulator's one router; more are refused. ingress: separate is
 # that router in front of the replicas (and auto is separate for a sized fleet of several);
