@@ -34,7 +34,7 @@ from transformers import AutoConfig
 from common.model_shapes import DUMMY_SHAPES, dummy_config_dict
 from replica_engine.kv_cache_manager import kv_block_bytes
 from replica_engine.models.moe import MOE_MODEL_TYPES, MoeShape
-from replica_engine.scheduler.step_time_model import StepShape
+from replica_engine.scheduler.step_time_model import ExpertRouting, StepShape
 
 BYTES_PER_VALUE = 2  # bf16 weights and KV
 
@@ -128,7 +128,9 @@ class ModelCost:
         pick (uniform routing: the expected count of distinct experts a layer's tokens pick)."""
         if not self.num_experts:
             return self.weight_bytes
-        untouched = self.num_experts * (1 - self.top_k / self.num_experts) ** num_tokens
+        untouched = self.num_experts - ExpertRouting(self.num_experts, self.top_k).expected_touched(
+            num_tokens
+        )
         return self.weight_bytes - untouched * self.expert_bytes_per_expert
 
 

@@ -21,10 +21,12 @@ from replica_engine.errors import StepFailedError
 from replica_engine.input_processor import InputProcessor
 from replica_engine.model_runner import ModelRunner, load_runner
 from replica_engine.models.loader import load_config, load_tokenizer
+from replica_engine.models.moe import MoeShape
 from replica_engine.output_processor import RequestState
 from replica_engine.outputs import CoreOutput, EngineStats, RequestDelta
 from replica_engine.parallel.executor import ParallelExecutor
 from replica_engine.request import Request
+from replica_engine.scheduler.step_time_model import ExpertRouting
 from replica_engine.step_listeners import StepListener
 from replica_engine.structured import GrammarCompiler
 
@@ -59,7 +61,9 @@ def build_core(config: EngineConfig, metrics: EngineMetrics | None) -> EngineCor
         from replica_engine.spec_decode.draft_model import build_draft_proposer
 
         proposer = build_draft_proposer(config, resolved, spec, model_config.vocab_size, num_kv_blocks)
-    return EngineCore(resolved, runner, num_kv_blocks, metrics, proposer=proposer)
+    moe = MoeShape.of(model_config)
+    experts = ExpertRouting(moe.num_experts, moe.top_k) if moe is not None else None
+    return EngineCore(resolved, runner, num_kv_blocks, metrics, proposer=proposer, experts=experts)
 
 
 def build_inputs(config: EngineConfig, num_kv_blocks: int) -> InputProcessor:

@@ -23,7 +23,7 @@ from replica_engine.outputs import CoreOutput
 from replica_engine.request import Request
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from replica_engine.scheduler.plan import ScheduledBatch, StepSummary
-from replica_engine.scheduler.step_time_model import StepTime, StepTimeModel
+from replica_engine.scheduler.step_time_model import ExpertRouting, StepTime, StepTimeModel
 from replica_engine.scheduler.token_budget import SLOTokenBudget
 from replica_engine.step_listeners import StepListener, StepLoad, StepTimeLearner
 
@@ -76,12 +76,15 @@ class EngineCore:
         step_time: StepTime | None = None,
         clock: Callable[[], float] = time.perf_counter,
         proposer: Proposer | None = None,
+        experts: ExpertRouting | None = None,
     ) -> None:
         """`step_time`: a fixed step-time model for a TBT target (the simulator's); without it, one
         is fitted on a startup profile of `runner` and keeps learning from every step. `clock`
         times the steps (the simulator's is virtual). `proposer`: a draft model's, loaded with the
-        engine (other speculative methods build their own)."""
+        engine (other speculative methods build their own). `experts`: a mixture of experts'
+        routing, which the fitted step-time model takes as a feature of its own."""
         self.config = config
+        self.experts = experts
         self.runner = runner
         self.clock = clock
         runner.allocate_kv_cache(num_kv_blocks + 1)  # + the null block
@@ -127,7 +130,7 @@ class EngineCore:
         from replica_engine.step_profile import profile_step_times  # runs the model: torch
 
         started = time.perf_counter()
-        model = StepTimeModel()
+        model = StepTimeModel(experts=self.experts)
         prompts = self.config.tbt_slo_s is not None  # drafts are priced by decodes alone
         model.fit_profile(profile_step_times(self.runner, self.config, num_kv_blocks, prompts))  # type: ignore[arg-type]
         logger.info(

@@ -106,7 +106,7 @@ class Scheduler:
     def _step_time_coefficients(self) -> tuple[float, ...]:
         """The learned step-time model's, for routers (none without a TBT target)."""
         model = self.slo_budget.model if self.slo_budget is not None else None
-        return tuple(float(c) for c in model.coefficients) if isinstance(model, StepTimeModel) else ()
+        return model.shape_coefficients if isinstance(model, StepTimeModel) else ()
 
     def finish_request(self, request: Request, reason: FinishReason) -> None:
         """End a request wherever it is (finish, stop string, abort); its blocks go back at once."""

@@ -2,7 +2,8 @@
 
 time = c0 + c_prefill * prefill tokens + c_decode * decode requests + c_prompt_attention *
 query-key pairs of prompt chunks + c_decode_attention * query-key pairs of decodes + c_request *
-requests. Linear layers cost per token (and c0 is the pass over the weights), attention per
+requests [+ c_experts * experts read, for a mixture of experts]. Linear layers cost per token
+(and c0 is the pass over the weights), attention per
 query-key pair it scores (a chunk of n tokens after s cached ones scores n*s + n(n+1)/2 pairs; a
 decode at context L scores L), and each request adds its own host and sampling work. Prompt
 chunks and decodes price their pairs apart: a chunk's attention is a matrix product (compute-bound
@@ -10,7 +11,12 @@ on a GPU), a decode's reads each key and value once for one query (bound by memo
 times slower per pair on a GPU. Fitted by least squares (coefficients kept non-negative, so more work never
 predicts less time) on a startup profile plus a window of measured steps, refitted every few
 steps; a quantile of measured/predicted over the window then calibrates it, so a noisy host
-makes the model cautious rather than wrong on average."""
+makes the model cautious rather than wrong on average.
+
+A mixture of experts reads only the experts its step's tokens pick, more as the batch grows until
+it reads them all: not linear in the tokens, so it gets a feature of its own, the expected count
+of distinct experts a layer's tokens pick (under uniform routing: ExpertRouting). Routers are
+sent the six shape coefficients alone (they price one prompt's tokens, not a step's experts)."""
 
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
-NUM_FEATURES = 6
+NUM_FEATURES = 6  # of a StepShape; a mixture of experts' model has one more
 # The startup profile's shapes (replica_engine/step_profile.py times them on the model).
 CHUNK_SIZES = (16, 64, 256, 1024, 2048)
 DECODE_BATCHES = (1, 4, 16, 64)
@@ -84,6 +90,19 @@ class StepShape:
         )
 
 
+@dataclass(frozen=True)
+class ExpertRouting:
+    """A mixture of experts' routing: each token picks `top_k` of `num_experts` per sparse layer."""
+
+    num_experts: int
+    top_k: int
+
+    def expected_touched(self, num_tokens: int) -> float:
+        """Distinct experts a layer's `num_tokens` tokens pick, on average, were routing uniform
+        (a trained router is skewed: fewer)."""
+        return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** num_tokens)
+
+
 class StepTime(Protocol):
     """What a step of a given shape takes: the fitted StepTimeModel, or a GPU's roofline where
     none can be measured (fleet_sim/roofline.py)."""
@@ -120,10 +139,17 @@ def attention_pairs(start: int, num_tokens: int) -> int:
 
 
 class StepTimeModel:
-    def __init__(self, window: int = 512, refit_every: int = 32, quantile: float = 0.95) -> None:
+    def __init__(
+        self,
+        window: int = 512,
+        refit_every: int = 32,
+        quantile: float = 0.95,
+        experts: ExpertRouting | None = None,
+    ) -> None:
         self.refit_every = refit_every
         self.quantile = quantile
-        self.coefficients = np.zeros(NUM_FEATURES)
+        self.experts = experts
+        self.coefficients = np.zeros(NUM_FEATURES + (experts is not None))
         self.calibration = 1.0  # the quantile of measured / predicted
         self._profile: list[tuple[np.ndarray, float]] = []
         self._window: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
@@ -143,18 +169,29 @@ class StepTimeModel:
     def fit_profile(self, samples: Iterable[tuple[StepShape, float]]) -> None:
         """The startup profile: kept for good, so the fit stays determined however narrow the
         recent steps are (a window of decode-only steps says nothing of prompt chunks)."""
-        self._profile = [(shape.features(), seconds) for shape, seconds in samples]
+        self._profile = [(self.features(shape), seconds) for shape, seconds in samples]
         self.refit()
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A measured step; the model refits every `refit_every` of them."""
-        self._window.append((shape.features(), seconds))
+        self._window.append((self.features(shape), seconds))
         self._since_fit += 1
         if self._since_fit >= self.refit_every:
             self.refit()
 
+    def features(self, shape: StepShape) -> np.ndarray:
+        if self.experts is None:
+            return shape.features()
+        touched = self.experts.expected_touched(shape.num_prefill_tokens + shape.num_decodes)
+        return np.append(shape.features(), touched)
+
+    @property
+    def shape_coefficients(self) -> tuple[float, ...]:
+        """The six of a StepShape's features (what routers are sent)."""
+        return tuple(float(c) for c in self.coefficients[:NUM_FEATURES])
+
     def predict_raw(self, shape: StepShape) -> float:
-        return float(shape.features() @ self.coefficients)
+        return float(self.features(shape) @ self.coefficients)
 
     def predict(self, shape: StepShape) -> float:
         """The calibrated prediction: most steps of this shape take at most this long."""

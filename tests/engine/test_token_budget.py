@@ -14,7 +14,7 @@ from common.errors import InvalidRequestError
 from replica_engine import EngineConfig
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
-from replica_engine.scheduler.step_time_model import StepShape, StepTimeModel, profile_shapes
+from replica_engine.scheduler.step_time_model import ExpertRouting, StepShape, StepTimeModel, profile_shapes
 from replica_engine.scheduler.token_budget import MIN_PREFILL_CHUNK, SLOTokenBudget
 from tests.engine.scheduler_harness import StepArrival, make_scheduler, run_to_completion
 
@@ -52,6 +52,36 @@ def test_the_fit_recovers_known_coefficients_from_noisy_steps():
     # calibrated at the 95th percentile: most steps take at most the prediction
     within = [true_time(s) * rng.uniform(0.99, 1.01) <= model.predict(s) for s in shapes]
     assert 0.85 <= sum(within) / len(within) <= 1.0
+
+
+def test_a_mixture_of_experts_fits_the_experts_its_steps_read_apart_from_the_tokens():
+    """Steps whose time grows with the distinct experts their tokens pick (64 of 128 ... all
+    of them), not linearly in the tokens: the expert feature's coefficient is recovered, routers
+    are sent the six shape coefficients, and a model without the feature predicts worse."""
+    routing = ExpertRouting(num_experts=128, top_k=8)
+    per_expert = 2e-4  # seconds to read one expert in every layer
+
+    def moe_time(shape: StepShape) -> float:
+        return true_time(shape) + per_expert * routing.expected_touched(
+            shape.num_prefill_tokens + shape.num_decodes
+        )
+
+    rng = random.Random(3)
+    shapes = [random_shape(rng) for _ in range(500)]
+    samples = [(shape, moe_time(shape) * rng.uniform(0.99, 1.01)) for shape in shapes]
+    model, plain = StepTimeModel(experts=routing), StepTimeModel()
+    model.fit_profile(samples)
+    plain.fit_profile(samples)
+    assert model.coefficients[6] == pytest.approx(per_expert, rel=0.15)
+    assert model.shape_coefficients == tuple(model.coefficients[:6])
+    assert routing.expected_touched(1) == pytest.approx(8) and routing.expected_touched(
+        1000
+    ) == pytest.approx(128)
+
+    def error(m: StepTimeModel) -> float:
+        return max(abs(m.predict_raw(s) / moe_time(s) - 1) for s in shapes)
+
+    assert error(model) < 0.05 < error(plain)
 
 
 def test_coefficients_stay_non_negative_so_more_work_never_predicts_less_time():
