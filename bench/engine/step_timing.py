@@ -13,6 +13,7 @@ import torch
 from replica_engine import LLMEngine, SamplingParams
 from replica_engine.kernels.cpu import TiledWeight
 from replica_engine.kernels.quantized_weight import QuantizedWeight
+from replica_engine.models.moe import Experts, SparseMoeBlock
 from replica_engine.scheduler.plan import StepSummary
 
 
@@ -24,11 +25,14 @@ class StepWork:
     flops: float
 
 
-def step_work(engine: LLMEngine, rows: list[tuple[int, int]], num_sampled: int) -> StepWork:
+def step_work(
+    engine: LLMEngine, rows: list[tuple[int, int]], num_sampled: int, experts_read: float = 0.0
+) -> StepWork:
     """Weights read once (as held: quantized ones in their own bytes), the KV cache of every
     request's context, and the FLOPs of the linear layers, attention (QK^T and PV) and the logits
     of the sampled rows. `rows`: per request, its query tokens this step and its context after
-    them."""
+    them. A mixture of experts reads only the experts its tokens picked: `experts_read`, summed
+    over its layers (measured: ExpertUse), and computes each token's top-k."""
     model = engine.core.runner.model
     layers = model.model.layers
     attention = layers[0].self_attn
@@ -37,13 +41,24 @@ def step_work(engine: LLMEngine, rows: list[tuple[int, int]], num_sampled: int) 
     linear_params = sum(m.in_features * m.out_features for m in linears)
     vocab_params = model.config.vocab_size * model.config.hidden_size  # the logits' matrix, tied or not
     logits_weight = model._logits_weight()
-    weight_bytes = sum(_bytes(m.packed, m.in_features * m.out_features, itemsize) for m in linears)
+    # (a router is a plain nn.Linear: no kernel weight)
+    weight_bytes = sum(
+        _bytes(getattr(m, "packed", None), m.in_features * m.out_features, itemsize) for m in linears
+    )
     weight_bytes += _bytes(logits_weight, vocab_params, itemsize)
     kv_per_token = len(layers) * 2 * attention.num_kv_heads * attention.head_dim * itemsize
     attention_flops = sum(
         4 * q * (ctx - q / 2) * attention.num_heads * attention.head_dim * len(layers) for q, ctx in rows
     )
     num_tokens = sum(q for q, _ in rows)
+    blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoeBlock)]
+    if blocks:  # every sparse layer alike
+        hidden, width = model.config.hidden_size, blocks[0].shape.expert_width
+        experts = blocks[0].experts  # packed float weights, or quantized ones per expert
+        gate_up, down = experts.kernel_weights[0] if experts.kernel_weights else (None, None)
+        expert_bytes = _bytes(gate_up, 2 * hidden * width, itemsize) + _bytes(down, hidden * width, itemsize)
+        weight_bytes += experts_read * expert_bytes
+        linear_params += blocks[0].shape.top_k * 3 * hidden * width * len(blocks)
     return StepWork(
         bytes_read=weight_bytes + kv_per_token * sum(ctx for _, ctx in rows),
         flops=2 * num_tokens * linear_params + 2 * num_sampled * vocab_params + attention_flops,
@@ -96,6 +111,37 @@ def step_result(
     )  # fmt: skip
 
 
+class ExpertUse:
+    """A mixture of experts' use of its experts, step by step: the distinct experts its tokens
+    picked, summed over the layers, and the time spent in the experts (a hook around each
+    layer's Experts module; on a CPU the host's time is the work's). A step listener."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.steps: list[tuple[int, float]] = []  # (experts read, seconds in the experts)
+        self._read, self._seconds, self._started = 0, 0.0, 0.0
+        for module in engine.core.runner.model.modules():
+            if isinstance(module, Experts):
+                module.register_forward_pre_hook(self._before)
+                module.register_forward_hook(self._after)
+        engine.step_listeners.append(self)
+
+    def _before(self, module: Experts, args: tuple) -> None:
+        self._read += int(torch.unique(args[1]).numel())  # args: (x, top_ids, top_weights)
+        self._started = time.perf_counter()
+
+    def _after(self, module: Experts, args: tuple, out: torch.Tensor) -> None:
+        self._seconds += time.perf_counter() - self._started
+
+    def __call__(self, summary: StepSummary) -> None:
+        self.steps.append((self._read, self._seconds))
+        self._read, self._seconds = 0, 0.0
+
+    def median(self, last: int) -> tuple[float, float]:
+        """Median (experts read, seconds in experts) over the last `last` steps."""
+        recent = self.steps[-last:]
+        return statistics.median(r for r, _ in recent), statistics.median(s for _, s in recent)
+
+
 class ModelTime:
     """A step listener: the model's share of the latest step, from its summary."""
 
@@ -135,17 +181,24 @@ def _prefill_all(engine: LLMEngine) -> None:
 
 
 def time_decode_steps(
-    engine: LLMEngine, model_time: ModelTime, batch: int, context: int, num_steps: int
+    engine: LLMEngine,
+    model_time: ModelTime,
+    batch: int,
+    context: int,
+    num_steps: int,
+    expert_use: ExpertUse | None = None,
 ) -> tuple[tuple[float, float], StepWork]:
     """Steps that decode `batch` requests ~`context` tokens in (prompts computed first, over as
-    many steps as the engine's budget needs). Leaves the engine empty."""
+    many steps as the engine's budget needs). Leaves the engine empty. A mixture of experts'
+    steps read the experts `expert_use` saw them pick."""
     warm_up_steps = -(-batch * context // engine.config.max_num_batched_tokens) + 1
     params = SamplingParams(max_tokens=warm_up_steps + num_steps + 2, temperature=0, ignore_eos=True)
     ids = add_decoders(engine, batch, context, params)
     _prefill_all(engine)
     contexts = [r.num_tokens + num_steps // 2 for r in engine.core.scheduler.running]
     timing = timed_steps(engine, model_time, num_steps)
-    work = step_work(engine, [(1, ctx) for ctx in contexts], num_sampled=batch)
+    experts_read = expert_use.median(num_steps)[0] if expert_use is not None else 0.0
+    work = step_work(engine, [(1, ctx) for ctx in contexts], num_sampled=batch, experts_read=experts_read)
     for request_id in ids:
         engine.abort_request(request_id)
     return timing, work

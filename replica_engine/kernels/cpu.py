@@ -177,6 +177,32 @@ def linear(
     return out.float() if float32_out else out
 
 
+def pack_stacked(weights: torch.Tensor) -> torch.Tensor | None:
+    """Stacked weights [E, N, K] (a mixture's experts) packed each as pack_weight does, stacked
+    again: [E, ...] for packed_moe; None where the packed kernel does not apply."""
+    packed = [pack_weight(weight) for weight in weights]
+    if any(p is None for p in packed):
+        return None
+    return torch.stack([p.data for p in packed])  # type: ignore[union-attr]
+
+
+def packed_moe(
+    x: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    first: int,
+    width: int,
+) -> torch.Tensor:
+    """A mixture's experts in one call (cpu_packed_linear.cpp's packed_moe): each token's top-k
+    experts (ids from `first` are this worker's), over weights stacked by pack_stacked."""
+    ops = cpu_ops()
+    assert ops is not None, "weights are only packed where the kernels are built"
+    ids, weights = top_ids.contiguous(), top_weights.float().contiguous()
+    return ops.packed_moe(x.contiguous(), ids, weights, gate_up, down, first, width)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

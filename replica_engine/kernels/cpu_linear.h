@@ -10,6 +10,14 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight);
 // x's dtype.
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, bool float32_out);
 
+// A mixture of experts' experts for x [T, H]: each token's picks top_ids [T, k] (int64; experts
+// first.. of the stacked weights, others skipped) weighted by top_weights [T, k] (float32); gate_up
+// [E, ...] and down [E, ...] each expert's packed [2I, H] and [H, I] weights stacked. Tokens are
+// grouped by expert, silu(x W_gate) * (x W_up) W_down computed for each in two parallel regions,
+// and summed per token in float32: [T, H] in x's dtype.
+torch::Tensor packed_moe(const torch::Tensor& x, const torch::Tensor& top_ids, const torch::Tensor& top_weights,
+                         const torch::Tensor& gate_up, const torch::Tensor& down, int64_t first, int64_t width);
+
 // x [M, K] @ W.T for W kept quantized (cpu_quantized_linear.cpp's layout: uint8 codes, float16
 // scales; `bits` 4 or 8 per code, `group` 16 or 32 k per scale); x is quantized to int16 per 32 k.
 torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,

@@ -10,8 +10,10 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <vector>
 
 #include "cpu_linear.h"
+#include "cpu_pointwise.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -146,4 +148,109 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   if (float32_out) packed_linear_rows<BF16Packed>(xp, wp, y.data_ptr<float>(), M, K, N);
   else packed_linear_rows<BF16Packed>(xp, wp, y.data_ptr<at::BFloat16>(), M, K, N);
   return y;
+}
+
+namespace {
+
+// One pass of packed_moe: the rows of each active expert (rows[a] of them from starts[a], expert
+// ids[a]) of x [R, K] against that expert's packed weight (weights + ids[a] * stride), into y [R, N].
+// Threads take (expert, column group) items in turn: one parallel region streams every active
+// expert's weights, where a call per expert paid a region's start and a cold weight's ramp each time.
+template <typename P>
+void experts_pass(const typename P::T* x, const typename P::T* weights, int64_t stride, const std::vector<int64_t>& ids,
+                  const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, typename P::T* y, int64_t K,
+                  int64_t N) {
+  using T = typename P::T;
+  const int64_t blocks = (N + kCols - 1) / kCols, groups = (blocks + kBlocks - 1) / kBlocks;
+  const int64_t active = static_cast<int64_t>(ids.size());
+  // Items run expert by expert, so a chunk of them is one run of memory: ~256 KB of weights a
+  // chunk (a short K's column groups are small), enough for the prefetchers to stream.
+  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / (kBlocks * kCols * K * static_cast<int64_t>(sizeof(T))));
+  parallel_chunks(active * groups, chunk, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t a = item / groups, block0 = (item % groups) * kBlocks, nb = std::min(kBlocks, blocks - block0);
+      const T* xa = x + starts[a] * K;
+      const T* wa = weights + ids[a] * stride;
+      T* ya = y + starts[a] * N;
+      if (nb == 3) rows_for_blocks<P, 3>(xa, wa, ya, rows[a], K, N, block0);
+      else if (nb == 2) rows_for_blocks<P, 2>(xa, wa, ya, rows[a], K, N, block0);
+      else rows_for_blocks<P, 1>(xa, wa, ya, rows[a], K, N, block0);
+    }
+  });
+}
+
+template <typename P>
+torch::Tensor packed_moe_typed(const torch::Tensor& x, const torch::Tensor& top_ids, const torch::Tensor& top_weights,
+                               const torch::Tensor& gate_up, const torch::Tensor& down, int64_t first, int64_t width) {
+  using T = typename P::T;
+  const int64_t tokens = x.size(0), H = x.size(1), k = top_ids.size(1), experts = gate_up.size(0);
+  const int64_t* picked = top_ids.data_ptr<int64_t>();
+  // A counting sort of the (token, slot) pairs by expert; experts outside this worker's are skipped.
+  std::vector<int64_t> counts(experts, 0);
+  for (int64_t i = 0; i < tokens * k; ++i) {
+    const int64_t e = picked[i] - first;
+    if (e >= 0 && e < experts) ++counts[e];
+  }
+  std::vector<int64_t> ids, starts, rows, next(experts);
+  int64_t total = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    next[e] = total;
+    if (counts[e]) {
+      ids.push_back(e);
+      starts.push_back(total);
+      rows.push_back(counts[e]);
+    }
+    total += counts[e];
+  }
+  std::vector<int64_t> pair_of(total);  // row -> its (token, slot) pair
+  for (int64_t i = 0; i < tokens * k; ++i) {
+    const int64_t e = picked[i] - first;
+    if (e >= 0 && e < experts) pair_of[next[e]++] = i;
+  }
+  auto out = torch::zeros({tokens, H}, x.options().dtype(torch::kFloat32));
+  if (total == 0) return out.to(x.scalar_type());
+  auto gathered = torch::empty({total, H}, x.options());
+  const T* xp = x.data_ptr<T>();
+  T* gp = gathered.data_ptr<T>();
+  for (int64_t r = 0; r < total; ++r) std::memcpy(gp + r * H, xp + (pair_of[r] / k) * H, H * sizeof(T));
+  auto gate_up_rows = torch::empty({total, 2 * width}, x.options());
+  const int64_t gate_up_stride = gate_up.numel() / experts, down_stride = down.numel() / experts;
+  experts_pass<P>(gp, gate_up.data_ptr<T>(), gate_up_stride, ids, starts, rows, gate_up_rows.data_ptr<T>(), H,
+                  2 * width);
+  const auto hidden = silu_mul(gate_up_rows);
+  auto down_rows = torch::empty({total, H}, x.options());
+  experts_pass<P>(hidden.data_ptr<T>(), down.data_ptr<T>(), down_stride, ids, starts, rows, down_rows.data_ptr<T>(),
+                  width, H);
+  // Each row, rounded to the dtype as the down projection's output is, times its routing weight,
+  // summed into its token's output in float32 (one rounding at the end).
+  const float* weights = top_weights.data_ptr<float>();
+  const T* dp = down_rows.data_ptr<T>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < total; ++r) {
+    const float w = weights[pair_of[r]];
+    float* o = op + (pair_of[r] / k) * H;
+    const T* d = dp + r * H;
+    for (int64_t h = 0; h < H; ++h) o[h] += w * static_cast<float>(d[h]);
+  }
+  return out.to(x.scalar_type());
+}
+
+}  // namespace
+
+torch::Tensor packed_moe(const torch::Tensor& x, const torch::Tensor& top_ids, const torch::Tensor& top_weights,
+                         const torch::Tensor& gate_up, const torch::Tensor& down, int64_t first, int64_t width) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && width % 16 == 0, "packed_moe: layout");
+  TORCH_CHECK(top_ids.scalar_type() == torch::kInt64 && top_ids.is_contiguous() && top_ids.size(0) == x.size(0),
+              "packed_moe: top_ids [T, k] int64");
+  TORCH_CHECK(top_weights.scalar_type() == torch::kFloat32 && top_weights.is_contiguous() &&
+                  top_weights.sizes() == top_ids.sizes(),
+              "packed_moe: top_weights [T, k] float32");
+  TORCH_CHECK(gate_up.is_contiguous() && down.is_contiguous() && gate_up.dtype() == x.dtype() &&
+                  down.dtype() == x.dtype() && gate_up.size(0) == down.size(0),
+              "packed_moe: stacked packed weights of x's dtype");
+  if (x.scalar_type() == torch::kFloat32) {
+    return packed_moe_typed<F32Packed>(x, top_ids, top_weights, gate_up, down, first, width);
+  }
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "packed_moe: float32 or bfloat16");
+  return packed_moe_typed<BF16Packed>(x, top_ids, top_weights, gate_up, down, first, width);
 }

@@ -26,7 +26,7 @@ from replica_engine.kernels.quantized_weight import quantize_int8
 from replica_engine.models.gguf_weights import hold_gguf_weights
 from replica_engine.models.layers import Linear, MergedLinear
 from replica_engine.models.llama import LlamaForCausalLM
-from replica_engine.models.moe import Experts
+from replica_engine.models.moe import Experts, SparseMoeBlock
 from replica_engine.parallel.pipeline_parallel import keep_stage
 from replica_engine.parallel.place import WHOLE_MODEL, WorkerPlace
 from replica_engine.parallel.tensor_parallel import shard_model
@@ -123,10 +123,11 @@ def _pack(model: LlamaForCausalLM, amx_weights: bool) -> None:
 
 @torch.no_grad()
 def _quantize_int8(model: LlamaForCausalLM) -> None:
-    """Every linear layer (and the embeddings, unless split over workers) as int8 with one scale
-    per output channel, where its input features come in groups of 32."""
+    """Every linear layer but a mixture's routers (and the embeddings, unless split over workers)
+    as int8 with one scale per output channel, where its input features come in groups of 32."""
+    routers = {id(m.gate) for m in model.modules() if isinstance(m, SparseMoeBlock)}
     for module in model.modules():
-        if isinstance(module, Linear) and module.in_features % 32 == 0:
+        if isinstance(module, Linear) and module.in_features % 32 == 0 and id(module) not in routers:
             module.hold(quantize_int8(module.weight))
         if isinstance(module, Experts) and module.gate_up_proj is not None and module.down_proj is not None:
             stacked = (module.gate_up_proj, module.down_proj)

@@ -3,10 +3,11 @@ top-k experts (softmax first, then top-k, renormalised where the config says), e
 gated MLP, and a Qwen2-MoE layer adds a shared expert behind a sigmoid gate.
 
 The experts' weights are stacked, [E, 2I, H] (gate | up) and [E, H, I] (down), as transformers
-holds them. A GPU runs them in one Triton launch over tokens sorted by expert (triton_moe.py). A
-CPU groups the tokens by expert and runs one matmul per active expert through the kernels of
-kernels/cpu.py on per-expert copies in their layout (packed, int8 or GGUF blocks): a decode step
-reads only the experts its batch touches.
+holds them. A GPU runs them in two Triton launches over tokens sorted by expert (triton_moe.py).
+A CPU with our kernels runs packed float weights in one call (packed_moe: tokens grouped by
+expert, each active expert's weights streamed in one parallel region); quantized experts (int8)
+and AMX copies go one matmul pair per active expert through kernels/cpu.py's linear. Either way
+a decode step reads only the experts its batch touches.
 
 Under tensor parallelism each worker holds a slice of every expert's width; under expert
 parallelism (EngineConfig.enable_expert_parallel) a run of whole experts. Either way every worker
@@ -25,7 +26,7 @@ from torch import nn
 from replica_engine.kernels import cpu as cpu_kernels
 from replica_engine.kernels import pointwise
 from replica_engine.kernels.quantized_weight import QuantizedWeight
-from replica_engine.models.layers import MLP
+from replica_engine.models.layers import MLP, Linear
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -76,8 +77,11 @@ class Experts(nn.Module):
         self.gate_up_proj: nn.Parameter | None = nn.Parameter(torch.empty(num_experts, 2 * width, hidden))
         self.down_proj: nn.Parameter | None = nn.Parameter(torch.empty(num_experts, hidden, width))
         self.num_experts = num_experts  # held here
+        self.expert_width = width  # under tensor parallelism, this worker's slice of it
         self.first = 0  # the global id of the first expert held here
-        # On the CPU, once packed or quantized: per expert, (gate_up, down) in the kernels' layout.
+        # On the CPU: packed float weights stacked for packed_moe (gate_up, down), or quantized or
+        # AMX-tiled ones per expert, (gate_up, down) in the kernels' layout.
+        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
         self.kernel_weights: list[tuple[KernelWeight, KernelWeight]] | None = None
 
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
@@ -88,10 +92,15 @@ class Experts(nn.Module):
 
             assert self.gate_up_proj is not None and self.down_proj is not None
             return triton_moe.fused_moe(x, self.gate_up_proj, self.down_proj, local, top_weights)
+        if self.packed is not None:
+            gate_up, down = self.packed
+            return cpu_kernels.packed_moe(
+                x, top_ids, top_weights, gate_up, down, self.first, self.expert_width
+            )
         return self._grouped(x, local, top_weights)
 
     def _grouped(self, x: torch.Tensor, local: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
-        """Tokens sorted by expert; one matmul per expert with any."""
+        """Tokens sorted by expert; one matmul pair per expert with any."""
         flat = local.flatten()
         held = ((flat >= 0) & (flat < self.num_experts)).nonzero().squeeze(1)
         order = held[flat[held].argsort(stable=True)]  # (token, slot) pairs, by expert
@@ -122,36 +131,42 @@ class Experts(nn.Module):
         self.kernel_weights, self.gate_up_proj, self.down_proj = list(weights), None, None
 
     def pack_for_cpu(self, amx_weights: bool = False) -> None:
-        """Per-expert copies in the CPU kernels' layout (as layers.Linear.pack_for_cpu does for
-        one weight); where the kernels do not apply, the float slices stay."""
-        if self.kernel_weights is None:
-            assert self.gate_up_proj is not None and self.down_proj is not None
-            stacked = (self.gate_up_proj, self.down_proj)
+        """The CPU kernels' layouts (as layers.Linear.pack_for_cpu does for one weight): float
+        weights packed and stacked for packed_moe, or, with AMX copies, per expert; quantized
+        ones get their AMX copies. Where the kernels do not apply, the float weights stay."""
+        if self.kernel_weights is not None:
+            if amx_weights:
+                self.kernel_weights = [
+                    (cpu_kernels.tiled_weight(g, None), cpu_kernels.tiled_weight(d, None))  # type: ignore[arg-type]
+                    for g, d in self.kernel_weights
+                ]
+            return
+        assert self.gate_up_proj is not None and self.down_proj is not None
+        stacked = (self.gate_up_proj, self.down_proj)
+        if amx_weights:
             packed = [tuple(cpu_kernels.pack_weight(w[e]) for w in stacked) for e in range(self.num_experts)]
             if any(p is None for pair in packed for p in pair):
                 return
-            self.kernel_weights = packed  # type: ignore[assignment]
-            if amx_weights:
-                self.kernel_weights = [
-                    (cpu_kernels.tiled_weight(g, stacked[0][e]), cpu_kernels.tiled_weight(d, stacked[1][e]))
-                    for e, (g, d) in enumerate(packed)
-                ]  # type: ignore[arg-type]
-        elif amx_weights:
             self.kernel_weights = [
-                (cpu_kernels.tiled_weight(g, None), cpu_kernels.tiled_weight(d, None))  # type: ignore[arg-type]
-                for g, d in self.kernel_weights
+                (cpu_kernels.tiled_weight(g, stacked[0][e]), cpu_kernels.tiled_weight(d, stacked[1][e]))  # type: ignore[arg-type]
+                for e, (g, d) in enumerate(packed)
             ]
+        else:
+            gate_up, down = (cpu_kernels.pack_stacked(w.detach()) for w in stacked)
+            if gate_up is None or down is None or self.expert_width % 16:
+                return
+            self.packed = (gate_up, down)
         self.gate_up_proj = self.down_proj = None
 
 
 class SparseMoeBlock(nn.Module):
-    """`gate` (the router, kept in float), `experts`, and Qwen2-MoE's `shared_expert` with its
-    `shared_expert_gate`: transformers' names."""
+    """`gate` (the router: never quantized, its logits in float32), `experts`, and Qwen2-MoE's
+    `shared_expert` with its `shared_expert_gate`: transformers' names."""
 
     def __init__(self, config, shape: MoeShape) -> None:
         super().__init__()
         self.shape = shape
-        self.gate = nn.Linear(config.hidden_size, shape.num_experts, bias=False)
+        self.gate = Linear(config.hidden_size, shape.num_experts, bias=False)
         self.experts = Experts(shape.num_experts, config.hidden_size, shape.expert_width)
         self.shared_expert: MLP | None = None
         if shape.shared_width:
@@ -161,7 +176,8 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k expert ids [T, k] and their weights (float32)."""
-        probs = F.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
+        logits = cpu_kernels.linear(x, self.gate.packed or self.gate.weight, float32_out=True)
+        probs = F.softmax(logits, dim=-1)
         weights, ids = torch.topk(probs, self.shape.top_k, dim=-1)
         if self.shape.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)

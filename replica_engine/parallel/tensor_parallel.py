@@ -88,6 +88,7 @@ def _shard_experts(block: SparseMoeBlock, rank: int, size: int, expert_parallel:
     else:
         halves = experts.gate_up_proj.chunk(2, dim=1)  # gate | up: each cut by width
         width = halves[0].shape[1] // size
+        experts.expert_width = width
         kept = [h[:, rank * width : (rank + 1) * width] for h in halves]
         experts.gate_up_proj = torch.nn.Parameter(torch.cat(kept, dim=1).contiguous())
         down = experts.down_proj[:, :, rank * width : (rank + 1) * width]

@@ -14,6 +14,7 @@ from common.errors import InvalidRequestError
 from harness.hf_reference import assert_matches_up_to_ties
 from harness.tiny_moe import CONFIGS, save_tiny_moe, tiny_moe
 from replica_engine import LLM, SamplingParams
+from replica_engine.kernels import cpu as cpu_kernels
 from replica_engine.kernels.quantized_weight import QuantizedWeight, dequantize, quantize_int8
 from replica_engine.models.moe import Experts, MoeShape
 from replica_engine.parallel.tensor_parallel import check_divisible
@@ -119,6 +120,30 @@ def test_int8_experts_compute_what_their_dequantized_weights_do():
             expected[token] += weights[token, slot] * ((torch.nn.functional.silu(gate) * up) @ down.T)
     # the kernel rounds activations to int16 (test_quantized.py): that is all that differs
     assert (experts(x, ids, weights) - expected).abs().max() <= 1e-3 * expected.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+def test_the_fused_cpu_kernel_matches_one_matmul_pair_per_expert(dtype, num_tokens):
+    """packed_moe (tokens grouped, weighted and summed in C++) against the per-expert path on the
+    same weights, as worker 1 of 2 under expert parallelism (experts 4-7 of 8 held)."""
+    if cpu_kernels.cpu_ops() is None:
+        pytest.skip("the CPU kernels do not build here (no AVX-512 or no compiler)")
+    gen = torch.Generator().manual_seed(num_tokens)
+    held = Experts(num_experts=4, hidden=64, width=48)
+    with torch.no_grad():
+        held.gate_up_proj.normal_(0, 0.2, generator=gen)
+        held.down_proj.normal_(0, 0.2, generator=gen)
+    held.first = 4
+    held = held.to(dtype)
+    x = torch.randn(num_tokens, 64, generator=gen).to(dtype)
+    ids = torch.rand(num_tokens, 8, generator=gen).topk(3, dim=-1).indices
+    weights = torch.rand(num_tokens, 3, generator=gen)
+    expected = held(x, ids, weights)  # float weights: one matmul pair per expert
+    held.pack_for_cpu()
+    assert held.packed is not None and held.gate_up_proj is None
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: rounded once, not per expert
+    torch.testing.assert_close(held(x, ids, weights), expected, atol=tolerance, rtol=tolerance)
 
 
 def test_layouts_a_mixture_cannot_take_are_refused_by_name():
