@@ -104,6 +104,28 @@ _SHAPES: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
     ),
+    # Not a published model: a toy Qwen3-MoE (8 experts of width 32, 2 per token) for what
+    # tiny-llama is for: bench.gpu's dry run of its MoE part.
+    "tiny-moe": dict(
+        model_type="qwen3_moe",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
     # Not a published model: Qwen3-MoE's layout (64 experts of width 256, 8 per token) at a size
     # this CPU steps in tens of milliseconds: bench.engine.moe's shape (0.6B weights, 0.2B active).
     "small-moe": dict(

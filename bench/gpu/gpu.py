@@ -17,13 +17,17 @@
 (e) Served options: the closed loops served with other app args (the engine core in its own
     process; an Ingress in front of an EngineReplica, `ingress: separate`), against the engine
     alone's closed loops in the same part.
+(f) A mixture of experts (bench/gpu/gpu_moe.py, issue 61): a Qwen3-30B-A3B-shaped model's decode
+    steps against the HBM floor of the experts they touch, and its offline throughput on (c)'s
+    workload beside the dense model's.
 Writes bench/results/gpu_<device>.json with goals and goals_met and prints a table. `--parts`
 runs some parts and keeps the file's others, each part stamped with when it was measured (a
 device call is at most 10 minutes: the parts go in several calls, bench/gpu/gpu_machine.sh).
 
 `--dry-run` runs the same code on this CPU: Triton in its interpreter, a tiny dummy model, a few
 steps and requests (part of make test, so the command cannot rot); its figures mean nothing and
-its file says so. Goals (on an H100): decode steps at batch >= 32 <= 1.5x the HBM floor; offline
+its file says so. Goals (on an H100): decode steps at batch >= 32 <= 1.5x the HBM floor (the
+mixture's: <= 2x its touched-expert floor); offline
 >= 6,600 output tok/s, the device idle (waiting on the host: wall time less the model's) <= 10% of
 the wall time; every exactness check passes;
 greedy tokens with async scheduling those of synchronous steps; served as bench/gpu/gpu_served.py says."""
@@ -34,11 +38,8 @@ import argparse
 import datetime
 import importlib.util
 import json
-import math
 import os
-import random
 import tempfile
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -47,22 +48,18 @@ from pathlib import Path
 import torch
 
 from bench.driver import Arrival, BenchmarkRun, print_verdicts
-from bench.gpu import gpu_checks, gpu_served, gpu_steps
-from common.model_shapes import dummy_config_dict
+from bench.gpu import gpu_checks, gpu_moe, gpu_offline, gpu_served, gpu_steps
 from harness import serve_cluster
-from replica_engine import LLM, SamplingParams
-from replica_engine.scheduler.plan import StepSummary
 
 EXACTNESS_KINDS = ("against_transformers", "async_against_sync", "triton_attention")
 GOALS = {
     "decode_b32_plus_vs_hbm_floor_max": gpu_steps.GOAL_RATIO,
     "offline_output_tok_per_s_min": 6600,
     "offline_device_idle_share_max": 0.10,
+    "moe_decode_b32_plus_vs_touched_expert_floor_max": gpu_moe.GOAL_RATIO,
     **gpu_served.GOALS,
 }
-PARTS = ("exactness", "steps", "offline", "served", "served_options")
-SHAREGPT_MEAN_TOKENS = (230, 200)  # prompt, output
-LOGNORMAL_SIGMA = (1.0, 0.9)
+PARTS = ("exactness", "steps", "offline", "served", "served_options", "moe")
 
 
 @dataclass(frozen=True)
@@ -78,6 +75,7 @@ class Plan:
     max_len: int  # cap on each drawn prompt and output length
     served: gpu_served.ServedPlan
     served_base: Path  # the shipped config the served app is built from
+    moe: gpu_moe.MoePlan  # its offline run: offline_requests of the same workload
 
 
 FULL = Plan(
@@ -108,6 +106,13 @@ FULL = Plan(
         ),
     ),
     served_base=serve_cluster.REPO / "serve_config.gpu.yaml",
+    moe=gpu_moe.MoePlan(
+        model="dummy:qwen3-30b-a3b",
+        decode_batches=(1, 8, 32, 64, 128),
+        context=512,
+        num_steps=10,
+        kv_cache_bytes=None,
+    ),
 )
 DRY_RUN = Plan(
     device="cpu",
@@ -131,77 +136,10 @@ DRY_RUN = Plan(
         closed=((1, 2), (4, 4)), poisson_rates=(4.0,), poisson_requests=3, seeds=(0,)
     ),
     served_base=serve_cluster.SHIPPED_CONFIG,
+    moe=gpu_moe.MoePlan(
+        model="dummy:tiny-moe", decode_batches=(1, 4), context=32, num_steps=3, kv_cache_bytes=16 << 20
+    ),
 )
-
-
-def sharegpt_like(count: int, max_len: int, vocab_size: int, seed: int = 0) -> list[Arrival]:
-    """Prompt and output lengths log-normal around ShareGPT's means, capped; prompts are token ids."""
-    rng = random.Random(seed)
-
-    def length(mean: int, sigma: float) -> int:
-        mu = math.log(mean) - sigma**2 / 2  # the log-normal whose mean is `mean`
-        return max(4, min(max_len, round(rng.lognormvariate(mu, sigma))))
-
-    arrivals = []
-    for _ in range(count):
-        prompt_len = length(SHAREGPT_MEAN_TOKENS[0], LOGNORMAL_SIGMA[0])
-        output_len = length(SHAREGPT_MEAN_TOKENS[1], LOGNORMAL_SIGMA[1])
-        arrivals.append(Arrival(0.0, [rng.randrange(vocab_size) for _ in range(prompt_len)], output_len))
-    return arrivals
-
-
-def vocab_size(model: str) -> int:
-    return dummy_config_dict(model.removeprefix("dummy:"))["vocab_size"]
-
-
-def offline(plan: Plan) -> dict:
-    """The workload eagerly and with decode steps from CUDA graphs, both with async scheduling
-    (the GPU's default), and with graphs in synchronous steps: what async scheduling gives."""
-    return {
-        "eager": _offline_run(plan, cuda_graphs=False, async_scheduling=True),
-        "graphs": _offline_run(plan, cuda_graphs=True, async_scheduling=True),
-        "graphs_sync": _offline_run(plan, cuda_graphs=True, async_scheduling=False),
-    }
-
-
-def _offline_run(plan: Plan, cuda_graphs: bool, async_scheduling: bool) -> dict:
-    engine = dict(
-        dtype="bfloat16",
-        attention_backend="triton",
-        cuda_graphs=cuda_graphs,
-        async_scheduling=async_scheduling,
-    )
-    llm = LLM(model=plan.model, device=plan.device, **engine)
-    arrivals = sharegpt_like(plan.offline_requests, plan.max_len, vocab_size(plan.model))
-    params = [SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True) for a in arrivals]
-    summaries: list[StepSummary] = []
-    llm.engine.step_listeners.append(summaries.append)
-    started = time.perf_counter()
-    outputs = llm.generate([a.prompt for a in arrivals], params)
-    wall_s = time.perf_counter() - started
-    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert output_tokens == sum(a.max_tokens for a in arrivals), "a request stopped short"
-    decode_only = [s for s in summaries if s.shape.num_prefill_tokens == 0]
-    model_s = sum(s.model_s for s in summaries)
-    return {
-        "requests": len(arrivals),
-        "prompt_tokens": sum(len(a.prompt) for a in arrivals),
-        "output_tokens": output_tokens,
-        "wall_s": wall_s,
-        "output_tok_per_s": output_tokens / wall_s,
-        "budget": llm.engine.config.max_num_batched_tokens,
-        # where the time went: steps, the model's share, decode-only steps (the ones graphs replay)
-        "steps": len(summaries),
-        "model_s": model_s,
-        # the host's side of each step (under async scheduling it overlaps the device's work)
-        "overhead_s": sum(s.overhead_s for s in summaries),
-        # what the host costs the device: the wall time in which it ran no step of the model
-        "device_idle_s": wall_s - model_s,
-        "device_idle_share": 1 - model_s / wall_s,
-        "decode_only_steps": len(decode_only),
-        "decode_only_s": sum(s.duration_s for s in decode_only),
-        "mean_decodes_per_step": sum(s.shape.num_decodes for s in summaries) / max(1, len(summaries)),
-    }
 
 
 def _served_setup(plan: Plan) -> tuple[dict, list[Arrival]] | None:
@@ -212,7 +150,7 @@ def _served_setup(plan: Plan) -> tuple[dict, list[Arrival]] | None:
     num_gpus = 1 if plan.device == "cuda" else 0
     args = {"model": plan.model, "num_replicas": 1, "num_gpus": num_gpus, "engine": {"dtype": "bfloat16"}}
     count = max(plan.served.poisson_requests, *(n for _, n in plan.served.closed))
-    return args, sharegpt_like(count, plan.max_len, vocab_size(plan.model), seed=1)
+    return args, gpu_offline.sharegpt_like(count, plan.max_len, gpu_offline.vocab_size(plan.model), seed=1)
 
 
 def served(plan: Plan, work_dir: Path) -> dict:
@@ -275,6 +213,21 @@ def steps(plan: Plan, dry_run: bool) -> dict:
     return gpu_steps.summary(rates, gpu_steps.measure(plan.steps, plan.device, rates))
 
 
+def moe(plan: Plan, dry_run: bool) -> dict:
+    rates = gpu_steps.device_rates(torch.device(plan.device), dry_run)
+    steps = gpu_moe.measure(plan.moe, plan.device, rates)
+    gpu_steps.free_device_memory()
+    offline_run = gpu_offline.offline_run(
+        plan.moe.model,
+        plan.device,
+        plan.offline_requests,
+        plan.max_len,
+        cuda_graphs=True,
+        async_scheduling=True,
+    )
+    return {"model": plan.moe.model, "device": vars(rates), "steps": steps, "offline_graphs": offline_run}
+
+
 def run_part(name: str, part: Callable[[], dict]) -> dict:
     """A part's figures, or the error that stopped it: one failing part (on a device no session
     has tried yet) must not cost the others their run."""
@@ -321,6 +274,11 @@ def goals_met(result: dict, dry_run: bool) -> dict[str, bool]:
     met[
         f"offline: the device idle (wall less model time) <= {share:.0%} of the wall time (graphs, async)"
     ] = "offline" in ran and parts["offline"]["graphs"]["device_idle_share"] <= share
+    moe_goal = (
+        f"MoE decode steps at batch >= {gpu_moe.GOAL_MIN_BATCH} <= {gpu_moe.GOAL_RATIO}x the touched-expert "
+        "HBM floor (eager or graphs, the better)"
+    )
+    met[moe_goal] = "moe" in ran and gpu_moe.goal_met(parts["moe"]["steps"])
     comparison = parts.get("served", {}).get("served_vs_alone") if "served" in ran else None
     return met | gpu_served.goals_met(comparison)
 
@@ -360,6 +318,8 @@ def print_table(parts: dict) -> None:
         for s in parts["steps"]["steps"]:
             print(f"{s['case']:16}{s['step_ms']:>10.2f}{s['model_ms']:>10.2f}{s['floor_ms']:>10.3f}  "
                   f"{s['floor_kind']:8}{s['ratio']:>6.2f}x")  # fmt: skip
+    if "error" not in parts.get("moe", {"error": "not run"}):
+        gpu_moe.print_table(parts["moe"])
     for mode, o in parts["offline"].items() if "error" not in parts.get("offline", {"error": 1}) else ():
         print(f"offline {mode}: {o['requests']} requests, {o['output_tokens']} output tokens in "
               f"{o['wall_s']:.1f} s: {o['output_tok_per_s']:.0f} output tok/s "
@@ -416,9 +376,10 @@ def main(argv: list[str] | None = None) -> None:
     parts = {
         "exactness": lambda: exactness(plan, work_dir),
         "steps": lambda: steps(plan, args.dry_run),
-        "offline": lambda: offline(plan),
+        "offline": lambda: gpu_offline.offline(plan.model, plan.device, plan.offline_requests, plan.max_len),
         "served": lambda: served(plan, work_dir),
         "served_options": lambda: served_options(plan, work_dir),
+        "moe": lambda: moe(plan, args.dry_run),
     }
     for part_name in chosen:
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -49,6 +49,12 @@ def test_the_gpu_benchmark_rehearses_on_the_cpu(tmp_path: Path):
     assert parts["steps"]["device"]["source"] == "measured here"
     assert set(parts["offline"]) == {"eager", "graphs", "graphs_sync"}
     assert all(run["output_tokens"] > 0 and run["steps"] > 0 for run in parts["offline"].values())
+    # The mixture: both layers' experts counted (2 picks of 8 a token), eager and graphs alike.
+    moe = parts["moe"]
+    assert [s["case"] for s in moe["steps"]] == cases[:4]
+    eager_b1, eager_b4, graphs_b1, _ = (s["experts_read"] for s in moe["steps"])
+    assert eager_b1 == 4 and 4 <= eager_b4 <= 16 and graphs_b1 == eager_b1  # a layer reads at most 8
+    assert moe["offline_graphs"]["output_tokens"] > 0
     # The same requests through Serve and through the engine alone, none failed.
     for system in ("engine_alone", "served"):
         runs = parts["served"][system]

@@ -1,0 +1,92 @@
+"""bench.gpu's offline throughput (part c, and the mixture's beside it): a ShareGPT-like workload
+through LLM.generate, every request at once: prompt and output lengths drawn log-normally to
+ShareGPT's means as vLLM's benchmark samples it, prompts as token ids (dummy weights have no
+tokenizer)."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+from bench.driver import Arrival
+from common.model_shapes import dummy_config_dict
+from replica_engine import LLM, SamplingParams
+from replica_engine.scheduler.plan import StepSummary
+
+SHAREGPT_MEAN_TOKENS = (230, 200)  # prompt, output
+LOGNORMAL_SIGMA = (1.0, 0.9)
+
+
+def sharegpt_like(count: int, max_len: int, vocab_size: int, seed: int = 0) -> list[Arrival]:
+    """Prompt and output lengths log-normal around ShareGPT's means, capped; prompts are token ids."""
+    rng = random.Random(seed)
+
+    def length(mean: int, sigma: float) -> int:
+        mu = math.log(mean) - sigma**2 / 2  # the log-normal whose mean is `mean`
+        return max(4, min(max_len, round(rng.lognormvariate(mu, sigma))))
+
+    arrivals = []
+    for _ in range(count):
+        prompt_len = length(SHAREGPT_MEAN_TOKENS[0], LOGNORMAL_SIGMA[0])
+        output_len = length(SHAREGPT_MEAN_TOKENS[1], LOGNORMAL_SIGMA[1])
+        arrivals.append(Arrival(0.0, [rng.randrange(vocab_size) for _ in range(prompt_len)], output_len))
+    return arrivals
+
+
+def vocab_size(model: str) -> int:
+    return dummy_config_dict(model.removeprefix("dummy:"))["vocab_size"]
+
+
+def offline(model: str, device: str, num_requests: int, max_len: int) -> dict:
+    """The workload eagerly and with decode steps from CUDA graphs, both with async scheduling
+    (the GPU's default), and with graphs in synchronous steps: what async scheduling gives."""
+    return {
+        "eager": offline_run(model, device, num_requests, max_len, cuda_graphs=False, async_scheduling=True),
+        "graphs": offline_run(model, device, num_requests, max_len, cuda_graphs=True, async_scheduling=True),
+        "graphs_sync": offline_run(
+            model, device, num_requests, max_len, cuda_graphs=True, async_scheduling=False
+        ),
+    }
+
+
+def offline_run(
+    model: str, device: str, num_requests: int, max_len: int, cuda_graphs: bool, async_scheduling: bool
+) -> dict:
+    engine = dict(
+        dtype="bfloat16",
+        attention_backend="triton",
+        cuda_graphs=cuda_graphs,
+        async_scheduling=async_scheduling,
+    )
+    llm = LLM(model=model, device=device, **engine)
+    arrivals = sharegpt_like(num_requests, max_len, vocab_size(model))
+    params = [SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True) for a in arrivals]
+    summaries: list[StepSummary] = []
+    llm.engine.step_listeners.append(summaries.append)
+    started = time.perf_counter()
+    outputs = llm.generate([a.prompt for a in arrivals], params)
+    wall_s = time.perf_counter() - started
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert output_tokens == sum(a.max_tokens for a in arrivals), "a request stopped short"
+    decode_only = [s for s in summaries if s.shape.num_prefill_tokens == 0]
+    model_s = sum(s.model_s for s in summaries)
+    return {
+        "requests": len(arrivals),
+        "prompt_tokens": sum(len(a.prompt) for a in arrivals),
+        "output_tokens": output_tokens,
+        "wall_s": wall_s,
+        "output_tok_per_s": output_tokens / wall_s,
+        "budget": llm.engine.config.max_num_batched_tokens,
+        # where the time went: steps, the model's share, decode-only steps (the ones graphs replay)
+        "steps": len(summaries),
+        "model_s": model_s,
+        # the host's side of each step (under async scheduling it overlaps the device's work)
+        "overhead_s": sum(s.overhead_s for s in summaries),
+        # what the host costs the device: the wall time in which it ran no step of the model
+        "device_idle_s": wall_s - model_s,
+        "device_idle_share": 1 - model_s / wall_s,
+        "decode_only_steps": len(decode_only),
+        "decode_only_s": sum(s.duration_s for s in decode_only),
+        "mean_decodes_per_step": sum(s.shape.num_decodes for s in summaries) / max(1, len(summaries)),
+    }
