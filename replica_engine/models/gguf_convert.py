@@ -12,14 +12,28 @@ import tempfile
 from pathlib import Path
 
 import torch
+from gguf import GGUFReader
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def expert_widths(gguf_path: Path) -> dict[str, int]:
+    """A mixture's expert widths, which transformers' GGUF loader does not read (it would size the
+    experts by its config's defaults): as config fields, where the file has them."""
+    reader = GGUFReader(str(gguf_path))
+    architecture = reader.fields["general.architecture"].contents()
+    fields = {
+        "moe_intermediate_size": f"{architecture}.expert_feed_forward_length",
+        "shared_expert_intermediate_size": f"{architecture}.expert_shared_feed_forward_length",
+    }
+    return {ours: int(reader.fields[key].contents()) for ours, key in fields.items() if key in reader.fields}
 
 
 def convert(gguf_path: Path, target: Path) -> None:
     directory, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    widths = expert_widths(gguf_path)
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32, **widths)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target, then rename: concurrent processes never see half a directory.
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))

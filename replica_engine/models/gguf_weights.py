@@ -1,7 +1,9 @@
 """A GGUF file's quantized tensors served as they are: each linear layer (and the embeddings)
 of a model already loaded from the file's converted directory takes the file's blocks in place of
-its float weight (`quantization: gguf`). Tensors of a type without a kernel keep their float
-weight, named in the log."""
+its float weight (`quantization: gguf`), and so does each expert of a mixture (ffn_gate_exps,
+ffn_up_exps, ffn_down_exps: 3D tensors, an expert's rows after another's) and a shared expert
+(the *_shexp tensors); routers stay in float. Tensors of a type without a kernel keep their
+float weight, named in the log."""
 
 from __future__ import annotations
 
@@ -10,24 +12,34 @@ from pathlib import Path
 
 import torch
 
-from replica_engine.kernels.quantized_weight import pack_quantized
+from replica_engine.kernels.quantized_weight import QuantizedWeight, pack_quantized
 from replica_engine.models.gguf_blocks import DECODERS, BlockCodes
 from replica_engine.models.gguf_file import GgufTensor, read_tensors
 from replica_engine.models.layers import Linear
 from replica_engine.models.llama import LlamaForCausalLM
+from replica_engine.models.moe import SparseMoeBlock
 
 logger = logging.getLogger(__name__)
 
 # GGUF name in blk.N -> (our module in the layer, shard of a merged projection)
-LAYER_TENSORS = {
+ATTENTION_TENSORS = {
     "attn_q": ("self_attn.qkv_proj", 0),
     "attn_k": ("self_attn.qkv_proj", 1),
     "attn_v": ("self_attn.qkv_proj", 2),
     "attn_output": ("self_attn.o_proj", 0),
+}
+MLP_TENSORS = {
     "ffn_gate": ("mlp.gate_up_proj", 0),
     "ffn_up": ("mlp.gate_up_proj", 1),
     "ffn_down": ("mlp.down_proj", 0),
 }
+SHARED_EXPERT_TENSORS = {
+    "ffn_gate_shexp": ("mlp.shared_expert.gate_up_proj", 0),
+    "ffn_up_shexp": ("mlp.shared_expert.gate_up_proj", 1),
+    "ffn_down_shexp": ("mlp.shared_expert.down_proj", 0),
+}
+# llama.cpp interleaves q and k rows for the Llama family's rotary layout, not for Qwen's
+PERMUTED_ROTARY = ("llama", "mistral", "mixtral")
 
 
 def rotary_rows(num_rows: int, num_heads: int) -> torch.Tensor:
@@ -52,11 +64,32 @@ def _widened(block: BlockCodes, bits: int, group: int) -> BlockCodes:
     return BlockCodes(block.codes, d, m, bits, group)
 
 
-def _hold(module: Linear, blocks: list[BlockCodes]) -> None:
+def _merged(blocks: list[BlockCodes]) -> QuantizedWeight:
+    """Shards of one merged projection stacked by rows, in one format."""
     bits, group = max(b.bits for b in blocks), min(b.group for b in blocks)
     blocks = [_widened(b, bits, group) for b in blocks]
     codes, d, m = (torch.cat([getattr(b, part) for b in blocks]) for part in ("codes", "d", "m"))
-    module.hold(pack_quantized(codes, d, m, bits, group))
+    return pack_quantized(codes, d, m, bits, group)
+
+
+def _hold(module: Linear, blocks: list[BlockCodes]) -> None:
+    module.hold(_merged(blocks))
+
+
+def _hold_experts(block: SparseMoeBlock, tensors: dict[str, GgufTensor], prefix: str) -> bool:
+    """Each expert's gate|up and down from the layer's 3D tensors; False (the float weights kept)
+    where a type has no kernel."""
+    gate, up, down = (_decode(tensors[f"{prefix}.ffn_{w}_exps.weight"]) for w in ("gate", "up", "down"))
+    if gate is None or up is None or down is None:
+        return False
+    width, hidden = block.shape.expert_width, block.gate.in_features
+    weights = []
+    for expert in range(block.shape.num_experts):
+        rows = torch.arange(expert * width, (expert + 1) * width)  # this expert's, in gate and up
+        down_rows = torch.arange(expert * hidden, (expert + 1) * hidden)
+        weights.append((_merged([gate.rows(rows), up.rows(rows)]), _merged([down.rows(down_rows)])))
+    block.experts.hold(weights)
+    return True
 
 
 @torch.no_grad()
@@ -66,11 +99,20 @@ def hold_gguf_weights(model: LlamaForCausalLM, gguf_path: Path) -> None:
     tensors = read_tensors(gguf_path)
     config, kept = model.config, []
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    permuted = config.model_type in PERMUTED_ROTARY
     for index, layer in enumerate(model.model.layers):
+        layer_tensors = dict(ATTENTION_TENSORS)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            if not _hold_experts(layer.mlp, tensors, f"blk.{index}"):
+                kept.append(f"layers.{index}.mlp.experts")
+            if layer.mlp.shared_expert is not None:
+                layer_tensors.update(SHARED_EXPERT_TENSORS)
+        else:
+            layer_tensors.update(MLP_TENSORS)
         shards: dict[str, list[BlockCodes | None]] = {}
-        for suffix, (module_name, _) in LAYER_TENSORS.items():
+        for suffix, (module_name, _) in layer_tensors.items():
             tensor = tensors[f"blk.{index}.{suffix}.weight"]
-            rows = rotary_rows(tensor.shape[0], heads[suffix]) if suffix in heads else None
+            rows = rotary_rows(tensor.shape[0], heads[suffix]) if suffix in heads and permuted else None
             shards.setdefault(module_name, []).append(_decode(tensor, rows))
         for module_name, blocks in shards.items():
             if all(b is not None for b in blocks):

@@ -160,7 +160,8 @@ def _checkpoint_name_to_ours(hf_name: str) -> tuple[str, tuple[int, ...]]:
     """A checkpoint's weight -> (our parameter, where in it): `()` the whole,
     `(shard,)` a merged projection's shard (`...self_attn.k_proj.weight` -> `...qkv_proj.weight`,
     (1,)), `(expert, shard)` or `(expert,)` a slice of the stacked experts
-    (`...mlp.experts.3.up_proj.weight` -> `...mlp.experts.gate_up_proj`, (3, 1)). Mixtral's
+    (`...mlp.experts.3.up_proj.weight` -> `...mlp.experts.gate_up_proj`, (3, 1)); transformers'
+    own stacked `...mlp.experts.gate_up_proj` (as it holds them in memory) is a whole. Mixtral's
     `block_sparse_moe` and w1/w3/w2 are read as `mlp` and gate/up/down."""
     parts = hf_name.split(".")
     parts = ["mlp" if p == "block_sparse_moe" else p for p in parts]
@@ -215,7 +216,8 @@ def _load_safetensors(model: LlamaForCausalLM, hf_dir: Path) -> None:
     if not files:
         raise ValueError(f"model: no *.safetensors files in {hf_dir}")
     params = dict(model.named_parameters())
-    expected = {(name, where) for name, parts in _regions(model).items() for where in parts}
+    regions = _regions(model)
+    expected = {(name, where) for name, parts in regions.items() for where in parts}
     loaded: set[tuple[str, tuple[int, ...]]] = set()
     for file in files:
         with safe_open(str(file), framework="pt") as reader:
@@ -223,6 +225,10 @@ def _load_safetensors(model: LlamaForCausalLM, hf_dir: Path) -> None:
                 if "rotary_emb" in hf_name or (hf_name == "lm_head.weight" and model.tie_word_embeddings):
                     continue
                 name, where = _checkpoint_name_to_ours(hf_name)
+                if not where and name in regions:  # whole: transformers' own stacked experts too
+                    params[name].copy_(reader.get_tensor(hf_name))
+                    loaded.update((name, part) for part in regions[name])
+                    continue
                 if (name, where) not in expected:
                     raise ValueError(f"model: unexpected weight {hf_name!r} in {file.name}")
                 _region(model, name, params[name], where).copy_(reader.get_tensor(hf_name))

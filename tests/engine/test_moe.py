@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from common.errors import InvalidRequestError
+from common.model_source import embedded_gguf_path
 from harness.hf_reference import assert_matches_up_to_ties
-from harness.tiny_moe import CONFIGS, save_tiny_moe, tiny_moe
+from harness.tiny_moe import CONFIGS, save_tiny_moe, tiny_moe, write_qwen3_moe_gguf
 from replica_engine import LLM, SamplingParams
 from replica_engine.kernels import cpu as cpu_kernels
 from replica_engine.kernels.quantized_weight import QuantizedWeight, dequantize, quantize_int8
@@ -144,6 +145,32 @@ def test_the_fused_cpu_kernel_matches_one_matmul_pair_per_expert(dtype, num_toke
     assert held.packed is not None and held.gate_up_proj is None
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: rounded once, not per expert
     torch.testing.assert_close(held(x, ids, weights), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_a_gguf_mixture_serves_its_experts_in_their_own_blocks(tmp_path: Path, tokenizer):
+    """A Qwen3-MoE written as llama.cpp writes one (3D expert tensors, Q8_0 blocks, the embedded
+    SmolLM2's tokenizer): loaded from the file, each expert holds the file's 8-bit codes, and the
+    logprobs match the same file served dequantized (`quantization: none`) but for the kernel's
+    rounding of activations to int16."""
+    path = write_qwen3_moe_gguf(
+        tiny_moe("qwen3_moe", mlp_only_layers=[]), tmp_path / "moe.gguf", embedded_gguf_path()
+    )
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    native = LLM(str(path), dtype="float32")
+    assert native.engine.config.quantization == "gguf"
+    experts = native.engine.core.runner.model.model.layers[0].mlp.experts
+    assert experts.num_experts == 8 and experts.kernel_weights is not None
+    gate_up, down = experts.kernel_weights[5]
+    assert (gate_up.bits, gate_up.out_features, gate_up.in_features) == (8, 64, 64)
+    assert (down.out_features, down.in_features) == (64, 32)
+    dequantized = LLM(str(path), dtype="float32", quantization="none")
+    for ours, theirs in zip(
+        native.generate(PROMPTS, params), dequantized.generate(PROMPTS, params), strict=True
+    ):
+        for mine, reference in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=False):
+            if mine.token_id != reference.token_id:  # a near-tie went the other way: stop there
+                break
+            assert abs(mine.logprob - reference.logprob) <= 1e-2
 
 
 def test_layouts_a_mixture_cannot_take_are_refused_by_name():
