@@ -115,6 +115,10 @@ def read_adapter(
         layer, module, which = int(match[1]), match[2], match[3]
         if module not in targets:
             raise refuse(f"tensor {key!r} is for {module!r}, not among target_modules {sorted(targets)}")
+        if module in MLP_MODULES and _has_experts(model_config):
+            raise refuse(
+                f"tensor {key!r} targets {module!r} of a mixture of experts: no LoRA on its MLPs yet"
+            )
         if layer >= model_config.num_hidden_layers:
             raise refuse(
                 f"tensor {key!r} is for layer {layer}; the model has {model_config.num_hidden_layers}"
@@ -132,6 +136,11 @@ def read_adapter(
     if not tensors:
         raise refuse(f"{WEIGHTS_FILE} holds no LoRA weights")
     return AdapterInfo(lora, rank, scaling, tuple(tensors))
+
+
+def _has_experts(model_config: Any) -> bool:
+    """A mixture of experts (Mixtral's or Qwen-MoE's config fields)."""
+    return bool(getattr(model_config, "num_local_experts", 0) or getattr(model_config, "num_experts", 0))
 
 
 def _read_json(path: str, refuse: Any) -> Mapping[str, Any]:

@@ -22,6 +22,7 @@ from replica_engine.lora.linear import LoRALinear, LoRAStep
 from replica_engine.lora.slots import AdapterSlots
 from replica_engine.models.layers import MergedLinear
 from replica_engine.models.llama import LlamaForCausalLM
+from replica_engine.models.moe import SparseMoeBlock
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class LoRAManager:
         self.linears: dict[tuple[int, str], LoRALinear] = {}  # (layer, attribute path) -> its slots
         for index, layer in enumerate(model.model.layers):
             for path in {place for place, _ in _PLACES.values()}:
+                if path.startswith("mlp.") and isinstance(layer.mlp, SparseMoeBlock):
+                    continue  # experts take no adapters (read_adapter refuses MLP targets)
                 linear = layer.get_submodule(path)
                 shards = linear.shard_sizes if isinstance(linear, MergedLinear) else [linear.out_features]
                 ranges = [(sum(shards[:i]), sum(shards[: i + 1])) for i in range(len(shards))]

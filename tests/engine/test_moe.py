@@ -5,14 +5,18 @@ against their dequantized weights."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from common.errors import InvalidRequestError
+from common.lora import LoRARequest
 from common.model_source import embedded_gguf_path
 from harness.hf_reference import assert_matches_up_to_ties
+from harness.lora_adapters import save_random_adapter
 from harness.tiny_moe import CONFIGS, save_tiny_moe, tiny_moe, write_qwen3_moe_gguf
 from replica_engine import LLM, SamplingParams
 from replica_engine.kernels import cpu as cpu_kernels
@@ -171,6 +175,30 @@ def test_a_gguf_mixture_serves_its_experts_in_their_own_blocks(tmp_path: Path, t
             if mine.token_id != reference.token_id:  # a near-tie went the other way: stop there
                 break
             assert abs(mine.logprob - reference.logprob) <= 1e-2
+
+
+def test_attention_adapters_apply_and_mlp_adapters_are_refused_by_name(tmp_path: Path, model_dir: Path):
+    hf = tiny_moe("qwen3_moe")
+    directory = save_tiny_moe(hf, tmp_path / "model", model_dir)
+    attention = save_random_adapter(hf, tmp_path / "attention", seed=1, target_modules=("q_proj", "v_proj"))
+    mlp = save_random_adapter(hf, tmp_path / "mlp", seed=2, target_modules=("q_proj", "down_proj"))
+    llm = LLM(str(directory), dtype="float32", enable_lora=True)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    plain = llm.generate(PROMPTS[:1], params)[0].outputs[0].token_ids
+    adapted = llm.generate(PROMPTS[:1], params, lora_request=LoRARequest("attention", str(attention)))
+    assert adapted[0].outputs[0].token_ids != plain
+    with pytest.raises(InvalidRequestError, match="experts"):  # peft's tensors for the experts
+        llm.generate(PROMPTS[:1], params, lora_request=LoRARequest("mlp", str(mlp)))
+    # the dense layer's MLP (mlp_only_layers) is refused too: no LoRA on a mixture's MLPs yet
+    tensors = load_file(attention / "adapter_model.safetensors")
+    dense = {k.replace("layers.1.self_attn.v_proj", "layers.1.mlp.down_proj"): v for k, v in tensors.items()}
+    save_file(dense, attention / "adapter_model.safetensors")
+    config = json.loads((attention / "adapter_config.json").read_text())
+    (attention / "adapter_config.json").write_text(
+        json.dumps({**config, "target_modules": ["q_proj", "v_proj", "down_proj"]})
+    )
+    with pytest.raises(InvalidRequestError, match="'down_proj' of a mixture of experts"):
+        llm.generate(PROMPTS[:1], params, lora_request=LoRARequest("dense", str(attention)))
 
 
 def test_layouts_a_mixture_cannot_take_are_refused_by_name():

@@ -145,8 +145,13 @@ def test_layouts_the_model_cannot_take_are_refused_by_name(settings, message):
         LLM(dtype="float32", **settings)
 
 
-def test_a_dead_worker_fails_the_request_and_no_one_hangs():
-    split_llm = LLM(model="dummy:tiny-llama", dtype="float32", kv_cache_bytes=4 << 20, tensor_parallel_size=2)
+@pytest.mark.parametrize(
+    "layout",
+    [{"model": "dummy:tiny-llama"}, {"model": "dummy:tiny-moe", "enable_expert_parallel": True}],
+    ids=["tensor_parallel", "expert_parallel"],
+)
+def test_a_dead_worker_fails_the_request_and_no_one_hangs(layout):
+    split_llm = LLM(dtype="float32", kv_cache_bytes=4 << 20, tensor_parallel_size=2, **layout)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     assert len(split_llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids) == 4
     executor = split_llm.engine.core.runner
