@@ -310,6 +310,40 @@ ENGINE_SPECS: dict[str, BenchSpec] = {
             ),
         ),
     ),
+    "cpu_moe": BenchSpec(
+        "benchmarks/moe_cpu.md",
+        "A mixture of experts' decode steps on this CPU against the floor of the experts they touch",
+        (
+            Values(
+                "floors",
+                "Floors measured in the same run (the best of several methods):",
+                (
+                    Col("read bandwidth (GB/s)", "floors/read_gb_per_s"),
+                    Col("bf16 matmul GFLOP/s", "floors/matmul_bfloat16_gflop_per_s"),
+                    Col("quantized matmul GOP/s", "floors/matmul_quantized_gop_per_s"),
+                ),
+            ),
+            Rows(
+                "steps",
+                "Decode steps of `dummy:small-moe`, ~260 tokens of context each (experts read: the "
+                "distinct experts the step's tokens picked, summed over the 12 layers, of all held):",
+                "steps",
+                (),
+                (
+                    Col("weights", "variant", "str"),
+                    Col("decodes", "batch", "int"),
+                    Col("step", "step_ms", "ms_value"),
+                    Col("in the experts", "experts_ms", "ms_value"),
+                    Col("experts' share", "experts_share", "pct"),
+                    Col("experts read", ("experts_read", "experts_held"), ("int", "int")),
+                    Col("touched-expert floor", "floor_ms", "ms_value"),
+                    Col("all-expert floor", "all_experts_floor_ms", "ms_value"),
+                    Col("step / floor", "ratio", "x"),
+                    Col("goal", "goal_met", "met"),
+                ),
+            ),
+        ),
+    ),
     "token_budget_threads": BenchSpec(
         "benchmarks/token_budget_threads.md",
         "One TBT target on a 1-thread and a 2-thread replica: adaptive against fixed budget",
