@@ -2,7 +2,7 @@
 SmolLM2's tokenizer and ChatML template) deployed by Ray Serve with its experts split over two
 workers (`enable_expert_parallel`), asked through the official `openai` client: streamed chat
 equals the whole answer and the offline engine's greedy tokens, and a required tool call holds
-to the tool's schema (the grammar steers a random model's tokens as any other)."""
+to the tool's schema (the grammar steers a random model's tokens as any other's)."""
 
 from __future__ import annotations
 
@@ -18,21 +18,9 @@ from deployments.app import AppArgs, build_app
 from harness.serve_cluster import ServeCluster
 from harness.tiny_moe import save_tiny_moe, tiny_moe
 from replica_engine import LLM, SamplingParams
+from tests.serve.test_reasoning_model import ASK, WEATHER  # the city an enum: one answer
 
 APP = "moe"
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
 ENGINE = {"dtype": "float32", "max_model_len": 512, "kv_cache_bytes": 16 << 20}
 
 
@@ -90,5 +78,5 @@ def test_a_required_tool_call_holds_to_the_tools_schema(client: openai.OpenAI):
     [call] = answer.choices[0].message.tool_calls or []
     assert call.function.name == "get_weather"
     arguments = json.loads(call.function.arguments)
-    assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+    assert arguments == {"city": "Paris"}
     assert answer.choices[0].finish_reason == "tool_calls"
