@@ -37,7 +37,7 @@ SOURCES = [
         "cpu_quantized_linear.cpp",
     )
 ]
-HEADERS = ("simd.h", "cpu_pointwise.h", "cpu_attention.h", "cpu_linear.h", "parallel.h")
+HEADERS = ("simd.h", "cpu_pointwise.h", "cpu_attention.h", "cpu_linear.h", "cpu_moe.h", "parallel.h")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -201,6 +201,28 @@ def packed_moe(
     assert ops is not None, "weights are only packed where the kernels are built"
     ids, weights = top_ids.contiguous(), top_weights.float().contiguous()
     return ops.packed_moe(x.contiguous(), ids, weights, gate_up, down, first, width)
+
+
+def quantized_moe(
+    x: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_weights: torch.Tensor,
+    gate_up: QuantizedWeight,
+    down: QuantizedWeight,
+    first: int,
+    width: int,
+) -> torch.Tensor | None:
+    """packed_moe over quantized experts (stacked by quantized_weight.stack_quantized); None where
+    the kernel does not apply (no kernels, a dtype or width it lacks): go expert by expert."""
+    ops = _ops_for(x)
+    if ops is None or width % 32 or x.shape[1] % 32:
+        return None
+    ids, weights = top_ids.contiguous(), top_weights.float().contiguous()
+    g, d = gate_up, down
+    return ops.quantized_moe(
+        x.contiguous(), ids, weights, g.codes, g.scales, g.bits, g.group, d.codes, d.scales, d.bits, d.group,
+        first, width,
+    )  # fmt: skip
 
 
 def rms_norm(

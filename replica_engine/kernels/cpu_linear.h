@@ -18,6 +18,15 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 torch::Tensor packed_moe(const torch::Tensor& x, const torch::Tensor& top_ids, const torch::Tensor& top_weights,
                          const torch::Tensor& gate_up, const torch::Tensor& down, int64_t first, int64_t width);
 
+// As packed_moe, over experts kept quantized (cpu_quantized_linear.cpp's layout, each projection's
+// experts stacked: codes [E, ...] uint8, scales [E, ...] float16, one format per projection); x and
+// the experts' hidden rows are quantized to int16 per 32 k as quantized_linear does.
+torch::Tensor quantized_moe(const torch::Tensor& x, const torch::Tensor& top_ids, const torch::Tensor& top_weights,
+                            const torch::Tensor& gate_up_codes, const torch::Tensor& gate_up_scales,
+                            int64_t gate_up_bits, int64_t gate_up_group, const torch::Tensor& down_codes,
+                            const torch::Tensor& down_scales, int64_t down_bits, int64_t down_group, int64_t first,
+                            int64_t width);
+
 // x [M, K] @ W.T for W kept quantized (cpu_quantized_linear.cpp's layout: uint8 codes, float16
 // scales; `bits` 4 or 8 per code, `group` 16 or 32 k per scale); x is quantized to int16 per 32 k.
 torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,

@@ -224,6 +224,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x @ weight.T over a packed weight", py::call_guard<py::gil_scoped_release>());
   m.def("packed_moe", &packed_moe, "a mixture's experts: tokens grouped by expert, weighted, summed",
         py::call_guard<py::gil_scoped_release>());
+  m.def("quantized_moe", &quantized_moe, "packed_moe over experts kept quantized",
+        py::call_guard<py::gil_scoped_release>());
   m.def("quantized_linear", &quantized_linear, "x @ weight.T over a quantized weight",
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache",

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cpu_linear.h"
+#include "cpu_moe.h"
 #include "cpu_pointwise.h"
 #include "parallel.h"
 #include "simd.h"
@@ -184,54 +185,18 @@ torch::Tensor packed_moe_typed(const torch::Tensor& x, const torch::Tensor& top_
                                const torch::Tensor& gate_up, const torch::Tensor& down, int64_t first, int64_t width) {
   using T = typename P::T;
   const int64_t tokens = x.size(0), H = x.size(1), k = top_ids.size(1), experts = gate_up.size(0);
-  const int64_t* picked = top_ids.data_ptr<int64_t>();
-  // A counting sort of the (token, slot) pairs by expert; experts outside this worker's are skipped.
-  std::vector<int64_t> counts(experts, 0);
-  for (int64_t i = 0; i < tokens * k; ++i) {
-    const int64_t e = picked[i] - first;
-    if (e >= 0 && e < experts) ++counts[e];
-  }
-  std::vector<int64_t> ids, starts, rows, next(experts);
-  int64_t total = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    next[e] = total;
-    if (counts[e]) {
-      ids.push_back(e);
-      starts.push_back(total);
-      rows.push_back(counts[e]);
-    }
-    total += counts[e];
-  }
-  std::vector<int64_t> pair_of(total);  // row -> its (token, slot) pair
-  for (int64_t i = 0; i < tokens * k; ++i) {
-    const int64_t e = picked[i] - first;
-    if (e >= 0 && e < experts) pair_of[next[e]++] = i;
-  }
+  const RoutedRows routed = route_rows(top_ids, first, experts);
   auto out = torch::zeros({tokens, H}, x.options().dtype(torch::kFloat32));
-  if (total == 0) return out.to(x.scalar_type());
-  auto gathered = torch::empty({total, H}, x.options());
-  const T* xp = x.data_ptr<T>();
-  T* gp = gathered.data_ptr<T>();
-  for (int64_t r = 0; r < total; ++r) std::memcpy(gp + r * H, xp + (pair_of[r] / k) * H, H * sizeof(T));
-  auto gate_up_rows = torch::empty({total, 2 * width}, x.options());
-  const int64_t gate_up_stride = gate_up.numel() / experts, down_stride = down.numel() / experts;
-  experts_pass<P>(gp, gate_up.data_ptr<T>(), gate_up_stride, ids, starts, rows, gate_up_rows.data_ptr<T>(), H,
-                  2 * width);
+  if (routed.total == 0) return out.to(x.scalar_type());
+  const auto gathered = gather_rows(x, routed.pair_of, k);
+  auto gate_up_rows = torch::empty({routed.total, 2 * width}, x.options());
+  experts_pass<P>(gathered.data_ptr<T>(), gate_up.data_ptr<T>(), gate_up.numel() / experts, routed.ids, routed.starts,
+                  routed.rows, gate_up_rows.data_ptr<T>(), H, 2 * width);
   const auto hidden = silu_mul(gate_up_rows);
-  auto down_rows = torch::empty({total, H}, x.options());
-  experts_pass<P>(hidden.data_ptr<T>(), down.data_ptr<T>(), down_stride, ids, starts, rows, down_rows.data_ptr<T>(),
-                  width, H);
-  // Each row, rounded to the dtype as the down projection's output is, times its routing weight,
-  // summed into its token's output in float32 (one rounding at the end).
-  const float* weights = top_weights.data_ptr<float>();
-  const T* dp = down_rows.data_ptr<T>();
-  float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < total; ++r) {
-    const float w = weights[pair_of[r]];
-    float* o = op + (pair_of[r] / k) * H;
-    const T* d = dp + r * H;
-    for (int64_t h = 0; h < H; ++h) o[h] += w * static_cast<float>(d[h]);
-  }
+  auto down_rows = torch::empty({routed.total, H}, x.options());
+  experts_pass<P>(hidden.data_ptr<T>(), down.data_ptr<T>(), down.numel() / experts, routed.ids, routed.starts,
+                  routed.rows, down_rows.data_ptr<T>(), width, H);
+  add_weighted_rows(out, down_rows, top_weights, routed.pair_of, k);
   return out.to(x.scalar_type());
 }
 

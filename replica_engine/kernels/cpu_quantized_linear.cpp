@@ -21,6 +21,8 @@
 #include <vector>
 
 #include "cpu_linear.h"
+#include "cpu_moe.h"
+#include "cpu_pointwise.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -145,13 +147,13 @@ void micro_kernel(const QuantizedRows& x, const uint8_t* codes, const at::Half* 
   }
 }
 
-// Every row against kNB blocks: 4 rows at a time, then the rest.
+// Rows [first, last) against kNB blocks: 4 rows at a time, then the rest.
 template <int kBits, int64_t kGroup, int64_t kNB, typename Out>
-void rows_for_blocks(const QuantizedRows& x, const uint8_t* codes, const at::Half* scales, Out* y, int64_t M,
-                     int64_t K, int64_t N, int64_t block0) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) micro_kernel<kBits, kGroup, 4, kNB>(x, codes, scales, y, m, K, N, block0);
-  switch (M - m) {
+void rows_for_blocks(const QuantizedRows& x, const uint8_t* codes, const at::Half* scales, Out* y, int64_t first,
+                     int64_t last, int64_t K, int64_t N, int64_t block0) {
+  int64_t m = first;
+  for (; m + 4 <= last; m += 4) micro_kernel<kBits, kGroup, 4, kNB>(x, codes, scales, y, m, K, N, block0);
+  switch (last - m) {
     case 3: micro_kernel<kBits, kGroup, 3, kNB>(x, codes, scales, y, m, K, N, block0); break;
     case 2: micro_kernel<kBits, kGroup, 2, kNB>(x, codes, scales, y, m, K, N, block0); break;
     case 1: micro_kernel<kBits, kGroup, 1, kNB>(x, codes, scales, y, m, K, N, block0); break;
@@ -176,8 +178,8 @@ void quantized_linear_rows(const QuantizedRows& x, const uint8_t* codes, const a
         micro_kernel<kBits, kGroup, 2, 4>(x, codes, scales, y, 0, K, N, block0);
       } else {
         for (int64_t b = block0; b < block0 + nb; b += 2) {
-          if (b + 2 <= block0 + nb) rows_for_blocks<kBits, kGroup, 2>(x, codes, scales, y, M, K, N, b);
-          else rows_for_blocks<kBits, kGroup, 1>(x, codes, scales, y, M, K, N, b);
+          if (b + 2 <= block0 + nb) rows_for_blocks<kBits, kGroup, 2>(x, codes, scales, y, 0, M, K, N, b);
+          else rows_for_blocks<kBits, kGroup, 1>(x, codes, scales, y, 0, M, K, N, b);
         }
       }
     }
@@ -193,7 +195,89 @@ void dispatch_format(int64_t bits, int64_t group, const QuantizedRows& x, const 
   else TORCH_CHECK(false, "quantized_linear: no kernel for ", bits, "-bit codes in groups of ", group);
 }
 
+// One pass of quantized_moe: each active expert's rows of x (rows[a] from starts[a], expert ids[a])
+// against its weight (codes and scales of expert ids[a] in the stacked tensors), into y; threads
+// take (expert, run of 2 column blocks) items in turn, as packed_moe's passes do.
+template <int kBits, int64_t kGroup, typename Out>
+void quantized_experts_pass(const QuantizedRows& x, const uint8_t* codes, const at::Half* scales,
+                            const std::vector<int64_t>& ids, const std::vector<int64_t>& starts,
+                            const std::vector<int64_t>& rows, Out* y, int64_t K, int64_t N) {
+  const int64_t blocks = (N + kCols - 1) / kCols, runs = (blocks + 1) / 2, groups = K / kGroup;
+  const int64_t code_stride = blocks * groups * Format<kBits, kGroup>::kGroupBytes;
+  const int64_t scale_stride = blocks * groups * 2 * kCols;
+  parallel_chunks(static_cast<int64_t>(ids.size()) * runs, 1, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t a = item / runs, b = (item % runs) * 2;
+      const uint8_t* c = codes + ids[a] * code_stride;
+      const at::Half* s = scales + ids[a] * scale_stride;
+      const int64_t m0 = starts[a], m1 = starts[a] + rows[a];
+      if (b + 2 <= blocks) rows_for_blocks<kBits, kGroup, 2>(x, c, s, y, m0, m1, K, N, b);
+      else rows_for_blocks<kBits, kGroup, 1>(x, c, s, y, m0, m1, K, N, b);
+    }
+  });
+}
+
+template <typename T>
+void quantized_experts_dispatch(const QuantizedRows& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                                int64_t bits, int64_t group, const std::vector<int64_t>& ids,
+                                const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, T* y, int64_t K,
+                                int64_t N) {
+  const auto* c = codes.data_ptr<uint8_t>();
+  const auto* s = scales.data_ptr<at::Half>();
+  if (bits == 4 && group == 32) quantized_experts_pass<4, 32>(x, c, s, ids, starts, rows, y, K, N);
+  else if (bits == 8 && group == 32) quantized_experts_pass<8, 32>(x, c, s, ids, starts, rows, y, K, N);
+  else if (bits == 8 && group == 16) quantized_experts_pass<8, 16>(x, c, s, ids, starts, rows, y, K, N);
+  else TORCH_CHECK(false, "quantized_moe: no kernel for ", bits, "-bit codes in groups of ", group);
+}
+
+template <typename T>
+QuantizedRows quantize_tensor(const torch::Tensor& x) {
+  return quantize_rows(x.data_ptr<T>(), x.size(0), x.size(1));
+}
+
 }  // namespace
+
+torch::Tensor quantized_moe(const torch::Tensor& x, const torch::Tensor& top_ids, const torch::Tensor& top_weights,
+                            const torch::Tensor& gate_up_codes, const torch::Tensor& gate_up_scales,
+                            int64_t gate_up_bits, int64_t gate_up_group, const torch::Tensor& down_codes,
+                            const torch::Tensor& down_scales, int64_t down_bits, int64_t down_group, int64_t first,
+                            int64_t width) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && width % 32 == 0 && x.size(1) % 32 == 0, "quantized_moe: layout");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "quantized_moe: x float32 or bfloat16");
+  TORCH_CHECK(gate_up_codes.is_contiguous() && gate_up_scales.is_contiguous() && down_codes.is_contiguous() &&
+                  down_scales.is_contiguous() && gate_up_scales.scalar_type() == torch::kFloat16 &&
+                  down_scales.scalar_type() == torch::kFloat16,
+              "quantized_moe: stacked uint8 codes and float16 scales");
+  const int64_t H = x.size(1), experts = gate_up_codes.size(0);
+  const RoutedRows routed = route_rows(top_ids, first, experts);
+  const int64_t tokens = x.size(0), k = top_ids.size(1), total = routed.total;
+  auto out = torch::zeros({tokens, H}, x.options().dtype(torch::kFloat32));
+  if (total == 0) return out.to(x.scalar_type());
+  const auto gathered = gather_rows(x, routed.pair_of, k);
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const QuantizedRows xq = bf16 ? quantize_tensor<at::BFloat16>(gathered) : quantize_tensor<float>(gathered);
+  auto gate_up = torch::empty({total, 2 * width}, x.options());
+  if (bf16) {
+    quantized_experts_dispatch(xq, gate_up_codes, gate_up_scales, gate_up_bits, gate_up_group, routed.ids,
+                               routed.starts, routed.rows, gate_up.data_ptr<at::BFloat16>(), H, 2 * width);
+  } else {
+    quantized_experts_dispatch(xq, gate_up_codes, gate_up_scales, gate_up_bits, gate_up_group, routed.ids,
+                               routed.starts, routed.rows, gate_up.data_ptr<float>(), H, 2 * width);
+  }
+  const auto hidden = silu_mul(gate_up);
+  const QuantizedRows hq = bf16 ? quantize_tensor<at::BFloat16>(hidden) : quantize_tensor<float>(hidden);
+  auto down = torch::empty({total, H}, x.options());
+  if (bf16) {
+    quantized_experts_dispatch(hq, down_codes, down_scales, down_bits, down_group, routed.ids, routed.starts,
+                               routed.rows, down.data_ptr<at::BFloat16>(), width, H);
+  } else {
+    quantized_experts_dispatch(hq, down_codes, down_scales, down_bits, down_group, routed.ids, routed.starts,
+                               routed.rows, down.data_ptr<float>(), width, H);
+  }
+  add_weighted_rows(out, down, top_weights, routed.pair_of, k);
+  return out.to(x.scalar_type());
+}
 
 torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                                int64_t N, int64_t bits, int64_t group, bool float32_out) {

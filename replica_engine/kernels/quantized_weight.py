@@ -12,7 +12,7 @@ built."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,6 +57,22 @@ def pack_quantized(
 
     scales = torch.stack((by_block(d), by_block(m)), dim=2).to(torch.float16).contiguous()
     return QuantizedWeight(packed, scales, n, k, bits, group)
+
+
+def stack_quantized(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """Weights of one shape and format (a layer's experts) as one: codes and scales with a leading
+    expert dimension (out_features and in_features stay each one's); None where they differ."""
+    first = weights[0]
+    shape = (first.out_features, first.in_features, first.bits, first.group)
+    if any((w.out_features, w.in_features, w.bits, w.group) != shape for w in weights):
+        return None
+    codes, scales = torch.stack([w.codes for w in weights]), torch.stack([w.scales for w in weights])
+    return replace(first, codes=codes, scales=scales)
+
+
+def unstacked(stacked: QuantizedWeight, index: int) -> QuantizedWeight:
+    """One weight of stack_quantized's: views of its codes and scales."""
+    return replace(stacked, codes=stacked.codes[index], scales=stacked.scales[index])
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:

@@ -25,7 +25,7 @@ from torch import nn
 
 from replica_engine.kernels import cpu as cpu_kernels
 from replica_engine.kernels import pointwise
-from replica_engine.kernels.quantized_weight import QuantizedWeight
+from replica_engine.kernels.quantized_weight import QuantizedWeight, stack_quantized, unstacked
 from replica_engine.models.layers import MLP, Linear
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -79,9 +79,10 @@ class Experts(nn.Module):
         self.num_experts = num_experts  # held here
         self.expert_width = width  # under tensor parallelism, this worker's slice of it
         self.first = 0  # the global id of the first expert held here
-        # On the CPU: packed float weights stacked for packed_moe (gate_up, down), or quantized or
-        # AMX-tiled ones per expert, (gate_up, down) in the kernels' layout.
+        # On the CPU: packed float weights stacked for packed_moe (gate_up, down); quantized ones
+        # stacked for quantized_moe, with per-expert views of them; or AMX-tiled ones per expert.
         self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.quantized: tuple[QuantizedWeight, QuantizedWeight] | None = None
         self.kernel_weights: list[tuple[KernelWeight, KernelWeight]] | None = None
 
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
@@ -97,6 +98,12 @@ class Experts(nn.Module):
             return cpu_kernels.packed_moe(
                 x, top_ids, top_weights, gate_up, down, self.first, self.expert_width
             )
+        if self.quantized is not None:
+            gate_up_q, down_q = self.quantized
+            width = self.expert_width
+            out = cpu_kernels.quantized_moe(x, top_ids, top_weights, gate_up_q, down_q, self.first, width)
+            if out is not None:
+                return out
         return self._grouped(x, local, top_weights)
 
     def _grouped(self, x: torch.Tensor, local: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
@@ -126,16 +133,24 @@ class Experts(nn.Module):
         return self.gate_up_proj[expert], self.down_proj[expert]
 
     def hold(self, weights: list[tuple[QuantizedWeight, QuantizedWeight]]) -> None:
-        """Serve from quantized per-expert weights; the float ones are freed."""
+        """Serve from quantized per-expert weights (stacked where every expert's projection has
+        one format, for quantized_moe); the float ones are freed."""
         assert len(weights) == self.num_experts
         self.kernel_weights, self.gate_up_proj, self.down_proj = list(weights), None, None
+        gate_up, down = (stack_quantized([pair[i] for pair in weights]) for i in (0, 1))
+        if gate_up is not None and down is not None:  # the per-expert weights become views
+            self.quantized = (gate_up, down)
+            self.kernel_weights = [
+                (unstacked(gate_up, e), unstacked(down, e)) for e in range(self.num_experts)
+            ]
 
     def pack_for_cpu(self, amx_weights: bool = False) -> None:
         """The CPU kernels' layouts (as layers.Linear.pack_for_cpu does for one weight): float
         weights packed and stacked for packed_moe, or, with AMX copies, per expert; quantized
         ones get their AMX copies. Where the kernels do not apply, the float weights stay."""
         if self.kernel_weights is not None:
-            if amx_weights:
+            if amx_weights:  # steps of many rows multiply AMX copies, expert by expert
+                self.quantized = None
                 self.kernel_weights = [
                     (cpu_kernels.tiled_weight(g, None), cpu_kernels.tiled_weight(d, None))  # type: ignore[arg-type]
                     for g, d in self.kernel_weights
