@@ -7,6 +7,17 @@
 #include <cstring>
 #include <vector>
 
+// Both kernels' routing inputs: top_ids [T, k] int64 and top_weights [T, k] float32 for x's T rows.
+inline void check_routing(const torch::Tensor& x, const torch::Tensor& top_ids, const torch::Tensor& top_weights,
+                          const char* op) {
+  TORCH_CHECK(top_ids.scalar_type() == torch::kInt64 && top_ids.dim() == 2 && top_ids.is_contiguous() &&
+                  top_ids.size(0) == x.size(0),
+              op, ": top_ids [T, k] int64");
+  TORCH_CHECK(top_weights.scalar_type() == torch::kFloat32 && top_weights.is_contiguous() &&
+                  top_weights.sizes() == top_ids.sizes(),
+              op, ": top_weights [T, k] float32");
+}
+
 struct RoutedRows {
   std::vector<int64_t> ids, starts, rows;  // per active expert: its id, first row, row count
   std::vector<int64_t> pair_of;            // row -> its (token, slot) pair, token * k + slot

@@ -230,9 +230,30 @@ void quantized_experts_dispatch(const QuantizedRows& x, const torch::Tensor& cod
   else TORCH_CHECK(false, "quantized_moe: no kernel for ", bits, "-bit codes in groups of ", group);
 }
 
+// quantized_moe for x of dtype T (float or bfloat16): both passes' rows quantized to int16 as
+// quantized_linear quantizes its x.
 template <typename T>
-QuantizedRows quantize_tensor(const torch::Tensor& x) {
-  return quantize_rows(x.data_ptr<T>(), x.size(0), x.size(1));
+torch::Tensor quantized_moe_typed(const torch::Tensor& x, const torch::Tensor& top_ids,
+                                  const torch::Tensor& top_weights, const torch::Tensor& gate_up_codes,
+                                  const torch::Tensor& gate_up_scales, int64_t gate_up_bits, int64_t gate_up_group,
+                                  const torch::Tensor& down_codes, const torch::Tensor& down_scales, int64_t down_bits,
+                                  int64_t down_group, int64_t first, int64_t width) {
+  const int64_t tokens = x.size(0), H = x.size(1), k = top_ids.size(1);
+  const RoutedRows routed = route_rows(top_ids, first, gate_up_codes.size(0));
+  auto out = torch::zeros({tokens, H}, x.options().dtype(torch::kFloat32));
+  if (routed.total == 0) return out.to(x.scalar_type());
+  const auto gathered = gather_rows(x, routed.pair_of, k);
+  auto gate_up = torch::empty({routed.total, 2 * width}, x.options());
+  quantized_experts_dispatch(quantize_rows(gathered.data_ptr<T>(), routed.total, H), gate_up_codes, gate_up_scales,
+                             gate_up_bits, gate_up_group, routed.ids, routed.starts, routed.rows,
+                             gate_up.data_ptr<T>(), H, 2 * width);
+  const auto hidden = silu_mul(gate_up);
+  auto down = torch::empty({routed.total, H}, x.options());
+  quantized_experts_dispatch(quantize_rows(hidden.data_ptr<T>(), routed.total, width), down_codes, down_scales,
+                             down_bits, down_group, routed.ids, routed.starts, routed.rows, down.data_ptr<T>(), width,
+                             H);
+  add_weighted_rows(out, down, top_weights, routed.pair_of, k);
+  return out.to(x.scalar_type());
 }
 
 }  // namespace
@@ -249,34 +270,14 @@ torch::Tensor quantized_moe(const torch::Tensor& x, const torch::Tensor& top_ids
                   down_scales.is_contiguous() && gate_up_scales.scalar_type() == torch::kFloat16 &&
                   down_scales.scalar_type() == torch::kFloat16,
               "quantized_moe: stacked uint8 codes and float16 scales");
-  const int64_t H = x.size(1), experts = gate_up_codes.size(0);
-  const RoutedRows routed = route_rows(top_ids, first, experts);
-  const int64_t tokens = x.size(0), k = top_ids.size(1), total = routed.total;
-  auto out = torch::zeros({tokens, H}, x.options().dtype(torch::kFloat32));
-  if (total == 0) return out.to(x.scalar_type());
-  const auto gathered = gather_rows(x, routed.pair_of, k);
-  const bool bf16 = x.scalar_type() == torch::kBFloat16;
-  const QuantizedRows xq = bf16 ? quantize_tensor<at::BFloat16>(gathered) : quantize_tensor<float>(gathered);
-  auto gate_up = torch::empty({total, 2 * width}, x.options());
-  if (bf16) {
-    quantized_experts_dispatch(xq, gate_up_codes, gate_up_scales, gate_up_bits, gate_up_group, routed.ids,
-                               routed.starts, routed.rows, gate_up.data_ptr<at::BFloat16>(), H, 2 * width);
-  } else {
-    quantized_experts_dispatch(xq, gate_up_codes, gate_up_scales, gate_up_bits, gate_up_group, routed.ids,
-                               routed.starts, routed.rows, gate_up.data_ptr<float>(), H, 2 * width);
+  check_routing(x, top_ids, top_weights, "quantized_moe");
+  if (x.scalar_type() == torch::kBFloat16) {
+    return quantized_moe_typed<at::BFloat16>(x, top_ids, top_weights, gate_up_codes, gate_up_scales, gate_up_bits,
+                                             gate_up_group, down_codes, down_scales, down_bits, down_group, first,
+                                             width);
   }
-  const auto hidden = silu_mul(gate_up);
-  const QuantizedRows hq = bf16 ? quantize_tensor<at::BFloat16>(hidden) : quantize_tensor<float>(hidden);
-  auto down = torch::empty({total, H}, x.options());
-  if (bf16) {
-    quantized_experts_dispatch(hq, down_codes, down_scales, down_bits, down_group, routed.ids, routed.starts,
-                               routed.rows, down.data_ptr<at::BFloat16>(), width, H);
-  } else {
-    quantized_experts_dispatch(hq, down_codes, down_scales, down_bits, down_group, routed.ids, routed.starts,
-                               routed.rows, down.data_ptr<float>(), width, H);
-  }
-  add_weighted_rows(out, down, top_weights, routed.pair_of, k);
-  return out.to(x.scalar_type());
+  return quantized_moe_typed<float>(x, top_ids, top_weights, gate_up_codes, gate_up_scales, gate_up_bits,
+                                    gate_up_group, down_codes, down_scales, down_bits, down_group, first, width);
 }
 
 torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,

@@ -63,12 +63,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, backend: AttentionBackend, index: int) -> None:
+    def __init__(self, config, backend: AttentionBackend, moe: MoeShape | None) -> None:
+        """`moe`: the model's experts where this layer has them; None: a dense MLP."""
         super().__init__()
         self.self_attn = Attention(config, backend)
-        moe = MoeShape.of(config)
         self.mlp: MLP | SparseMoeBlock
-        if moe is not None and index in moe.sparse_layers:
+        if moe is not None:
             self.mlp = SparseMoeBlock(config, moe)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size)
@@ -95,7 +95,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers))
+        moe = MoeShape.of(config)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, moe if moe is not None and i in moe.sparse_layers else None)
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

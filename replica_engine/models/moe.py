@@ -4,10 +4,11 @@ gated MLP, and a Qwen2-MoE layer adds a shared expert behind a sigmoid gate.
 
 The experts' weights are stacked, [E, 2I, H] (gate | up) and [E, H, I] (down), as transformers
 holds them. A GPU runs them in two Triton launches over tokens sorted by expert (triton_moe.py).
-A CPU with our kernels runs packed float weights in one call (packed_moe: tokens grouped by
-expert, each active expert's weights streamed in one parallel region); quantized experts (int8)
-and AMX copies go one matmul pair per active expert through kernels/cpu.py's linear. Either way
-a decode step reads only the experts its batch touches.
+A CPU with our kernels runs a layer's experts in one call, tokens grouped by expert and each
+active expert's weights streamed in one parallel region: packed_moe for packed float weights,
+quantized_moe for int8 or GGUF ones; with AMX copies (amx_weights) they go one matmul pair per
+active expert through kernels/cpu.py's linear. Either way a decode step reads only the experts
+its batch touches.
 
 Under tensor parallelism each worker holds a slice of every expert's width; under expert
 parallelism (EngineConfig.enable_expert_parallel) a run of whole experts. Either way every worker
@@ -87,11 +88,11 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """sum over each token's picked experts held here of weight * expert(x): [T, H]."""
-        local = top_ids - self.first
         if x.is_cuda:
             from replica_engine.kernels import triton_moe
 
             assert self.gate_up_proj is not None and self.down_proj is not None
+            local = top_ids - self.first
             return triton_moe.fused_moe(x, self.gate_up_proj, self.down_proj, local, top_weights)
         if self.packed is not None:
             gate_up, down = self.packed
@@ -104,10 +105,11 @@ class Experts(nn.Module):
             out = cpu_kernels.quantized_moe(x, top_ids, top_weights, gate_up_q, down_q, self.first, width)
             if out is not None:
                 return out
-        return self._grouped(x, local, top_weights)
+        return self._grouped(x, top_ids, top_weights)
 
-    def _grouped(self, x: torch.Tensor, local: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """Tokens sorted by expert; one matmul pair per expert with any."""
+        local = top_ids - self.first
         flat = local.flatten()
         held = ((flat >= 0) & (flat < self.num_experts)).nonzero().squeeze(1)
         order = held[flat[held].argsort(stable=True)]  # (token, slot) pairs, by expert
