@@ -28,8 +28,8 @@ from bench.engine.step_timing import (
     ExpertUse,
     ModelTime,
     StepWork,
+    expert_bytes,
     step_result,
-    step_work,
     time_decode_steps,
 )
 from replica_engine import LLMEngine
@@ -70,7 +70,7 @@ def measure(variant: Variant, floors: dict, num_steps: int) -> list[MoeStep]:
     rates = floors["read_gb_per_s"] * 1e9, max(floors[r] for r in variant.rates) * 1e9
     layers = engine.core.runner.model.model.layers
     held = sum(layer.mlp.shape.num_experts for layer in layers if isinstance(layer.mlp, SparseMoeBlock))
-    one_expert = step_work(engine, [], 0, experts_read=1).bytes_read - step_work(engine, [], 0).bytes_read
+    one_expert = expert_bytes(engine)
     results = []
     for batch in BATCHES:
         timing, work = time_decode_steps(engine, model_time, batch, CONTEXT, num_steps, expert_use)

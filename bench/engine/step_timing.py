@@ -41,7 +41,7 @@ def step_work(
     linear_params = sum(m.in_features * m.out_features for m in linears)
     vocab_params = model.config.vocab_size * model.config.hidden_size  # the logits' matrix, tied or not
     logits_weight = model._logits_weight()
-    # (a router is a plain nn.Linear: no kernel weight)
+    # (a shared expert's gate is a plain nn.Linear: no kernel weight)
     weight_bytes = sum(
         _bytes(getattr(m, "packed", None), m.in_features * m.out_features, itemsize) for m in linears
     )
@@ -51,18 +51,32 @@ def step_work(
         4 * q * (ctx - q / 2) * attention.num_heads * attention.head_dim * len(layers) for q, ctx in rows
     )
     num_tokens = sum(q for q, _ in rows)
-    blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoeBlock)]
+    blocks = _sparse_blocks(engine)
     if blocks:  # every sparse layer alike
+        weight_bytes += experts_read * expert_bytes(engine)
         hidden, width = model.config.hidden_size, blocks[0].shape.expert_width
-        experts = blocks[0].experts  # packed float weights, or quantized ones per expert
-        gate_up, down = experts.kernel_weights[0] if experts.kernel_weights else (None, None)
-        expert_bytes = _bytes(gate_up, 2 * hidden * width, itemsize) + _bytes(down, hidden * width, itemsize)
-        weight_bytes += experts_read * expert_bytes
         linear_params += blocks[0].shape.top_k * 3 * hidden * width * len(blocks)
     return StepWork(
         bytes_read=weight_bytes + kv_per_token * sum(ctx for _, ctx in rows),
         flops=2 * num_tokens * linear_params + 2 * num_sampled * vocab_params + attention_flops,
     )
+
+
+def _sparse_blocks(engine: LLMEngine) -> list[SparseMoeBlock]:
+    layers = engine.core.runner.model.model.layers
+    return [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+
+def expert_bytes(engine: LLMEngine) -> float:
+    """What one expert of one sparse layer holds (gate, up, down: quantized ones in their own
+    bytes); every sparse layer's experts alike. 0 for a dense model."""
+    blocks = _sparse_blocks(engine)
+    if not blocks:
+        return 0.0
+    hidden, width = engine.core.runner.model.config.hidden_size, blocks[0].shape.expert_width
+    experts, itemsize = blocks[0].experts, engine.config.torch_dtype.itemsize
+    gate_up, down = experts.kernel_weights[0] if experts.kernel_weights else (None, None)
+    return _bytes(gate_up, 2 * hidden * width, itemsize) + _bytes(down, hidden * width, itemsize)
 
 
 def _bytes(weight: object, params: int, itemsize: int) -> int:

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from bench.engine.step_timing import ExpertUse, ModelTime, StepWork, step_result, step_work, time_decode_steps
+from bench.engine.step_timing import (
+    ExpertUse,
+    ModelTime,
+    StepWork,
+    expert_bytes,
+    step_result,
+    time_decode_steps,
+)
 from bench.gpu.gpu_steps import DeviceRates, free_device_memory
 from replica_engine import EngineConfig, LLMEngine
 
@@ -52,10 +59,7 @@ def measure(plan: MoePlan, device: str, rates: DeviceRates) -> list[dict]:
             if use is not None:
                 read_by_batch[batch] = use.median(plan.num_steps)[0]
             else:  # the eager run's count, priced on this run's weights
-                one = (
-                    step_work(engine, [], 0, experts_read=1).bytes_read - step_work(engine, [], 0).bytes_read
-                )
-                work = StepWork(work.bytes_read + read_by_batch[batch] * one, work.flops)
+                work = StepWork(work.bytes_read + read_by_batch[batch] * expert_bytes(engine), work.flops)
             case = f"decode-b{batch}" + (" graphs" if graphs else "")
             result = step_result("bfloat16", case, timing, work, floor_rates, True, GOAL_RATIO)
             results.append({**asdict(result), "experts_read": read_by_batch[batch]})
