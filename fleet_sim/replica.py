@@ -98,6 +98,7 @@ class SimExecutor:
         self.step_time = step_time
         self.pipeline_depth = pipeline_depth
         self.schedules_ahead = False
+        self.kv_layout = None
         self.adapters = adapters or SimAdapters(1, 1, 0.0)
         self.elapsed_s = 0.0
         self.last_step_s: float | None = None  # of the latest step call; 0: it only submitted
@@ -210,7 +211,7 @@ class SimReplica:
 
     def holds_block(self, block_hash: bytes) -> bool:
         """Whether its prefix cache holds this block now (what vLLM's KV events tell llm-d)."""
-        return self.core.kv_cache_manager.holds(block_hash)
+        return self.core.kv_cache_manager.cached_block(block_hash) is not None
 
     def report(self) -> RoutingStats:
         """The routing report, with the step-time model a real replica would have learned."""

@@ -23,6 +23,7 @@ from collections import defaultdict
 from collections.abc import AsyncGenerator, Callable
 
 from common.finish_reason import FinishReason
+from common.kv_transfer import KvBlocks
 from common.sampling_params import SamplingParams
 from replica_engine.config import EngineConfig
 from replica_engine.core_client import CoreClient, ThreadCore
@@ -112,16 +113,25 @@ class AsyncEngine:
         return self.error is None and self.client.is_alive()
 
     async def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        kv_export: bool = False,
+        kv: KvBlocks | None = None,
     ) -> RequestStream:
         """Validate and send a request (raising InvalidRequestError at once if it is bad); return
-        its stream. Closing the stream early (or cancelling the task reading it) aborts it."""
+        its stream. Closing the stream early (or cancelling the task reading it) aborts it.
+        Prefill/decode disaggregation: `kv_export` puts its prompt's full blocks in its final
+        output (a prefill replica's request); `kv`, such blocks, are adopted before it runs."""
         self._check_alive()
         # Compiled on a worker thread, before the request is sent: a step never waits for it.
         grammar = None
         if params is not None and params.structured_outputs is not None:
             grammar = await asyncio.to_thread(self.inputs.compile_grammar, params)
-        return self._submit(self.inputs.make_request(prompt, params, request_id, self._open_queues, grammar))
+        request = self.inputs.make_request(prompt, params, request_id, self._open_queues, grammar)
+        request.kv_export = kv_export
+        return self._submit(request, kv)
 
     async def add_embedding_request(self, prompt: Prompt, request_id: str | None = None) -> RequestStream:
         """As add_request, for a prompt-only request: its stream's one output carries the
@@ -129,7 +139,7 @@ class AsyncEngine:
         self._check_alive()
         return self._submit(self.inputs.make_embedding_request(prompt, request_id, self._open_queues))
 
-    def _submit(self, request: Request) -> RequestStream:
+    def _submit(self, request: Request, kv: KvBlocks | None = None) -> RequestStream:
         """Send a checked request to the core; its stream, read on this event loop."""
         request_id = request.request_id
         key = f"{request_id}#{next(self._keys)}"
@@ -144,7 +154,7 @@ class AsyncEngine:
             self._open_queues.pop(request_id, None)
             self._sinks.pop(key, None)
             self._check_alive()
-        self.client.send(AddRequest(request))
+        self.client.send(AddRequest(request, kv))
         close = functools.partial(self._close_stream, request_id, output_queue)
         return RequestStream(self._read(output_queue, close), close)
 

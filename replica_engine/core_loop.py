@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.finish_reason import FinishReason
+from common.kv_transfer import KvBlocks
 from common.metrics_sinks import MetricOp
 from replica_engine.engine_core import EngineCore
 from replica_engine.errors import StepFailedError
@@ -36,6 +37,7 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 @dataclass(frozen=True)
 class AddRequest:
     request: Request  # its id is unique per add (the frontend's key), never reused
+    kv: KvBlocks | None = None  # its prompt's leading blocks, computed by a prefill replica
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,7 @@ class CoreLoop:
             if message == SHUTDOWN:
                 return None
             if isinstance(message, AddRequest):
-                self.core.add_request(message.request)
+                self.core.add_request(message.request, message.kv)
             elif isinstance(message, AbortRequest):
                 final = self.core.abort_request(message.request_id, message.reason)
                 if final is not None:

@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 
 from common.errors import InvalidRequestError
 from common.finish_reason import FinishReason
+from common.kv_transfer import KvBlocks
 from common.model_source import ModelSource, resolve_model
 from common.prompts import Prompt, PromptProcessor
 from common.sampling_params import SamplingParams
@@ -126,16 +127,24 @@ class LLMEngine:
         return self.inputs.prompts.chat_prompt(messages, tools=tools, template_kwargs=template_kwargs)[1]
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        kv_export: bool = False,
+        kv: KvBlocks | None = None,
     ) -> str:
-        return self._add(self.inputs.make_request(prompt, params, request_id, in_flight=self._states))
+        """Queue a request; `kv_export` and `kv` as AsyncEngine.add_request's."""
+        request = self.inputs.make_request(prompt, params, request_id, in_flight=self._states)
+        request.kv_export = kv_export
+        return self._add(request, kv)
 
     def add_embedding_request(self, prompt: Prompt, request_id: str | None = None) -> str:
         """A prompt-only request: its final output carries the prompt's embedding."""
         return self._add(self.inputs.make_embedding_request(prompt, request_id, in_flight=self._states))
 
-    def _add(self, request: Request) -> str:
-        self.core.add_request(request)
+    def _add(self, request: Request, kv: KvBlocks | None = None) -> str:
+        self.core.add_request(request, kv)
         self._states[request.request_id] = RequestState(
             request, self.inputs.tokenizer, functools.partial(self._end_by_stop_string, request.request_id)
         )

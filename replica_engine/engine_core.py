@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
 from common.finish_reason import FinishReason
+from common.kv_transfer import KvBlocks
 from common.logprobs import TokenLogprob
 from replica_engine.errors import StepFailedError
 from replica_engine.executor import Executor, PipelinedExecutor, RunnerOutput, SampledTokens
@@ -141,8 +142,48 @@ class EngineCore:
         )
         return model
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, kv: KvBlocks | None = None) -> None:
+        """Queue the request; with `kv` (its prompt's leading blocks, from a prefill replica),
+        adopt them first: its admission then finds them in the prefix cache."""
+        if kv is not None:
+            self._adopt(request, kv)
         self.scheduler.add_request(request)
+
+    def _adopt(self, request: Request, kv: KvBlocks) -> None:
+        """Hold pool blocks for `kv`'s blocks and write their K/V; what does not fit, or blocks
+        of another layout or prompt (the last one's hash differs), the request computes itself."""
+        manager = self.kv_cache_manager
+        num_blocks = min(kv.num_blocks, (request.num_prompt_tokens - 1) // manager.block_size)
+        sized = kv.data is None or kv.data.nbytes == kv.nbytes
+        if kv.layout != self.runner.kv_layout or num_blocks < kv.num_blocks or not sized:
+            logger.warning("request %s: the K/V it brought does not fit this engine", request.request_id)
+            return
+        hashes = manager.block_hashes(request, num_blocks)
+        if not hashes or hashes[-1] != kv.last_hash:
+            logger.warning("request %s: the K/V it brought is another prompt's", request.request_id)
+            return
+        to_write = manager.hold_prefix(request, num_blocks)
+        if to_write and kv.data is not None:
+            indices, block_ids = zip(*to_write, strict=True)
+            self.runner.write_kv_blocks(list(block_ids), kv.data, list(indices))
+
+    def _export(self, request: Request) -> KvBlocks | None:
+        """A finished request's prompt: the leading full blocks the prefix cache still holds (all
+        of them, as it has just finished), read for a decode replica. None if there are none."""
+        manager, layout = self.kv_cache_manager, self.runner.kv_layout
+        if layout is None:
+            return None
+        block_ids = []
+        hashes = manager.block_hashes(request, (request.num_prompt_tokens - 1) // manager.block_size)
+        for block_hash in hashes:
+            block_id = manager.cached_block(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        if not block_ids:
+            return None
+        data = self.runner.read_kv_blocks(block_ids)
+        return KvBlocks(layout, len(block_ids), hashes[len(block_ids) - 1], data)
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> CoreOutput | None:
         """Finish a request now, freeing its blocks; None if it is not in flight."""
@@ -358,6 +399,7 @@ class EngineCore:
         request.last_token_time = now
         first = len(request.output_token_ids) == num_new
         wants_prompt_logprobs = first and request.sampling_params.prompt_logprobs is not None
+        kv = self._export(request) if request.kv_export and request.is_finished else None
         return CoreOutput(
             request.request_id,
             request.output_token_ids[-num_new:],
@@ -366,4 +408,5 @@ class EngineCore:
             request.num_cached_tokens,
             new_logprobs=[] if logprob is None else [logprob],
             prompt_logprobs=request.prompt_logprobs if wants_prompt_logprobs else None,
+            kv=kv,
         )

@@ -12,7 +12,10 @@ from common.logprobs import TokenLogprob
 from replica_engine.scheduler.plan import ScheduledBatch
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
+
+    from common.kv_transfer import KvLayout
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class Executor(Protocol):
     # Async scheduling: a batch may hold requests of the batch before it, whose sampled tokens
     # it takes on the device (placeholders); else a request in flight sits out.
     schedules_ahead: bool
+    # Its KV pool's shape, where it can read and write blocks for another replica (prefill/decode
+    # disaggregation); None where it cannot (parallel workers hold parts of each block).
+    kv_layout: KvLayout | None
 
     def allocate_kv_cache(self, pool_size: int) -> None:
         """`pool_size` blocks of K/V per layer, the null block included."""
@@ -50,6 +56,14 @@ class Executor(Protocol):
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Compute every scheduled token; sample one token per `batch.sampling_rows`."""
         ...
+
+    def read_kv_blocks(self, block_ids: list[int]) -> np.ndarray | None:
+        """These blocks' K/V as flat bytes in `kv_layout.shape(len(block_ids))` (None: the
+        simulator's, which holds no data). Only where kv_layout is set."""
+        ...
+
+    def write_kv_blocks(self, block_ids: list[int], data: np.ndarray, indices: list[int]) -> None:
+        """Write blocks `indices` of `data` (read_kv_blocks' bytes) into `block_ids`."""
 
 
 class PipelinedExecutor(Executor, Protocol):

@@ -86,10 +86,6 @@ class KVCacheManager:
             self._cached_snapshot = tuple(self._cached)
         return self._cached_snapshot
 
-    def holds(self, block_hash: BlockHash) -> bool:
-        """Whether a block holds this content (in use or cached free)."""
-        return block_hash in self._cached
-
     @property
     def pool_size(self) -> int:
         return self.num_blocks + 1
@@ -119,6 +115,10 @@ class KVCacheManager:
         params = request.sampling_params
         root = root_hash(self.model, params.cache_salt)
         return adapter_root(root, params.lora)
+
+    def cached_block(self, block_hash: BlockHash) -> int | None:
+        """The block holding this content, if any (in use or cached free)."""
+        return self._cached.get(block_hash)
 
     def find_cached_blocks(self, request: Request) -> list[int]:
         """The longest run of the request's leading full blocks that the cache holds, leaving at
@@ -151,6 +151,37 @@ class KVCacheManager:
                 self._cached_snapshot = None
         request.num_hashed_blocks = num_full
 
+    def hold_prefix(self, request: Request, num_blocks: int) -> list[tuple[int, int]]:
+        """Adopt K/V computed elsewhere (a prefill replica's) for the request's first `num_blocks`
+        full blocks: each is held for it until its admission takes it as a prefix-cache hit
+        (`release_hold`). A block the cache already holds is held as it is; the others take free
+        blocks, hashed now, and are returned as (block index, block id): the caller writes their
+        K/V before any step runs. Stops where the pool runs short (the request computes the rest);
+        nothing without prefix caching, which is how the request finds them."""
+        if not self.enable_prefix_caching:
+            return []
+        to_write = []
+        for index, block_hash in enumerate(self.block_hashes(request, num_blocks)):
+            block_id = self._cached.get(block_hash)
+            if block_id is not None:
+                self._take_cached(self.blocks[block_id])
+            elif self._free:
+                block_id = self._take_free_block()
+                self.blocks[block_id].block_hash = block_hash
+                self._cached[block_hash] = block_id
+                self._cached_snapshot = None
+                to_write.append((index, block_id))
+            else:
+                break
+            request.held_block_ids.append(block_id)
+        return to_write
+
+    def release_hold(self, request: Request) -> None:
+        """Let go of the blocks held for the request by `hold_prefix` (once admitted, it holds
+        the ones it found itself; aborted while waiting, they stay cached)."""
+        self._release(request.held_block_ids)
+        request.held_block_ids = []
+
     # -- allocation ---------------------------------------------------------------------
     def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
         needed = blocks_for_tokens(request.num_planned_tokens + num_new_tokens, self.block_size)
@@ -166,15 +197,19 @@ class KVCacheManager:
         if num_new > len(self._free) - sum(block.ref_count == 0 for block in hits):
             return False
         for block in hits:
-            if block.ref_count == 0:
-                del self._free[block.block_id]
-                self.num_free_cached_blocks -= 1
-            block.ref_count += 1
+            self._take_cached(block)
             request.block_ids.append(block.block_id)
         request.num_computed_tokens += num_hit_tokens
         request.num_hashed_blocks += len(hits)
         request.block_ids.extend(self._take_free_block() for _ in range(num_new))
         return True
+
+    def _take_cached(self, block: Block) -> None:
+        """One more holder of a block found by its hash (out of the free queue if it was free)."""
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+            self.num_free_cached_blocks -= 1
+        block.ref_count += 1
 
     def _take_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)
@@ -191,7 +226,13 @@ class KVCacheManager:
         """Let go of the request's blocks. Cached ones join the LRU tail in reverse, so its last
         blocks are evicted first (a shared prefix outlives its suffixes); blocks without a hash
         hold nothing reusable and go to the head, to be reused before any cached one."""
-        for block_id in reversed(request.block_ids):
+        self._release(request.block_ids)
+        request.block_ids = []
+        request.num_hashed_blocks = 0
+        self.release_hold(request)
+
+    def _release(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count > 0:
@@ -201,5 +242,3 @@ class KVCacheManager:
                 self._free.move_to_end(block_id, last=False)
             else:
                 self.num_free_cached_blocks += 1
-        request.block_ids = []
-        request.num_hashed_blocks = 0

@@ -12,11 +12,14 @@ placeholders read them there) and `collect` waits for its tokens' copies to the 
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 
+import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+from common.kv_transfer import KvLayout
 from common.logprobs import TokenLogprob
 from common.model_source import ModelSource
 from common.sampling_params import SamplingParams
@@ -26,7 +29,7 @@ from replica_engine.config import EngineConfig
 from replica_engine.decode_graphs import DecodeGraphs
 from replica_engine.executor import RunnerOutput
 from replica_engine.flat_batch import FlatBatch, build_flat_batch
-from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens, blocks_in_bytes, kv_block_bytes
+from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens, blocks_in_bytes
 from replica_engine.logprobs import logprobs_of
 from replica_engine.lora.manager import LoRAManager
 from replica_engine.models.llama import LlamaForCausalLM
@@ -72,13 +75,15 @@ class ModelRunner:
             )
 
     @property
+    def kv_layout(self) -> KvLayout:
+        dtype = self.config.torch_dtype
+        name = str(dtype).removeprefix("torch.")
+        return KvLayout(len(self.model.model.layers), *self.kv_shape, name, dtype.itemsize)
+
+    @property
     def bytes_per_block(self) -> int:
         """K and V of every layer for one block of tokens."""
-        block_size, num_kv_heads, head_dim = self.kv_shape
-        num_layers = len(self.model.model.layers)
-        return kv_block_bytes(
-            num_layers, block_size, num_kv_heads, head_dim, self.config.torch_dtype.itemsize
-        )
+        return self.kv_layout.block_bytes
 
     def num_kv_blocks(self) -> int:
         """How many blocks requests may hold (the null block comes on top): num_kv_blocks where
@@ -139,6 +144,33 @@ class ModelRunner:
             )
             for _ in self.model.model.layers
         ]
+
+    @torch.inference_mode()
+    def read_kv_blocks(self, block_ids: list[int]) -> np.ndarray:
+        """These blocks' K/V, copied to the host as flat bytes in kv_layout.shape(len(block_ids))."""
+        index = torch.tensor(block_ids, device=self.device)
+        shape = (len(self.kv_caches), 2, len(block_ids), *self.kv_shape)
+        out = torch.empty(shape, dtype=self.config.torch_dtype, pin_memory=self.device.type == "cuda")
+        for layer, (keys, values) in enumerate(self.kv_caches):
+            out[layer, 0].copy_(keys.index_select(0, index), non_blocking=True)
+            out[layer, 1].copy_(values.index_select(0, index), non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return out.view(torch.uint8).numpy().reshape(-1)
+
+    @torch.inference_mode()
+    def write_kv_blocks(self, block_ids: list[int], data: np.ndarray, indices: list[int]) -> None:
+        """Write blocks `indices` of `data` (read_kv_blocks' bytes, of this layout) into `block_ids`."""
+        num_blocks = data.nbytes // self.bytes_per_block
+        with warnings.catch_warnings():  # a fetched buffer may be read-only: it is only read
+            warnings.simplefilter("ignore", UserWarning)
+            blocks = torch.from_numpy(data).view(self.config.torch_dtype)
+        blocks = blocks.view(len(self.kv_caches), 2, num_blocks, *self.kv_shape)
+        source = blocks[:, :, indices].to(self.device, non_blocking=True)
+        index = torch.tensor(block_ids, device=self.device)
+        for layer, (keys, values) in enumerate(self.kv_caches):
+            keys.index_copy_(0, index, source[layer, 0])
+            values.index_copy_(0, index, source[layer, 1])
 
     def release(self, request_ids: list[str]) -> None:
         """Forget rows outside the scheduler's batches (a startup profile's)."""

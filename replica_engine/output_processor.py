@@ -58,7 +58,9 @@ class RequestState:
                     self.on_stop_string()
                 break
         logprobs = output.new_logprobs[: len(new_token_ids)]  # none past a stop string
-        return self._output(new_token_ids, finish_reason, logprobs, output.prompt_logprobs, output.embedding)
+        delta = self._output(new_token_ids, finish_reason, logprobs, output.prompt_logprobs, output.embedding)
+        delta.kv = output.kv
+        return delta
 
     def finish(self, reason: FinishReason) -> RequestDelta | None:
         """End the request here (abort, timeout): the last output, with any held-back text."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.finish_reason import FinishReason
+from common.kv_transfer import KvBlocks
 from common.logprobs import TokenLogprob
 
 
@@ -47,6 +48,7 @@ class CoreOutput:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token, if asked
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1..; with the first token
     embedding: list[float] | None = None  # an embedding request's, when it finishes
+    kv: KvBlocks | None = None  # its prompt's blocks, when a request that exports them finishes
 
     @property
     def finished(self) -> bool:
@@ -68,6 +70,7 @@ class RequestDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of new_token_ids, if asked
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., in the first output
     embedding: list[float] | None = None  # an embedding request's, in its final output
+    kv: KvBlocks | None = None  # a request that exports its prompt's blocks: in its final output
 
 
 @dataclass

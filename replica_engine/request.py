@@ -64,6 +64,11 @@ class Request:
     # estimates the chance of the next one kept from them; one of each: a prior of one half).
     drafts_kept: float = 1.0
     drafts_rejected: float = 1.0
+    # Prefill/decode disaggregation: export its prompt's full blocks when it finishes (a prefill
+    # replica's request), or the blocks held for it since they were adopted from one, until its
+    # admission takes them as prefix-cache hits (a decode replica's).
+    kv_export: bool = False
+    held_block_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -66,6 +66,7 @@ class ParallelExecutor:
         # Pipeline stages each hold a batch: the core submits that many before it collects.
         self.pipeline_depth = config.pipeline_parallel_size
         self.schedules_ahead = False  # the workers would need the core's sampled tokens
+        self.kv_layout = None  # each worker holds part of each block: no blocks move between replicas
         self._in_flight: deque[tuple[ScheduledBatch, Future[torch.Tensor] | None]] = deque()
 
     def num_kv_blocks(self) -> int:

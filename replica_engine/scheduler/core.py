@@ -270,6 +270,7 @@ class Scheduler:
             ):
                 return
             self.waiting.pop_first()
+            self.kv_cache_manager.release_hold(request)  # it holds what it found of them itself
             self._touch_adapter(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:

@@ -54,3 +54,21 @@ def test_the_null_block_is_never_handed_out():
     assert sorted(request.block_ids) == [1, 2, 3, 4, 5] and kv.num_free_blocks == 0
     kv.free(request)
     assert sorted(free_block_ids(kv)) == [1, 2, 3, 4, 5]
+
+
+def test_adopted_blocks_are_held_until_admission_and_stop_where_the_pool_runs_short():
+    """hold_prefix (prefill/decode disaggregation): a block the cache holds is held as it is, the
+    others take free blocks, hashed at once; the pool running short ends the run."""
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    first = Request("a", list(range(1, 10)), SamplingParams())
+    assert kv.allocate(first, 9)
+    first.num_computed_tokens = 9
+    kv.cache_computed_blocks(first)  # blocks 0 and 1 of this prompt are cached
+    kv.free(first)
+    adopting = Request("b", list(range(1, 30)), SamplingParams())  # 7 full blocks to adopt
+    to_write = kv.hold_prefix(adopting, 7)
+    assert [index for index, _ in to_write] == [2, 3]  # two cached, two free blocks, then short
+    assert len(adopting.held_block_ids) == 4 and kv.num_free_blocks == 0
+    assert kv.find_cached_blocks(adopting) == adopting.held_block_ids  # found by admission
+    kv.release_hold(adopting)
+    assert kv.num_free_blocks == 4 and kv.num_free_cached_blocks == 4  # free, still cached
