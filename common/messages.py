@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.finish_reason import FinishReason
+from common.kv_transfer import KvHandle
 from common.logprobs import TokenLogprob
 from common.lora import LoRARequest
 from common.sampling_params import SamplingParams
@@ -25,6 +26,15 @@ class GenerateRequest:
     # that match text: Ray's PrefixCacheAffinityRouter reads a `prompt` attribute (and never
     # answers a request whose text is empty: it divides by its length).
     prompt: str = ""
+    # Prefill/decode disaggregation: per prompt, where a prefill replica published its KV blocks
+    # (None: that prompt is computed by the replica that gets this); None: no prefill ran.
+    kv_handles: list[KvHandle | None] | None = None
+
+    @property
+    def wants_prefill(self) -> bool:
+        """Whether a prefill replica may compute its prompts: not where prompt logprobs are
+        asked (they are computed where the request runs, never read from the cache)."""
+        return all(params.prompt_logprobs is None for params in self.params)
 
     @property
     def n(self) -> int:

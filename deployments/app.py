@@ -14,6 +14,7 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from deployments.app_args import AppArgs
+from deployments.disaggregated_engine import PrefillDecode
 from deployments.engine_replica import EngineReplica
 from deployments.in_process_engine import ColocatedReplica
 from deployments.ingress import Ingress, IngressSettings
@@ -133,6 +134,13 @@ def _replica_options(args: AppArgs, config: EngineConfig) -> dict[str, Any]:
     }
 
 
+def _engine_replicas(args: AppArgs, name: str, kv_connector: str | None = None) -> Application:
+    """A deployment of EngineReplica for one model (or one role of it)."""
+    config = args.engine_config()
+    replica = EngineReplica.options(name=name, **_replica_options(args, config), **_routing(args))
+    return replica.bind(config, args.served_name(), args.cpu_threads, kv_connector)
+
+
 def build_app(args: AppArgs) -> Application:
     settings = IngressSettings(
         args.api_key_env, args.api_key_file, args.max_request_body_bytes, args.request_timeout_s
@@ -143,13 +151,19 @@ def build_app(args: AppArgs) -> Application:
         ingress = Ingress.options(**_replica_options(args, config), **_ingress_routing())
         return ingress.bind([(colocated, model_settings(args, config))], settings)
     several = args.models is not None
-    engines = []
+    engines: list[tuple[Any, ModelSettings]] = []
     for index, model in enumerate(args.per_model(), 1):
+        suffix = f"-{index}" if several else ""
         config = model.engine_config()
-        name = f"EngineReplica-{index}" if several else "EngineReplica"
-        replica = EngineReplica.options(name=name, **_replica_options(model, config), **_routing(model))
-        bound = replica.bind(config, model.served_name(), model.cpu_threads)
-        engines.append((bound, model_settings(model, config)))
+        if model.disaggregation is None:
+            engines.append((_engine_replicas(model, f"EngineReplica{suffix}"), model_settings(model, config)))
+            continue
+        connector = model.disaggregation.kv_connector
+        prefill, decode = (
+            _engine_replicas(model.role(role), f"{role.title()}Replica{suffix}", connector)
+            for role in ("prefill", "decode")
+        )
+        engines.append((PrefillDecode(prefill, decode), model_settings(model, config)))
     ingress = Ingress.options(
         max_ongoing_requests=args.ingress_max_ongoing_requests,
         num_replicas=args.ingress_replicas,

@@ -46,6 +46,45 @@ APP_SETTINGS = frozenset(
 )
 
 
+# What a role of `disaggregation` (its prefill or its decode deployment) may set over the model's.
+ROLE_SETTINGS = frozenset(
+    {
+        "engine",
+        "num_replicas",
+        "autoscaling_config",
+        "num_gpus",
+        "num_cpus",
+        "resources",
+        "cpu_threads",
+        "request_router",
+        "max_ongoing_requests",
+        "max_queued_requests",
+        "target_kv_cache_usage",
+        "target_waiting_requests",
+        "target_ongoing_requests",
+        "target_utilization",
+        "backlog_drain_s",
+    }
+)
+ROLE_ROUTERS = {"prefill": "kv_prefix", "decode": "kv_pressure"}  # where a role sets none
+
+
+class Disaggregation(BaseModel):
+    """`disaggregation:` prefill and decode in deployments of their own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kv_connector: Literal["auto", "shared_memory", "tcp", "object_store"] = "auto"
+    prefill: dict[str, Any] = Field(default_factory=dict)
+    decode: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _role_settings(cls, role: dict[str, Any]) -> dict[str, Any]:
+        _check_known(role, ROLE_SETTINGS, "settings for a role")
+        return role
+
+
 def _check_known(given: dict[str, Any], known: frozenset[str], what: str) -> None:
     unknown = sorted(set(given) - known)
     if unknown:
@@ -241,6 +280,17 @@ class AppArgs(BaseModel):
         "inside it (its template opens it). None: the answer is all content",
     )
 
+    disaggregation: Disaggregation | None = Field(
+        default=None,
+        description="Prefill/decode disaggregation (as Ray Serve LLM's `build_pd_openai_app`): "
+        "prompts are computed on the replicas of a `PrefillReplica` deployment, whose KV blocks "
+        "move to the replicas of a `DecodeReplica` deployment, which adopt them into their "
+        "prefix caches and decode. `kv_connector`: `auto` (shared memory on one node, TCP "
+        "between nodes), `shared_memory`, `tcp` or `object_store` (Ray's). `prefill:` and "
+        "`decode:` each set their own `num_replicas`, `engine`, `autoscaling_config`, resources, "
+        "`request_router` (defaults: `kv_prefix` for prefill, `kv_pressure` for decode) and "
+        "autoscaling targets over the ones here. Not with parallel workers",
+    )
     lora_modules: dict[str, str] = Field(
         default_factory=dict,
         description="LoRA adapters (PEFT directories) served by name, as vLLM's `--lora-modules`: "
@@ -326,6 +376,8 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _colocated_has_no_router(self) -> "AppArgs":
+        if self.ingress == "colocated" and self.disaggregation is not None:
+            raise ValueError("disaggregation: not with ingress: colocated (an Ingress calls both)")
         changed = self._separate_only_settings()
         if self.ingress == "colocated" and changed:
             raise ValueError(f"{', '.join(changed)}: not with ingress: colocated (no Ingress deployment)")
@@ -333,8 +385,8 @@ class AppArgs(BaseModel):
 
     def colocated(self) -> bool:
         """Whether each replica serves HTTP itself (`ingress`, with `auto` resolved)."""
-        if self.models is not None:
-            return False  # the Ingress picks a model's deployment
+        if self.models is not None or self.disaggregation is not None:
+            return False  # the Ingress picks a model's deployment (or both of a model's)
         if self.ingress == "auto":
             return self.num_replicas == 1 and not self._separate_only_settings()
         return self.ingress == "colocated"
@@ -388,6 +440,40 @@ class AppArgs(BaseModel):
                 where = ".".join(str(part) for part in first["loc"])
                 raise ValueError(f"models[{index}]{'.' + where if where else ''}: {first['msg']}") from None
         return found
+
+    @model_validator(mode="after")
+    def _roles_valid(self) -> "AppArgs":
+        if self.disaggregation is not None and self.models is None:
+            for name in ("prefill", "decode"):
+                self.role(name)
+        return self
+
+    def role(self, name: str) -> "AppArgs":
+        """The settings of the model's `prefill` or `decode` deployment: its role's over these."""
+        assert self.disaggregation is not None
+        entry = getattr(self.disaggregation, name)
+        merged = self.model_dump(exclude_unset=True) | {"request_router": ROLE_ROUTERS[name]} | entry
+        merged["engine"] = {**self.engine, **entry.get("engine", {})}
+        merged.pop("disaggregation", None)
+        merged.pop("llm_config", None)  # read into these settings already
+        try:
+            role = AppArgs(**merged)
+        except ValidationError as error:
+            first = error.errors(include_url=False)[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise ValueError(f"disaggregation.{name}{'.' + where if where else ''}: {first['msg']}") from None
+        config = role.engine_config()
+        if config.num_workers > 1:
+            raise ValueError(
+                f"disaggregation.{name}.engine: tensor_parallel_size and pipeline_parallel_size must "
+                "be 1 (parallel workers each hold part of a block; KV blocks do not move between them yet)"
+            )
+        if not config.enable_prefix_caching:
+            raise ValueError(
+                f"disaggregation.{name}.engine.enable_prefix_caching: must be true (moved KV blocks "
+                "are found by their prefix-cache keys)"
+            )
+        return role
 
     def lora_settings(self) -> LoraSettings:
         return LoraSettings(

@@ -5,20 +5,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing
 from typing import Any, Protocol, TypeVar
 
+import ray
 import torch
 from ray import serve
 
 from common.autoscaling_stats import KV_USAGE, WAITING, LoadMeter
 from common.block_hash import root_hash
 from common.finish_reason import FinishReason
+from common.kv_transfer import KvBlocks, KvHandle, KvTransferError
 from common.messages import ChoiceDelta, Embeddings, EmbedRequest, GenerateError, GenerateRequest
 from common.routing_stats import RoutingReporter
+from common.sampling_params import SamplingParams
+from deployments.kv_connectors import make_connector
 from replica_engine import (
     AsyncEngine,
     EngineConfig,
@@ -28,6 +33,8 @@ from replica_engine import (
 )
 from replica_engine.metrics import EngineMetrics, RayServeSink
 from replica_engine.outputs import RequestDelta
+
+logger = logging.getLogger("ray.serve")
 
 
 class ChoiceStream(Protocol):
@@ -179,9 +186,24 @@ async def _embeddings(
     yield Embeddings(vectors, sum(output.num_prompt_tokens for output in finals.values()))
 
 
+def _prompts(request: GenerateRequest) -> list[tuple[list[int], SamplingParams]]:
+    return list(zip(request.prompt_token_ids, request.params, strict=True))
+
+
+KV_FETCH_TIMEOUT_S = 30.0  # a decode replica waits this long for a prompt's blocks, then computes it
+
+
 @serve.deployment(name="EngineReplica")
 class EngineReplica:
-    def __init__(self, engine_config: EngineConfig, model_name: str, cpu_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        model_name: str,
+        cpu_threads: int | None = None,
+        kv_connector: str | None = None,
+    ) -> None:
+        """`kv_connector`: prefill/decode disaggregation's (deployments/kv_connectors.py), for a
+        replica of either role; None outside it."""
         # Ray sets OMP_NUM_THREADS to the actor's CPU count (often 1); the CPU engine wants its cores.
         if cpu_threads or not torch.cuda.is_available():
             torch.set_num_threads(cpu_threads or len(os.sched_getaffinity(0)))
@@ -195,27 +217,90 @@ class EngineReplica:
             root_hash(inputs.config.model, None),
             inputs.config.max_num_batched_tokens,
         )
+        self.connector = None
+        if kv_connector is not None:
+            node_ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+            node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else node_ip
+            self.connector = make_connector(kv_connector, node_id, node_ip)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[list[ChoiceDelta] | GenerateError]:
         """Stream the choices' deltas; a refused request yields one GenerateError and nothing else,
         and one the engine fails ends with a GenerateError. Cancelling the call (the client went
         away) aborts every choice, freeing its KV blocks."""
         # A stream's position == choice index: input i's choice j is stream i * n + j.
-        jobs = [
-            (prompt, params.for_choice(j))
-            for prompt, params in zip(request.prompt_token_ids, request.params, strict=True)
-            for j in range(request.n)
-        ]
-        starts = [
-            functools.partial(self.engine.add_request, prompt, params, f"{request.request_id}-{index}")
-            for index, (prompt, params) in enumerate(jobs)
-        ]
         with self._ongoing():
+            # A prompt's blocks from a prefill replica go with its first choice; the others find them cached.
+            kv = await self._fetch(request.kv_handles or [None] * len(request.params))
+            jobs = [
+                (prompt, params.for_choice(j), kv[i] if j == 0 else None)
+                for i, (prompt, params) in enumerate(_prompts(request))
+                for j in range(request.n)
+            ]
+            starts = [
+                functools.partial(
+                    self.engine.add_request, prompt, params, f"{request.request_id}-{index}", kv=blocks
+                )
+                for index, (prompt, params, blocks) in enumerate(jobs)
+            ]
             # closing it (a cancel) aborts at once
             async with aclosing(_serve(starts, _choice_deltas)) as items:
                 async for item in items:
                     self.metrics.stream_messages.inc(1, self.metrics.labels)
                     yield item
+
+    async def prefill(self, request: GenerateRequest) -> list[KvHandle | None] | GenerateError:
+        """Prefill/decode disaggregation's first half: compute each prompt (a token is sampled and
+        dropped) and publish its full blocks for a decode replica (None for a prompt without one,
+        or whose computation failed). A refused request gives one GenerateError. Cancelling the
+        call aborts the prompts, freeing their blocks."""
+        assert self.connector is not None, "this replica has no kv_connector: not a prefill replica"
+        starts = [
+            functools.partial(
+                self.engine.add_request,
+                prompt,
+                SamplingParams(max_tokens=1, temperature=0.0, cache_salt=params.cache_salt, lora=params.lora),
+                f"{request.request_id}-prefill-{index}",
+                kv_export=True,
+            )
+            for index, (prompt, params) in enumerate(_prompts(request))
+        ]
+        finals: dict[int, KvBlocks | None] = {}
+
+        async def keep_finals(batches: AsyncIterator[list[tuple[int, RequestDelta]]]) -> AsyncIterator[None]:
+            async for batch in batches:
+                finals.update((index, delta.kv) for index, delta in batch if delta.finished)
+            yield None
+
+        with self._ongoing():
+            async with aclosing(_serve(starts, keep_finals)) as items:  # closing it (a cancel) aborts
+                async for item in items:
+                    if isinstance(item, GenerateError):
+                        return item
+        return [await self._publish(finals.get(index)) for index in range(len(starts))]
+
+    async def _publish(self, blocks: KvBlocks | None) -> KvHandle | None:
+        if blocks is None:
+            return None
+        assert self.connector is not None
+        handle = await asyncio.to_thread(self.connector.publish, blocks)
+        self.metrics.record_kv_transfer("sent")
+        return handle
+
+    async def _fetch(self, handles: list[KvHandle | None]) -> list[KvBlocks | None]:
+        """Each prompt's blocks from where a prefill replica published them; None where it did
+        not, or where they cannot be had (the prompt is then computed here)."""
+        fetched: list[KvBlocks | None] = []
+        for handle in handles:
+            blocks = None
+            if handle is not None and self.connector is not None:
+                try:
+                    blocks = await asyncio.to_thread(self.connector.fetch, handle, KV_FETCH_TIMEOUT_S)
+                    self.metrics.record_kv_transfer("received", blocks.nbytes)
+                except KvTransferError as error:
+                    logger.warning("%s; computing the prompt here", error)
+                    self.metrics.record_kv_transfer("lost")
+            fetched.append(blocks)
+        return fetched
 
     async def embed(self, request: EmbedRequest) -> AsyncIterator[Embeddings | GenerateError]:
         """Every input's embedding, in one Embeddings; or one GenerateError, as for generate. A
@@ -276,3 +361,5 @@ class EngineReplica:
 
     def __del__(self) -> None:
         self.engine.shutdown()
+        if self.connector is not None:
+            self.connector.close()

@@ -29,6 +29,7 @@ from common.lora import LoRARequest
 from common.messages import ChoiceDelta, Embeddings, GenerateRequest
 from deployments import embeddings_api, replica_calls, tokenize_api
 from deployments.auth import check_api_key, load_api_keys
+from deployments.disaggregated_engine import PrefillDecode
 from deployments.http_metrics import MODEL_LABEL, HttpMetricsMiddleware
 from deployments.in_process_engine import ColocatedReplica
 from deployments.logprobs_format import EchoedPrompt
@@ -102,7 +103,7 @@ class IngressSettings:
 class Ingress:
     def __init__(
         self,
-        models: list[tuple[DeploymentHandle | ColocatedReplica, ModelSettings]],
+        models: list[tuple[DeploymentHandle | ColocatedReplica | PrefillDecode, ModelSettings]],
         settings: IngressSettings,
     ) -> None:
         # each model with its engine: its EngineReplica deployment's handle, or its own (colocated)

@@ -20,6 +20,7 @@ from common.model_source import ModelSource, generation_defaults, model_config_d
 from common.prompts import Prompt, PromptProcessor
 from common.sampling_params import SamplingParams
 from common.tokenizer import Message
+from deployments.disaggregated_engine import DisaggregatedEngine, PrefillDecode
 from deployments.in_process_engine import ColocatedReplica, InProcessEngine, build_in_process_engine
 from deployments.logprobs_format import LogprobsFormat
 from deployments.lora_registry import LoraRegistry, LoraSettings
@@ -52,9 +53,16 @@ def sampling_defaults(source: ModelSource, settings: ModelSettings) -> dict[str,
 
 
 class ServedModel:
-    def __init__(self, engine: DeploymentHandle | ColocatedReplica, settings: ModelSettings) -> None:
-        # its own engine (ingress: colocated), or the EngineReplica deployment's handle
-        self.engine = build_in_process_engine(engine) if isinstance(engine, ColocatedReplica) else engine
+    def __init__(
+        self, engine: DeploymentHandle | ColocatedReplica | PrefillDecode, settings: ModelSettings
+    ) -> None:
+        # its own engine (ingress: colocated), the EngineReplica deployment's handle, or the
+        # handles of its prefill and decode deployments
+        self.engine: Any = engine
+        if isinstance(engine, ColocatedReplica):
+            self.engine = build_in_process_engine(engine)
+        elif isinstance(engine, PrefillDecode):
+            self.engine = DisaggregatedEngine(engine)
         source = resolve_model(settings.model)
         self.prompts = PromptProcessor.load(source, settings.max_model_len, settings.chat_template)
         model_config = model_config_dict(source)

@@ -26,6 +26,7 @@ TOKEN_COUNT_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 
 MODEL_LABEL = "model_name"
 REASON_LABEL = "finished_reason"
 POSITION_LABEL = "position"
+OUTCOME_LABEL = "outcome"
 
 
 class EngineMetrics:
@@ -129,6 +130,15 @@ class EngineMetrics:
             "Draft tokens kept, by their position in the draft (0: the first)",
             (POSITION_LABEL,),
         )
+        self.kv_transfers = counter(
+            "kv_transfers",
+            "Prefill/decode disaggregation: prompts' KV blocks a prefill replica sent, a decode "
+            "replica received, or lost on the way (the decode replica then computed the prompt)",
+            (OUTCOME_LABEL,),
+        )
+        self.kv_transfer_bytes = counter(
+            "kv_transfer_bytes", "Prefill/decode disaggregation: KV bytes received by a decode replica"
+        )
         self._zero_at_start_series: list[tuple[Counter, dict[str, str]]] = [
             (instrument, self.labels)
             for instrument in (
@@ -156,6 +166,12 @@ class EngineMetrics:
         until its first count, CI saw it): the replica calls this again now and then."""
         for instrument, labels in self._zero_at_start_series:
             instrument.initialize(labels)
+
+    def record_kv_transfer(self, outcome: str, num_bytes: int = 0) -> None:
+        """A prompt's KV blocks `sent`, `received` (`num_bytes` of them) or `lost`."""
+        self.kv_transfers.inc(1, {**self.labels, OUTCOME_LABEL: outcome})
+        if num_bytes:
+            self.kv_transfer_bytes.inc(num_bytes, self.labels)
 
     def replay(self, ops: list[MetricOp]) -> None:
         """Apply updates another process's EngineMetrics recorded (over a BufferedSink)."""

@@ -1,0 +1,96 @@
+"""Prefill/decode disaggregation, as the Ingress sees it: one model served by two EngineReplica
+deployments, prefill and decode. `DisaggregatedEngine` answers the calls the Ingress makes of an
+engine's handle: `generate` asks a prefill replica (its router picks one by prefix-cache hits) to
+compute the prompts and publish their KV blocks, then streams from a decode replica (its router
+picks by KV pressure), which adopts the blocks and decodes. Everything else goes to the decode
+deployment.
+
+A prefill that fails (a lost replica or node, a full queue) or refuses costs nothing but time:
+the decode replica computes the prompt itself (a refusal it then gives itself, as colocated
+serving would). Cancelling the call cancels the prefill call in flight (its blocks are freed
+there) or the decode call; blocks published and never fetched are dropped by their publisher."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+
+from common.kv_transfer import KvHandle
+from common.messages import ChoiceDelta, GenerateError, GenerateRequest
+from deployments import replica_calls
+from deployments.in_process_engine import StreamCall
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class PrefillDecode:
+    """One model's two deployments (bound at build time, handles in the Ingress)."""
+
+    prefill: Any  # DeploymentHandle in the Ingress
+    decode: Any
+
+
+class _Streaming:
+    """`engine.options(stream=True)`: generate goes through both deployments; the rest (embed)
+    streams from the decode deployment."""
+
+    def __init__(self, engine: DisaggregatedEngine) -> None:
+        self._engine = engine
+
+    @property
+    def generate(self) -> _Generate:
+        return _Generate(self._engine)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine.decode.options(stream=True), name)
+
+
+class _Generate:
+    def __init__(self, engine: DisaggregatedEngine) -> None:
+        self._engine = engine
+
+    def remote(self, request: GenerateRequest) -> StreamCall:
+        return StreamCall(self._engine.generate(request))
+
+
+class DisaggregatedEngine:
+    def __init__(self, pair: PrefillDecode) -> None:
+        self.prefill: DeploymentHandle = pair.prefill
+        self.decode: DeploymentHandle = pair.decode
+
+    def options(self, stream: bool = False) -> Any:
+        return _Streaming(self) if stream else self.decode
+
+    def __getattr__(self, name: str) -> Any:  # kv_pool_tokens, stats, ...: the decode replicas'
+        return getattr(self.decode, name)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[list[ChoiceDelta] | GenerateError]:
+        """A decode replica's stream for the request, its prompts prefilled elsewhere first."""
+        handles = await self._prefill(request) if request.wants_prefill else None
+        decoded = dataclasses.replace(request, kv_handles=handles)
+        call = self.decode.options(stream=True).generate.remote(decoded)
+        try:
+            async for item in call:
+                yield item
+        finally:
+            replica_calls.cancel(call)
+
+    async def _prefill(self, request: GenerateRequest) -> list[KvHandle | None] | None:
+        """Where a prefill replica published each prompt's blocks; None if it could not."""
+        call = self.prefill.prefill.remote(request)
+        try:
+            result = await call
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except Exception as error:  # the decode replica computes the prompts instead
+            logger.warning("prefill of %s failed (%r): decoding from the prompt", request.request_id, error)
+            return None
+        return None if isinstance(result, GenerateError) else result
