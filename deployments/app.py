@@ -163,7 +163,8 @@ def build_app(args: AppArgs) -> Application:
             _engine_replicas(model.role(role), f"{role.title()}Replica{suffix}", connector)
             for role in ("prefill", "decode")
         )
-        engines.append((PrefillDecode(prefill, decode), model_settings(model, config)))
+        pair = PrefillDecode(prefill, decode, model.disaggregation.prefill_timeout_s)
+        engines.append((pair, model_settings(model, config)))
     ingress = Ingress.options(
         max_ongoing_requests=args.ingress_max_ongoing_requests,
         num_replicas=args.ingress_replicas,

@@ -75,6 +75,7 @@ class Disaggregation(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kv_connector: Literal["auto", "shared_memory", "tcp", "object_store"] = "auto"
+    prefill_timeout_s: float = Field(default=30.0, gt=0)
     prefill: dict[str, Any] = Field(default_factory=dict)
     decode: dict[str, Any] = Field(default_factory=dict)
 
@@ -289,7 +290,9 @@ class AppArgs(BaseModel):
         "between nodes), `shared_memory`, `tcp` or `object_store` (Ray's). `prefill:` and "
         "`decode:` each set their own `num_replicas`, `engine`, `autoscaling_config`, resources, "
         "`request_router` (defaults: `kv_prefix` for prefill, `kv_pressure` for decode) and "
-        "autoscaling targets over the ones here. Not with parallel workers",
+        "autoscaling targets over the ones here. A prefill that fails, or has not answered within "
+        "`prefill_timeout_s` (30), is computed by the decode replica instead, and requests skip "
+        "prefill for 5 s. Not with parallel workers",
     )
     lora_modules: dict[str, str] = Field(
         default_factory=dict,

@@ -29,12 +29,18 @@ from deployments.in_process_engine import StreamCall
 logger = logging.getLogger("ray.serve")
 
 
+# After a prefill that failed or timed out, requests skip prefill for this long: a deployment
+# whose replicas are gone (a lost node) would otherwise hold every request for its timeout.
+PREFILL_BACKOFF_S = 5.0
+
+
 @dataclass(frozen=True)
 class PrefillDecode:
     """One model's two deployments (bound at build time, handles in the Ingress)."""
 
     prefill: Any  # DeploymentHandle in the Ingress
     decode: Any
+    prefill_timeout_s: float  # then the decode replica computes the prompt
 
 
 class _Streaming:
@@ -64,6 +70,8 @@ class DisaggregatedEngine:
     def __init__(self, pair: PrefillDecode) -> None:
         self.prefill: DeploymentHandle = pair.prefill
         self.decode: DeploymentHandle = pair.decode
+        self.prefill_timeout_s = pair.prefill_timeout_s
+        self._skip_prefill_until = 0.0  # loop time
 
     def options(self, stream: bool = False) -> Any:
         return _Streaming(self) if stream else self.decode
@@ -73,7 +81,9 @@ class DisaggregatedEngine:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[list[ChoiceDelta] | GenerateError]:
         """A decode replica's stream for the request, its prompts prefilled elsewhere first."""
-        handles = await self._prefill(request) if request.wants_prefill else None
+        loop_time = asyncio.get_running_loop().time()
+        wanted = request.wants_prefill and loop_time >= self._skip_prefill_until
+        handles = await self._prefill(request) if wanted else None
         decoded = dataclasses.replace(request, kv_handles=handles)
         call = self.decode.options(stream=True).generate.remote(decoded)
         try:
@@ -86,11 +96,15 @@ class DisaggregatedEngine:
         """Where a prefill replica published each prompt's blocks; None if it could not."""
         call = self.prefill.prefill.remote(request)
         try:
-            result = await call
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
-        except Exception as error:  # the decode replica computes the prompts instead
+            async with asyncio.timeout(self.prefill_timeout_s):
+                result = await call
+        except BaseException as error:
+            replica_calls.cancel(call)
+            if not isinstance(error, Exception):  # cancelled: the client went away
+                raise
+            # A lost replica, a full queue, no replica at all (the timeout): the decode replica
+            # computes the prompts instead, and the next requests skip prefill for a while.
             logger.warning("prefill of %s failed (%r): decoding from the prompt", request.request_id, error)
+            self._skip_prefill_until = asyncio.get_running_loop().time() + PREFILL_BACKOFF_S
             return None
         return None if isinstance(result, GenerateError) else result

@@ -16,6 +16,7 @@ Blocking calls: the replica runs them on a worker thread."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import shutil
@@ -78,7 +79,8 @@ class FileConnector:
         self.name = name
         self.node_id = node_id
         self.ttl_s = ttl_s
-        self.directory = tempfile.mkdtemp(prefix="stallfree-kv-", dir=_shm_root())
+        _remove_orphans(_shm_root())
+        self.directory = tempfile.mkdtemp(prefix=f"stallfree-kv-{os.getpid()}-", dir=_shm_root())
         self._deadlines: dict[str, float] = {}  # key -> when its file is dropped unread
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -177,6 +179,21 @@ class FileConnector:
                 self._server.shutdown(socket.SHUT_RDWR)
             self._server.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _remove_orphans(root: str) -> None:
+    """Remove the directories of publishers on this machine whose process is gone (killed: it
+    never closed its connector)."""
+    for directory in glob.glob(os.path.join(root, "stallfree-kv-*-*")):
+        pid = os.path.basename(directory).split("-")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(directory, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            continue
 
 
 def _map_and_unlink(path: str) -> np.ndarray | None:

@@ -82,3 +82,19 @@ def test_blocks_whose_time_ran_out_or_whose_publisher_stopped_cannot_be_fetched(
 def test_an_unknown_connector_is_refused_by_name():
     with pytest.raises(ValueError, match="kv_connector"):
         make_connector("nixl", "node-a", "127.0.0.1")
+
+
+def test_blocks_of_a_killed_publisher_are_removed_by_the_next_connector_on_its_machine(pair, tmp_path):
+    import subprocess
+    import sys
+
+    from deployments.kv_connectors import _shm_root
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    orphan = os.path.join(_shm_root(), f"stallfree-kv-{gone.stdout.strip()}-test")
+    os.makedirs(orphan)
+    open(os.path.join(orphan, "blocks"), "wb").close()
+    pair("shared_memory")
+    assert not os.path.exists(orphan)
