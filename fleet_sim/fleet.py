@@ -6,13 +6,13 @@ autoscaling, Serve's controller adds replicas (serving after a start time) and d
 from __future__ import annotations
 
 import functools
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.autoscaling_stats import LoadMeter
 from fleet_sim.autoscaling import Autoscaler, AutoscalingSpec, ReplicaSample
 from fleet_sim.clock import EventLoop
+from fleet_sim.pool import RouterQueue
 from fleet_sim.records import RequestRecord
 from fleet_sim.replica import ReplicaConfig, SimReplica, engine_request
 from fleet_sim.routers import SimRouter
@@ -54,7 +54,7 @@ class Fleet:
         self._starting: list[SimReplica] = []  # decided, not yet taking requests
         self._draining: list[SimReplica] = []
         self._born: dict[str, float] = {}
-        self._at_router: deque[SimRequest] = deque()  # every replica was full when they came
+        self._at_router = RouterQueue(router, self.replicas, config.max_ongoing_requests, self.loop)
         self._num_unfinished = 0
         self._num_created = 0
         for _ in range(config.num_replicas):
@@ -86,24 +86,15 @@ class Fleet:
 
     # -- requests -------------------------------------------------------------------------
     def _arrive(self, request: SimRequest) -> None:
-        self._at_router.append(request)
-        self._dispatch()
+        self._at_router.push(request, functools.partial(self._start, request))
+
+    def _start(self, request: SimRequest, replica: SimReplica) -> None:
+        record = self.records[request.request_id]
+        record.replica_id, record.routed_s = replica.replica_id, self.loop.now
+        replica.submit(engine_request(request))
 
     def _dispatch(self) -> None:
-        """Route waiting requests in arrival order; the first one none of its ranked replicas has
-        room for waits, and the ones behind it, until a request finishes."""
-        limit = self.config.max_ongoing_requests
-        while self._at_router and any(replica.num_ongoing < limit for replica in self.replicas):
-            request, now = self._at_router[0], self.loop.now
-            ranked = self.router.rank(request, self.replicas, now)
-            replica = next((r for r in ranked if r.num_ongoing < limit), None)
-            if replica is None:
-                return
-            self._at_router.popleft()
-            self.router.on_routed(request, replica, now)
-            record = self.records[request.request_id]
-            record.replica_id, record.routed_s = replica.replica_id, now
-            replica.submit(engine_request(request))
+        self._at_router.dispatch()
 
     def _on_token(self, replica: SimReplica, output: CoreOutput, now: float) -> None:
         record = self.records[output.request_id]
@@ -122,12 +113,10 @@ class Fleet:
         self._dispatch()
 
     def _report(self, replica: SimReplica) -> None:
-        if not self._num_unfinished or replica not in self.replicas:
-            return
-        stats = replica.report()
-        deliver = functools.partial(self.router.on_report, replica.replica_id, stats)
-        self.loop.call_later(self.config.report_delay_s, lambda: deliver(self.loop.now))
-        self.loop.call_later(self.config.report_period_s, functools.partial(self._report, replica))
+        config = self.config
+        self._at_router.report_every(
+            replica, config.report_period_s, config.report_delay_s, lambda: self._num_unfinished > 0
+        )
 
     # -- replicas -------------------------------------------------------------------------
     def fail_replica_at(self, at_s: float, replica_id: str) -> None:

@@ -63,6 +63,7 @@ APP_MODELED = {
     "ingress",
     "llm_config",  # refused: the simulator reads our names (docs/migrating.md maps them)
     "models",  # refused: a fleet of one model is sized at a time
+    "disaggregation",  # refused: P/D fleets are compared by bench.fleet.disaggregation
 }
 APP_IGNORED = {"served_model_name", "num_gpus", "num_cpus", "resources", "cpu_threads", "max_queued_requests",
                "placement_strategy",
@@ -180,6 +181,11 @@ def fleet_settings(path: Path) -> tuple[ReplicaConfig, int, str]:
     if args.get("llm_config") is not None:
         raise ValueError(
             f"{path}: args.llm_config: write its settings as ours to size a fleet (docs/migrating.md)"
+        )
+    if args.get("disaggregation") is not None:
+        raise ValueError(
+            f"{path}: args.disaggregation: this sizes colocated fleets; `python -m bench "
+            "disaggregation_map` simulates prefill/decode fleets"
         )
     if args.get("models") is not None:
         raise ValueError(
