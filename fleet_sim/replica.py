@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from common.block_hash import root_hash
 from common.errors import InvalidRequestError
+from common.kv_transfer import KvBlocks, KvLayout
 from common.lora import LoRARequest
 from common.routing_stats import RoutingReporter, RoutingStats
 from common.sampling_params import SamplingParams
@@ -63,6 +64,11 @@ class ReplicaConfig:
             raise ValueError(f"lora_load_s: must be >= 0, got {self.lora_load_s}")
 
 
+# Every simulated replica's KV layout: blocks move only between equal layouts, and these carry
+# nothing (the bytes a transfer takes are the fleet's kv_bytes_per_token).
+SIM_KV_LAYOUT = KvLayout(num_layers=1, block_size=16, num_kv_heads=1, head_dim=1, dtype="sim", dtype_bytes=0)
+
+
 class SimAdapters:
     """The runner's LoRA adapters without weights, by its own policy (replica_engine/lora/slots.py):
     `max_loras` device slots, a host LRU of `max_cpu_loras`, and a load from disk (`load_s`) when
@@ -98,7 +104,7 @@ class SimExecutor:
         self.step_time = step_time
         self.pipeline_depth = pipeline_depth
         self.schedules_ahead = False
-        self.kv_layout = None
+        self.kv_layout = SIM_KV_LAYOUT  # blocks move between simulated replicas without data
         self.adapters = adapters or SimAdapters(1, 1, 0.0)
         self.elapsed_s = 0.0
         self.last_step_s: float | None = None  # of the latest step call; 0: it only submitted
@@ -112,6 +118,12 @@ class SimExecutor:
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         self.submit(batch)
         return self.collect()
+
+    def read_kv_blocks(self, block_ids: list[int]) -> None:
+        """No data: a transfer's time is the fleet's to model (fleet_sim/disaggregated.py)."""
+
+    def write_kv_blocks(self, block_ids: list[int], data: object, indices: list[int]) -> None:
+        """No data to write."""
 
     def submit(self, batch: ScheduledBatch) -> None:
         stage_s = self.step_time.predict_raw(batch.shape()) / self.pipeline_depth
@@ -201,7 +213,7 @@ class SimReplica:
         self.step_time_coefficients = learned_coefficients(step_time, config)
         self.num_ongoing = 0  # submitted and not finished: what Serve's max_ongoing_requests counts
         self._published = self.core.stats
-        self._joining: list[Request] = []
+        self._joining: list[tuple[Request, KvBlocks | None]] = []
         self._stepping = False
         self._dead = False
         self._finishing: list[str] = []  # requests the step in flight finishes: out when it ends
@@ -218,14 +230,15 @@ class SimReplica:
         stats = self.reporter.report(self._published, self.num_ongoing)
         return replace(stats, step_time_coefficients=self.step_time_coefficients)
 
-    def submit(self, request: Request) -> None:
-        """Queue a request for the next step; ValueError if it could never fit the KV pool."""
+    def submit(self, request: Request, kv: KvBlocks | None = None) -> None:
+        """Queue a request for the next step (with `kv`, blocks of its prompt a prefill replica
+        computed, which it adopts); ValueError if it could never fit the KV pool."""
         num_tokens = request.num_prompt_tokens + request.sampling_params.max_tokens
         try:
             check_pool_fits(num_tokens, self.config.block_size, self.config.num_kv_blocks)
         except InvalidRequestError as error:
             raise ValueError(f"request {request.request_id!r}: {error}") from None
-        self._joining.append(request)
+        self._joining.append((request, kv))
         self.num_ongoing += 1
         if not self._stepping:
             self._stepping = True
@@ -233,8 +246,8 @@ class SimReplica:
 
     def _step(self) -> None:
         if self._joining:  # else the stats are the last step's, published as it ended
-            for request in self._joining:
-                self.core.add_request(request)
+            for request, kv in self._joining:
+                self.core.add_request(request, kv)
             self._joining.clear()
             self.core.publish_stats()
             self._published = self.core.stats
@@ -251,7 +264,7 @@ class SimReplica:
         """The replica dies now; the ids of the requests it held (lost with it), those whose last
         token the step in flight was computing too (the engine has let them go, the client has not)."""
         self._dead = True
-        lost = [r.request_id for r in self._joining] + list(self.core.scheduler.requests) + self._finishing
+        lost = [r.request_id for r, _ in self._joining] + list(self.core.scheduler.requests) + self._finishing
         self.num_ongoing = 0
         return lost
 
