@@ -145,7 +145,7 @@ class EngineCore:
     def add_request(self, request: Request, kv: KvBlocks | None = None) -> None:
         """Queue the request; with `kv` (its prompt's leading blocks, from a prefill replica),
         adopt them first: its admission then finds them in the prefix cache."""
-        if kv is not None:
+        if kv is not None and request.request_id not in self.scheduler.requests:  # else add refuses it
             self._adopt(request, kv)
         self.scheduler.add_request(request)
 

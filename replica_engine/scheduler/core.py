@@ -268,6 +268,8 @@ class Scheduler:
             if not self._adapter_fits(request) or not self.kv_cache_manager.allocate(
                 request, num_tokens, cached_block_ids
             ):
+                if not self.running and self._release_holds():
+                    continue  # adopted blocks held for waiting requests filled the idle pool
                 return
             self.waiting.pop_first()
             self.kv_cache_manager.release_hold(request)  # it holds what it found of them itself
@@ -278,6 +280,15 @@ class Scheduler:
                 request.num_cached_tokens = request.num_computed_tokens
             self.running.append(request)
             plan.num_scheduled_tokens[request] = num_tokens
+
+    def _release_holds(self) -> bool:
+        """Let go of the blocks held for waiting requests (prefill/decode disaggregation's adopted
+        ones: they stay cached, to be found again unless evicted); whether there were any. With
+        nothing running, holds alone can keep the first waiting request out, and the pool idle."""
+        held = [request for request in self.waiting if request.held_block_ids]
+        for request in held:
+            self.kv_cache_manager.release_hold(request)
+        return bool(held)
 
     def _adapter_fits(self, request: Request) -> bool:
         """Its LoRA adapter runs already, or fewer than max_loras do (the runner's slots)."""

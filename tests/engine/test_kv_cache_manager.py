@@ -72,3 +72,23 @@ def test_adopted_blocks_are_held_until_admission_and_stop_where_the_pool_runs_sh
     assert kv.find_cached_blocks(adopting) == adopting.held_block_ids  # found by admission
     kv.release_hold(adopting)
     assert kv.num_free_blocks == 4 and kv.num_free_cached_blocks == 4  # free, still cached
+
+
+def test_blocks_held_for_waiting_requests_never_keep_an_idle_pool_from_admitting():
+    """Adopted blocks are held per waiting request until its admission; if the holds of requests
+    queued behind the first fill the pool, the first cannot be admitted while nothing runs: the
+    scheduler lets every hold go (the blocks stay cached) rather than idle forever."""
+    from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    scheduler = SCHEDULING_POLICIES["stall_free"](SchedulerConfig(64, 4), kv)
+    first = Request("first", list(range(100, 112)), SamplingParams(max_tokens=4))  # needs 3 blocks
+    scheduler.add_request(first)
+    for index in range(2):  # each holds 3 adopted blocks: 6 of 8 held, 2 left
+        later = Request(f"later-{index}", [index + 1] * 13, SamplingParams(max_tokens=4))
+        kv.hold_prefix(later, 3)
+        scheduler.add_request(later)
+    assert kv.num_free_blocks == 2
+    batch = scheduler.schedule()
+    assert "first" in {row.request_id for row in batch.rows}
+    assert all(not request.held_block_ids for request in scheduler.waiting)
