@@ -465,7 +465,10 @@ class AppArgs(BaseModel):
             first = error.errors(include_url=False)[0]
             where = ".".join(str(part) for part in first["loc"])
             raise ValueError(f"disaggregation.{name}{'.' + where if where else ''}: {first['msg']}") from None
-        config = role.engine_config()
+        try:
+            config = role.engine_config()
+        except ValueError as error:
+            raise ValueError(f"disaggregation.{name}: {error}") from None
         if config.num_workers > 1:
             raise ValueError(
                 f"disaggregation.{name}.engine: tensor_parallel_size and pipeline_parallel_size must "

@@ -243,3 +243,59 @@ def test_num_gpus_over_one_is_refused_saying_what_to_set():
     with pytest.raises(ValueError, match=r"num_gpus\n.*set num_gpus: 1 and engine.tensor_parallel_size: 2"):
         AppArgs(num_gpus=2)
     assert AppArgs(num_gpus=0.5).num_gpus == 0.5  # a shared GPU
+
+
+def test_disaggregation_builds_a_prefill_and_a_decode_deployment_each_with_its_own_settings():
+    args = AppArgs(
+        engine={"max_model_len": 2048},
+        num_replicas="auto",
+        disaggregation={
+            "kv_connector": "tcp",
+            "prefill": {"num_replicas": 2, "engine": {"max_num_batched_tokens": 2048}},
+            "decode": {
+                "autoscaling_config": {"min_replicas": 1, "max_replicas": 6},
+                "target_kv_cache_usage": 0.8,
+            },
+        },
+    )
+    assert not args.colocated()  # an Ingress calls both
+    ((pair, settings),) = build_app(args)._bound_deployment.init_args[0]
+    prefill, decode = pair.prefill._bound_deployment, pair.decode._bound_deployment
+    assert (prefill.name, decode.name) == ("PrefillReplica", "DecodeReplica")
+    assert (
+        prefill._deployment_config.num_replicas == 2 and prefill.init_args[0].max_num_batched_tokens == 2048
+    )
+    assert prefill.init_args[3] == decode.init_args[3] == "tcp"  # the connector
+    scaling = decode._deployment_config.autoscaling_config
+    assert scaling.max_replicas == 6 and scaling.policy.policy_kwargs["target_kv_cache_usage"] == 0.8
+    routers = [d._deployment_config.request_router_config.request_router_class for d in (prefill, decode)]
+    assert [str(cls).rsplit(".", 1)[-1].rsplit(":", 1)[-1] for cls in routers] == [
+        "KVPrefixRouter",
+        "KVPressureRouter",
+    ]
+    assert settings.max_model_len == 2048
+
+
+@pytest.mark.parametrize(
+    ("disaggregation", "named"),
+    [
+        ({"decode": {"model": "other"}}, "unknown settings for a role"),
+        (
+            {"prefill": {"engine": {"enable_prefix_caching": False}}},
+            r"disaggregation\.prefill\.engine\.enable_prefix",
+        ),
+        (
+            {"decode": {"engine": {"tensor_parallel_size": 3}}},
+            r"disaggregation\.decode\.engine: tensor_parallel",
+        ),
+        (
+            {"decode": {"engine": {"tensor_parallel_size": 2}}},
+            r"disaggregation\.decode: tensor_parallel_size: 2",
+        ),
+        ({"prefill": {"num_replicas": "many"}}, r"disaggregation\.prefill\.num_replicas"),
+        ({"kv_connector": "nixl"}, "kv_connector"),
+    ],
+)
+def test_bad_disaggregation_settings_fail_the_deploy_by_name(disaggregation: dict, named: str):
+    with pytest.raises(ValueError, match=named):
+        AppArgs(disaggregation=disaggregation)
