@@ -142,10 +142,8 @@ class DisaggregatedFleet:
 
     def _on_token(self, replica: SimReplica, output: CoreOutput, now: float) -> None:
         record = self.records[output.request_id]
-        record.token_times.append(now)
-        if not output.finished:
+        if not record.take(output, now):
             return
-        record.num_cached_tokens = output.num_cached_tokens
         self._num_unfinished -= 1
         self.decode.router.on_finished(record.request, now)
         self.decode.dispatch()

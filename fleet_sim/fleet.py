@@ -98,10 +98,8 @@ class Fleet:
 
     def _on_token(self, replica: SimReplica, output: CoreOutput, now: float) -> None:
         record = self.records[output.request_id]
-        record.token_times.append(now)
-        if not output.finished:
+        if not record.take(output, now):
             return
-        record.num_cached_tokens = output.num_cached_tokens
         follow_up = record.request.follow_up(now)
         if follow_up is not None:
             self._add(follow_up)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from common.latency import RequestTiming, summarize
 from fleet_sim.trace import SimRequest
+from replica_engine.outputs import CoreOutput
 
 
 @dataclass
@@ -17,6 +18,13 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens its replica's prefix cache held when admitted
     failed: bool = False  # its replica died while it ran
+
+    def take(self, output: CoreOutput, now: float) -> bool:
+        """Record a step's output for the request (its token's time); whether it finished."""
+        self.token_times.append(now)
+        if output.finished:
+            self.num_cached_tokens = output.num_cached_tokens
+        return output.finished
 
     @property
     def is_finished(self) -> bool:
