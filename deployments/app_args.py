@@ -289,7 +289,8 @@ class AppArgs(BaseModel):
         "prefix caches and decode. `kv_connector`: `auto` (shared memory on one node, TCP "
         "between nodes), `shared_memory`, `tcp` or `object_store` (Ray's). `prefill:` and "
         "`decode:` each set their own `num_replicas`, `engine`, `autoscaling_config`, resources, "
-        "`request_router` (defaults: `kv_prefix` for prefill, `kv_pressure` for decode) and "
+        "`request_router` (defaults: `kv_prefix` for prefill, `kv_pressure` for decode; the "
+        "model's own `request_router` does not apply to them) and "
         "autoscaling targets over the ones here. A prefill that fails, or has not answered within "
         "`prefill_timeout_s` (30), is computed by the decode replica instead, and requests skip "
         "prefill for 5 s. Not with parallel workers",
