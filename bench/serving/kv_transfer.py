@@ -7,7 +7,7 @@ Each transfer is what a prefill and a decode replica do: publish (the bytes writ
 a TCP connection from the publisher's server thread, here on the loopback, as between two nodes
 of a test cluster on one machine; `object_store`: `ray.get` in another process of a local Ray
 node). Sizes 64 KiB to 256 MiB (SmolLM2 fp32 holds 46 KiB a token: 256 MiB is a 5,700-token
-prompt; Llama-3-8B bf16, 128 KiB), the median of repeats, in rounds interleaving the connectors.
+prompt; Llama-3-8B bf16, 128 KiB), the median of 9 rounds interleaving the connectors.
 A floor beside them: one memcpy of the same bytes (numpy). Goal: the fitted model within 25% of
 the measured time at every size from 1 MiB (below it, a millisecond's noise is the whole
 transfer). Writes bench/results/kv_transfer.json."""
@@ -28,7 +28,7 @@ from deployments.kv_connectors import make_connector
 SIZES = tuple(64 * 1024 * 4**i for i in range(7))  # 64 KiB .. 256 MiB
 LAYOUT = KvLayout(num_layers=1, block_size=1, num_kv_heads=1, head_dim=1024, dtype="uint8", dtype_bytes=1)
 CONNECTORS = ("shared_memory", "tcp", "object_store")
-ROUNDS = 5
+ROUNDS = 9
 FIT_FROM_BYTES = 1 << 20
 GOALS = {"model_error_from_1_mib_max": 0.25}
 
@@ -96,10 +96,11 @@ def measure(connectors: tuple[str, ...]) -> dict[str, dict[int, list[float]]]:
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least squares of seconds = latency + bytes / rate over the points: (latency_s, bytes_per_s)."""
+    """Least squares of seconds = latency + bytes / rate over the points, each weighed by 1 /
+    its time (the relative error is what counts, at 1 MiB as at 256): (latency_s, bytes_per_s)."""
     sizes = np.array([size for size, _ in points], dtype=float)
     seconds = np.array([s for _, s in points])
-    slope, intercept = np.polyfit(sizes, seconds, 1)
+    slope, intercept = np.polyfit(sizes, seconds, 1, w=1 / seconds)
     return max(0.0, float(intercept)), float(1 / slope)
 
 

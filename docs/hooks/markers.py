@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from docs.hooks import bench_tables, metrics, settings
 from docs.hooks.bench_specs import ENGINE_SPECS
 from docs.hooks.bench_specs_capacity import CAPACITY_SPECS
+from docs.hooks.bench_specs_disaggregation import DISAGGREGATION_SPECS
 from docs.hooks.bench_specs_fleet import FLEET_SPECS
 from docs.hooks.bench_specs_gpu import GPU_SPECS
 from docs.hooks.bench_specs_serving import SERVING_SPECS
@@ -29,7 +30,14 @@ from docs.hooks.bench_tables import BenchSpec
 
 # a marker line, and its block as committed (up to its end line), if written out
 MARKER = re.compile(r"^<!-- gen:(?P<name>\S+) -->$(?:\n(?:.*?\n)?<!-- end:(?P=name) -->$)?", re.M | re.S)
-SPECS: dict[str, BenchSpec] = {**ENGINE_SPECS, **CAPACITY_SPECS, **SERVING_SPECS, **FLEET_SPECS, **GPU_SPECS}
+SPECS: dict[str, BenchSpec] = {
+    **ENGINE_SPECS,
+    **CAPACITY_SPECS,
+    **SERVING_SPECS,
+    **FLEET_SPECS,
+    **GPU_SPECS,
+    **DISAGGREGATION_SPECS,
+}
 PLOTS_DIR = "benchmarks/img"  # where the site serves bench/results/*.png (generated.py copies them)
 HEADLINE_STEM = "cpu_serving"
 
