@@ -142,12 +142,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {list(WORKLOADS)}")
     parser.add_argument("--processes", type=int, default=os.cpu_count(), help="simulations at once")
+    parser.add_argument(
+        "--capacities",
+        help="e.g. chat=59.5,summarize=25.75: an earlier run's rates (its seed 0 bisection), not found again",
+    )
     parser.add_argument("--output", type=Path, default=Path("bench/results/disaggregation_map.json"))
     args = parser.parse_args(argv)
     run = BenchmarkRun("disaggregation_map", args.output, GOALS)
     workloads = args.workloads.split(",")
     with multiprocessing.Pool(args.processes) as pool:
-        capacities = dict(zip(workloads, pool.map(colocated_capacity, workloads), strict=True))
+        if args.capacities:
+            capacities = {
+                name: float(rate) for name, rate in (item.split("=") for item in args.capacities.split(","))
+            }
+        else:
+            capacities = dict(zip(workloads, pool.map(colocated_capacity, workloads), strict=True))
         print(f"colocated 90%-attainment rates (requests/s): {capacities}", flush=True)
         designs = ["colocated", "colocated_8192", *SPLITS]
         points = [
@@ -158,22 +167,27 @@ def main(argv: list[str] | None = None) -> None:
             for workload in workloads for link in LINKS if link != MAP_LINK for seed in SEEDS
         ]  # fmt: skip
         results: dict = {}
-        for point, summary in zip(points, pool.imap(run_point, points), strict=True):
-            workload, design, rate, link, _ = point
+        body = {
+            "settings": {
+                "seeds": SEEDS, "duration_s": DURATION_S, "gpus": NUM_GPUS, "loads": LOADS, "hop_s": HOP_S,
+                "links": {name: vars(link) for name, link in LINKS.items()}, "map_link": MAP_LINK,
+                "workloads": {name: vars(WORKLOADS[name]) for name in workloads},
+                "profile": h100_llama3_8b_profile().description,
+            },
+            "colocated_capacity_rps": capacities,
+            "results": results,
+        }  # fmt: skip
+        for done, (point, summary) in enumerate(zip(points, pool.imap(run_point, points), strict=True), 1):
+            workload, design, rate, link, seed = point
             load = f"{rate / capacities[workload]:.1f}x"
             results.setdefault(workload, {}).setdefault(load, {}).setdefault(f"{design}@{link}", []).append(
                 summary
             )
-    body = {
-        "settings": {
-            "seeds": SEEDS, "duration_s": DURATION_S, "gpus": NUM_GPUS, "loads": LOADS, "hop_s": HOP_S,
-            "links": {name: vars(link) for name, link in LINKS.items()}, "map_link": MAP_LINK,
-            "workloads": {name: vars(WORKLOADS[name]) for name in workloads},
-            "profile": h100_llama3_8b_profile().description,
-        },
-        "colocated_capacity_rps": capacities,
-        "results": results,
-    }  # fmt: skip
+            print(f"[{done}/{len(points)}] {workload} {load} {design}@{link} seed {seed}: goodput "
+                  f"{summary['goodput']:.2f}/s, attainment {summary['attainment']:.0%} "
+                  f"(simulated in {summary['sim_wall_s']:.0f} s)", flush=True)  # fmt: skip
+            if done % 10 == 0:
+                run.write(body, {})  # so far, not judged: a stopped run keeps what it simulated
     goals_met = judge(body)
     plot(args.output.with_suffix(".png"), body)
     print_verdicts(goals_met)
