@@ -80,16 +80,17 @@ def shipped_kv_bytes_per_token() -> int:
     return model_config.num_hidden_layers * per_layer
 
 
-def hop_s() -> float:
-    """The median round trip of a Serve call to the decode deployment (one hop, there and back)."""
+async def hop_s() -> float:
+    """The median round trip of a Serve call to the decode deployment (one hop, there and back),
+    from this driver's event loop (the test cluster's handles route on the caller's loop)."""
     from ray import serve
 
     handle = serve.get_deployment_handle("DecodeReplica", app_name="pd")
-    handle.kv_pool_tokens.remote().result()
+    await handle.kv_pool_tokens.remote()
     times = []
     for _ in range(HOPS):
         started = time.perf_counter()
-        handle.kv_pool_tokens.remote().result()
+        await handle.kv_pool_tokens.remote()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                     prompt = [rng.randrange(50, 49000) for _ in range(size)]
                     pair[app] = asyncio.run(ttft(f"{base}/{app}/v1/completions", prompt))
                 rows[size].append(pair)
-        hop = hop_s()
+        hop = asyncio.run(hop_s())
         kv_bytes_per_token = shipped_kv_bytes_per_token()
         sizes = [(size - 1) // 16 * 16 * kv_bytes_per_token for size in PROMPT_TOKENS]
         latency_s, bytes_per_s = link(sizes)
