@@ -17,6 +17,13 @@ import numpy as np
 from common.block_hash import BlockHash
 
 
+def kv_block_bytes(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
+) -> int:
+    """K and V of every layer for one block of tokens."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
+
+
 class KvTransferError(RuntimeError):
     """Published blocks could not be fetched (gone, expired, on another node, a lost peer): the
     decode replica then computes the prompt itself."""
@@ -36,7 +43,8 @@ class KvLayout:
     @property
     def block_bytes(self) -> int:
         """K and V of every layer for one block."""
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        heads = (self.num_kv_heads, self.head_dim)
+        return kv_block_bytes(self.num_layers, self.block_size, *heads, self.dtype_bytes)
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
         """KvBlocks.data's layout: [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]."""

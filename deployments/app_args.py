@@ -86,6 +86,13 @@ class Disaggregation(BaseModel):
         return role
 
 
+def _located(error: ValidationError, prefix: str) -> ValueError:
+    """A nested entry's first validation error, named from where the entry stands (`prefix`)."""
+    first = error.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in first["loc"])
+    return ValueError(f"{prefix}{'.' + where if where else ''}: {first['msg']}")
+
+
 def _check_known(given: dict[str, Any], known: frozenset[str], what: str) -> None:
     unknown = sorted(set(given) - known)
     if unknown:
@@ -440,9 +447,7 @@ class AppArgs(BaseModel):
             try:
                 found.append(AppArgs(**merged))
             except ValidationError as error:
-                first = error.errors(include_url=False)[0]
-                where = ".".join(str(part) for part in first["loc"])
-                raise ValueError(f"models[{index}]{'.' + where if where else ''}: {first['msg']}") from None
+                raise _located(error, f"models[{index}]") from None
         return found
 
     @model_validator(mode="after")
@@ -463,9 +468,7 @@ class AppArgs(BaseModel):
         try:
             role = AppArgs(**merged)
         except ValidationError as error:
-            first = error.errors(include_url=False)[0]
-            where = ".".join(str(part) for part in first["loc"])
-            raise ValueError(f"disaggregation.{name}{'.' + where if where else ''}: {first['msg']}") from None
+            raise _located(error, f"disaggregation.{name}") from None
         try:
             config = role.engine_config()
         except ValueError as error:

@@ -24,7 +24,7 @@ from ray.serve.handle import DeploymentHandle
 from common.kv_transfer import KvHandle
 from common.messages import ChoiceDelta, GenerateError, GenerateRequest
 from deployments import replica_calls
-from deployments.in_process_engine import StreamCall
+from deployments.in_process_engine import LocalMethod
 
 logger = logging.getLogger("ray.serve")
 
@@ -51,19 +51,11 @@ class _Streaming:
         self._engine = engine
 
     @property
-    def generate(self) -> _Generate:
-        return _Generate(self._engine)
+    def generate(self) -> LocalMethod:
+        return LocalMethod(self._engine.generate)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine.decode.options(stream=True), name)
-
-
-class _Generate:
-    def __init__(self, engine: DisaggregatedEngine) -> None:
-        self._engine = engine
-
-    def remote(self, request: GenerateRequest) -> StreamCall:
-        return StreamCall(self._engine.generate(request))
 
 
 class DisaggregatedEngine:

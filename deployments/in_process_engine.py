@@ -49,7 +49,10 @@ class StreamCall:
             await self._items.aclose()
 
 
-class _Method:
+class LocalMethod:
+    """A method of this process, called as a handle's is: `.remote(...)` (a StreamCall where it
+    streams)."""
+
     def __init__(self, function: Callable[..., Any]) -> None:
         self._function = function
 
@@ -72,8 +75,8 @@ class InProcessEngine:
     def options(self, stream: bool = False) -> InProcessEngine:
         return self  # whether a method streams is its own: an async generator does
 
-    def __getattr__(self, name: str) -> _Method:
-        return _Method(getattr(self.replica, name))
+    def __getattr__(self, name: str) -> LocalMethod:
+        return LocalMethod(getattr(self.replica, name))
 
 
 def build_in_process_engine(spec: ColocatedReplica) -> InProcessEngine:

@@ -35,9 +35,6 @@ class KvLink:
     latency_s: float
     bytes_per_s: float
 
-    def transfer_s(self, num_bytes: float) -> float:
-        return self.latency_s + num_bytes / self.bytes_per_s
-
 
 @dataclass(frozen=True)
 class DisaggregatedConfig:

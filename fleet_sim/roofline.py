@@ -31,8 +31,8 @@ from typing import Any
 
 from transformers import AutoConfig
 
+from common.kv_transfer import kv_block_bytes
 from common.model_shapes import DUMMY_SHAPES, dummy_config_dict
-from replica_engine.kv_cache_manager import kv_block_bytes
 from replica_engine.models.moe import MOE_MODEL_TYPES, MoeShape
 from replica_engine.scheduler.step_time_model import ExpertRouting, StepShape
 

@@ -22,13 +22,14 @@ from typing import Any
 
 import yaml
 
+from common.kv_transfer import kv_block_bytes
 from fleet_sim.fleet import Fleet, FleetConfig
 from fleet_sim.records import summarize_records
 from fleet_sim.replica import ReplicaConfig
 from fleet_sim.roofline import ACCELERATORS, RooflineStepTime
 from fleet_sim.routers import ROUTERS, make_router
 from fleet_sim.trace import VOCAB_SIZE, SimRequest, output_token
-from replica_engine.kv_cache_manager import blocks_in_bytes, kv_block_bytes
+from replica_engine.kv_cache_manager import blocks_in_bytes
 from replica_engine.scheduler.step_time_model import StepTime, StepTimeModel
 
 # serve_config.yaml's engine settings the simulator models (ReplicaConfig's fields), and the ones

@@ -153,16 +153,16 @@ class EngineCore:
         """Hold pool blocks for `kv`'s blocks and write their K/V; what does not fit, or blocks
         of another layout or prompt (the last one's hash differs), the request computes itself."""
         manager = self.kv_cache_manager
-        num_blocks = min(kv.num_blocks, (request.num_prompt_tokens - 1) // manager.block_size)
+        too_many = kv.num_blocks > (request.num_prompt_tokens - 1) // manager.block_size
         sized = kv.data is None or kv.data.nbytes == kv.nbytes
-        if kv.layout != self.runner.kv_layout or num_blocks < kv.num_blocks or not sized:
+        if kv.layout != self.runner.kv_layout or too_many or not sized:
             logger.warning("request %s: the K/V it brought does not fit this engine", request.request_id)
             return
-        hashes = manager.block_hashes(request, num_blocks)
+        hashes = manager.block_hashes(request, kv.num_blocks)
         if not hashes or hashes[-1] != kv.last_hash:
             logger.warning("request %s: the K/V it brought is another prompt's", request.request_id)
             return
-        to_write = manager.hold_prefix(request, num_blocks)
+        to_write = manager.hold_prefix(request, kv.num_blocks)
         if to_write and kv.data is not None:
             indices, block_ids = zip(*to_write, strict=True)
             self.runner.write_kv_blocks(list(block_ids), kv.data, list(indices))
@@ -173,13 +173,8 @@ class EngineCore:
         manager, layout = self.kv_cache_manager, self.runner.kv_layout
         if layout is None:
             return None
-        block_ids = []
         hashes = manager.block_hashes(request, (request.num_prompt_tokens - 1) // manager.block_size)
-        for block_hash in hashes:
-            block_id = manager.cached_block(block_hash)
-            if block_id is None:
-                break
-            block_ids.append(block_id)
+        block_ids = manager.cached_run(hashes)
         if not block_ids:
             return None
         data = self.runner.read_kv_blocks(block_ids)

@@ -28,13 +28,6 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def kv_block_bytes(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
-) -> int:
-    """K and V of every layer for one block of tokens."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
-
-
 def blocks_in_bytes(pool_bytes: int, block_bytes: int) -> int:
     """The blocks requests may hold in `pool_bytes` (the null block comes out of them too)."""
     return pool_bytes // block_bytes - 1
@@ -120,19 +113,23 @@ class KVCacheManager:
         """The block holding this content, if any (in use or cached free)."""
         return self._cached.get(block_hash)
 
+    def cached_run(self, hashes: list[BlockHash]) -> list[int]:
+        """The blocks holding the longest leading run of these contents."""
+        hits = []
+        for block_hash in hashes:
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
     def find_cached_blocks(self, request: Request) -> list[int]:
         """The longest run of the request's leading full blocks that the cache holds, leaving at
         least its last token to compute (the step must produce logits). None for a request that
         must compute its whole prompt (prompt logprobs, mean pooling)."""
         if not self.enable_prefix_caching or request.computes_whole_prompt:
             return []
-        hits = []
-        for block_hash in self.block_hashes(request, (request.num_tokens - 1) // self.block_size):
-            block_id = self._cached.get(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        return self.cached_run(self.block_hashes(request, (request.num_tokens - 1) // self.block_size))
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Give every full block whose K/V the request has computed its hash, so later requests

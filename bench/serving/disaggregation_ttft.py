@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 from bench.driver import BenchmarkRun, print_verdicts
-from bench.serving.kv_transfer import blocks, fit
+from bench.serving.kv_transfer import blocks, fit, transfer_s
+from common.kv_transfer import kv_block_bytes
 from deployments.kv_connectors import make_connector
 from harness import multinode_cluster
 from harness.serve_cluster import shipped_app_config, with_app_args
@@ -76,8 +76,8 @@ def shipped_kv_bytes_per_token() -> int:
     model_config = load_config(resolve_model(args["model"]))
     config = EngineConfig(model=args["model"], **args["engine"]).resolve(model_config)
     head_dim = model_config.hidden_size // model_config.num_attention_heads
-    per_layer = 2 * model_config.num_key_value_heads * head_dim * config.torch_dtype.itemsize
-    return model_config.num_hidden_layers * per_layer
+    heads = (model_config.num_key_value_heads, head_dim)
+    return kv_block_bytes(model_config.num_hidden_layers, 1, *heads, config.torch_dtype.itemsize)
 
 
 async def hop_s() -> float:
@@ -99,14 +99,7 @@ def link(sizes: list[int]) -> tuple[float, float]:
     """The TCP connector between two processes' worth of this machine, fitted on these sizes."""
     sender, receiver = (make_connector("tcp", "a", "127.0.0.1") for _ in range(2))
     try:
-        points = []
-        for size in sizes:
-            for _ in range(3):
-                started = time.perf_counter()
-                fetched = receiver.fetch(sender.publish(blocks(size)), 60)
-                np.asarray(fetched.data).sum(dtype=np.uint64)
-                points.append((size, time.perf_counter() - started))
-        return fit(points)
+        return fit([(size, transfer_s(sender, receiver, blocks(size))) for size in sizes for _ in range(3)])
     finally:
         sender.close()
         receiver.close()

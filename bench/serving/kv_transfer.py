@@ -23,7 +23,7 @@ import numpy as np
 
 from bench.driver import BenchmarkRun, print_verdicts
 from common.kv_transfer import KvBlocks, KvLayout
-from deployments.kv_connectors import make_connector
+from deployments.kv_connectors import KvConnector, make_connector
 
 SIZES = tuple(64 * 1024 * 4**i for i in range(7))  # 64 KiB .. 256 MiB
 LAYOUT = KvLayout(num_layers=1, block_size=1, num_kv_heads=1, head_dim=1024, dtype="uint8", dtype_bytes=1)
@@ -38,6 +38,14 @@ def blocks(num_bytes: int) -> KvBlocks:
     return KvBlocks(LAYOUT, num_bytes // LAYOUT.block_bytes, b"x" * 32, data)
 
 
+def transfer_s(sender: KvConnector, receiver: KvConnector, payload: KvBlocks) -> float:
+    """Publish, fetch, and touch every byte fetched (as the pool's copy does): its seconds."""
+    started = time.perf_counter()
+    fetched = receiver.fetch(sender.publish(payload), 60)
+    np.asarray(fetched.data).sum(dtype=np.uint64)
+    return time.perf_counter() - started
+
+
 def fetch_in_actor():
     """A Ray actor that fetches (the decode replica's side, another process of the node)."""
     import ray
@@ -47,11 +55,9 @@ def fetch_in_actor():
         def __init__(self) -> None:
             self.connector = make_connector("object_store", "node", "127.0.0.1")
 
-        def fetch(self, handle) -> float:
-            started = time.perf_counter()
+        def fetch(self, handle) -> None:
             fetched = self.connector.fetch(handle, 60)
             np.asarray(fetched.data).sum(dtype=np.uint64)  # touch every byte, as the pool's copy does
-            return time.perf_counter() - started
 
     return Reader.remote()
 
@@ -78,15 +84,13 @@ def measure(connectors: tuple[str, ...]) -> dict[str, dict[int, list[float]]]:
                 np.copyto(target, payload.data)
                 times["memcpy"].setdefault(size, []).append(time.perf_counter() - started)
                 for name in connectors:
-                    started = time.perf_counter()
                     if name == "object_store":
-                        handle = publisher.publish(payload)
-                        ray.get(reader.fetch.remote(handle))
+                        started = time.perf_counter()
+                        ray.get(reader.fetch.remote(publisher.publish(payload)))
+                        seconds = time.perf_counter() - started
                     else:
-                        sender, receiver = made[name]
-                        fetched = receiver.fetch(sender.publish(payload), 60)
-                        np.asarray(fetched.data).sum(dtype=np.uint64)
-                    times[name].setdefault(size, []).append(time.perf_counter() - started)
+                        seconds = transfer_s(*made[name], payload)
+                    times[name].setdefault(size, []).append(seconds)
         for sender, receiver in made.values():
             sender.close()
             receiver.close()
