@@ -151,9 +151,12 @@ class ModelRunner:
         index = torch.tensor(block_ids, device=self.device)
         shape = (len(self.kv_caches), 2, len(block_ids), *self.kv_shape)
         out = torch.empty(shape, dtype=self.config.torch_dtype, pin_memory=self.device.type == "cuda")
-        for layer, (keys, values) in enumerate(self.kv_caches):
-            out[layer, 0].copy_(keys.index_select(0, index), non_blocking=True)
-            out[layer, 1].copy_(values.index_select(0, index), non_blocking=True)
+        for layer, caches in enumerate(self.kv_caches):
+            for kind, cache in enumerate(caches):  # K, V
+                if self.device.type == "cuda":
+                    out[layer, kind].copy_(cache.index_select(0, index), non_blocking=True)
+                else:  # straight into the buffer: one copy, not two
+                    torch.index_select(cache, 0, index, out=out[layer, kind])
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return out.view(torch.uint8).numpy().reshape(-1)
@@ -166,7 +169,14 @@ class ModelRunner:
             warnings.simplefilter("ignore", UserWarning)
             blocks = torch.from_numpy(data).view(self.config.torch_dtype)
         blocks = blocks.view(len(self.kv_caches), 2, num_blocks, *self.kv_shape)
-        source = blocks[:, :, indices].to(self.device, non_blocking=True)
+        first = indices[0]
+        # consecutive blocks (the usual: all of them) are a view, which a CPU copies only once
+        picked = (
+            blocks[:, :, first : first + len(indices)]
+            if indices == list(range(first, first + len(indices)))
+            else blocks[:, :, indices]
+        )
+        source = picked.to(self.device, non_blocking=True)
         index = torch.tensor(block_ids, device=self.device)
         for layer, (keys, values) in enumerate(self.kv_caches):
             keys.index_copy_(0, index, source[layer, 0])

@@ -11,7 +11,11 @@ link: the TCP connector between two processes of this machine (the nodes' only l
 fitted as latency + bytes / rate on the same sizes in the same run; one hop: the median round trip
 of a Serve call to the decode deployment from this driver. Goal (issue 62): added TTFT within 1.2x
 of that. The added TTFT also holds the decode replica's step for the prompt's last partial block
-and its last token, which colocated serving computes in its prefill. Writes
+and its last token, which colocated serving computes in its prefill. So, after the cluster stops,
+each stage of the added time is timed alone in this process (two engines of the shipped config, one
+thread, as the replicas): the prefill replica's read of the blocks out of its pool, the publish,
+the TCP fetch, the decode replica's adoption and its tail step (a rerun of the prompt, its full
+blocks cached, is the tail alone; the first run less it, the adoption). Writes
 bench/results/disaggregation_ttft.json."""
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from harness.sse_client import stream_completion
 PROMPT_TOKENS = (512, 1024, 2048)
 ROUNDS = 5
 HOPS = 20
+LINK_REPEATS = 7
 GOALS = {"added_ttft_vs_transfer_plus_hop_max": 1.2}
 PREFILL, DECODE, COLOCATED = "pd_prefill", "pd_decode", "colocated"
 REPLICA = {"num_cpus": 0, "cpu_threads": 1}
@@ -96,13 +101,76 @@ async def hop_s() -> float:
 
 
 def link(sizes: list[int]) -> tuple[float, float]:
-    """The TCP connector between two processes' worth of this machine, fitted on these sizes."""
+    """The TCP connector between two processes' worth of this machine, fitted on these sizes
+    (the median of LINK_REPEATS transfers each)."""
     sender, receiver = (make_connector("tcp", "a", "127.0.0.1") for _ in range(2))
     try:
-        return fit([(size, transfer_s(sender, receiver, blocks(size))) for size in sizes for _ in range(3)])
+        transfer_s(sender, receiver, blocks(sizes[0]))  # warms up: the first connection, fresh pages
+        payloads = {size: blocks(size) for size in sizes}
+        medians = {
+            size: statistics.median(transfer_s(sender, receiver, payload) for _ in range(LINK_REPEATS))
+            for size, payload in payloads.items()
+        }
+        return fit(list(medians.items()))
     finally:
         sender.close()
         receiver.close()
+
+
+def _first_token_s(engine, prompt: list[int], **kv_args) -> tuple[float, object]:
+    """Seconds until the prompt's one token, and its final delta."""
+    from common.sampling_params import SamplingParams
+
+    started = time.perf_counter()
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), **kv_args)
+    while True:
+        for delta in engine.step():
+            if delta.request_id == request_id and delta.finished:
+                return time.perf_counter() - started, delta
+
+
+def stages(rng: random.Random) -> dict[str, dict[str, float]]:
+    """prompt tokens -> stage -> median seconds over the rounds: each stage of the added TTFT
+    timed alone, in this process."""
+    import torch
+
+    from replica_engine import EngineConfig
+    from replica_engine.engine import LLMEngine
+
+    torch.set_num_threads(REPLICA["cpu_threads"])
+    args = shipped_app_config()["applications"][0]["args"]
+    prefill, decode = (LLMEngine(EngineConfig(model=args["model"], **args["engine"])) for _ in range(2))
+    sender, receiver = (make_connector("tcp", node, "127.0.0.1") for node in ("prefill", "decode"))
+    timed: dict[str, dict[str, list[float]]] = {str(size): {} for size in PROMPT_TOKENS}
+    try:
+        for round_index in range(ROUNDS + 1):  # the first warms up, and is dropped
+            for size in PROMPT_TOKENS:
+                prompt = [rng.randrange(50, 49000) for _ in range(size)]
+                _, final = _first_token_s(prefill, prompt, kv_export=True)
+                kv = final.kv
+                row = {}
+                started = time.perf_counter()
+                prefill.core.runner.read_kv_blocks(list(range(1, kv.num_blocks + 1)))
+                row["read_s"] = time.perf_counter() - started
+                started = time.perf_counter()
+                handle = sender.publish(kv)
+                row["publish_s"] = time.perf_counter() - started
+                started = time.perf_counter()
+                fetched = receiver.fetch(handle, 60)
+                row["fetch_s"] = time.perf_counter() - started
+                adopted_s, _ = _first_token_s(decode, prompt, kv=fetched)
+                row["tail_step_s"], _ = _first_token_s(decode, prompt)  # its full blocks cached now
+                row["adopt_s"] = adopted_s - row["tail_step_s"]
+                if round_index:
+                    for stage, seconds in row.items():
+                        timed[str(size)].setdefault(stage, []).append(seconds)
+    finally:
+        sender.close()
+        receiver.close()
+    return {
+        size: {stage: statistics.median(values) for stage, values in by_stage.items()}
+        for size, by_stage in timed.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,6 +206,11 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
         multinode_cluster.stop(cluster)
     body, goals_met = judge(rows, hop, latency_s, bytes_per_s, kv_bytes_per_token)
+    body["stages_s"] = stages(rng)
+    for size, by_stage in body["stages_s"].items():
+        by_stage["sum_with_hop_s"] = sum(by_stage.values()) + hop
+        by_stage["added_on_cluster_s"] = body["results"][size]["added_s"]
+        print(f"{size:>5} tokens: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in by_stage.items()))
     print_verdicts(goals_met)
     run.write(body, goals_met)
 

@@ -133,6 +133,22 @@ DISAGGREGATION_SPECS: dict[str, BenchSpec] = {
                     Col("added / (transfer + hop)", "added_vs_expected", "x"),
                 ),
             ),
+            Rows(
+                "stages",
+                "Where the added time goes: each stage timed alone in one process (median over the "
+                "rounds), their sum with the hop, and the added TTFT measured on the cluster:",
+                "stages_s",
+                ("prompt tokens",),
+                (
+                    Col("read out of the pool", "read_s", "ms"),
+                    Col("publish", "publish_s", "ms"),
+                    Col("fetch (TCP)", "fetch_s", "ms"),
+                    Col("adopt", "adopt_s", "ms"),
+                    Col("tail step", "tail_step_s", "ms"),
+                    Col("sum + hop", "sum_with_hop_s", "ms"),
+                    Col("added on the cluster", "added_on_cluster_s", "ms"),
+                ),
+            ),
         ),
     ),
 }

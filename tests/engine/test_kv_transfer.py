@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
+import torch
 
 from common.kv_transfer import KvBlocks
 from common.sampling_params import SamplingParams
@@ -81,13 +83,62 @@ def test_adopted_blocks_hold_the_prefill_bytes_and_seeded_sampling_is_the_decode
     (colocated,) = exact_llm.generate([prompt], seeded)
     assert _tokens(outputs) == colocated.outputs[0].token_ids
     # The decode pool's copy, found by the prompt's own hashes, is what the prefill engine sent.
-    core = decode.core
-    request = dataclasses.replace(decode.inputs.make_request(prompt, None, None, ()), block_hashes=[])
-    hashes = core.kv_cache_manager.block_hashes(request, kv.num_blocks)
+    assert _pool_bytes(decode, prompt, kv.num_blocks) == kv.data.tobytes()
+    _assert_idle(prefill, decode)
+
+
+def _empty_prefix_cache(engine: LLMEngine) -> None:
+    engine.core.kv_cache_manager = type(engine.core.kv_cache_manager)(
+        engine.core.kv_cache_manager.num_blocks, BLOCK, True, model=engine.config.model
+    )
+    engine.core.scheduler.kv_cache_manager = engine.core.kv_cache_manager
+
+
+def _pool_bytes(engine: LLMEngine, prompt: list[int], num_blocks: int) -> bytes:
+    """The engine's pool copy of the prompt's first full blocks, found by the prompt's hashes."""
+    core = engine.core
+    request = dataclasses.replace(engine.inputs.make_request(prompt, None, None, ()), block_hashes=[])
+    hashes = core.kv_cache_manager.block_hashes(request, num_blocks)
     block_ids = [core.kv_cache_manager.cached_block(h) for h in hashes]
     assert None not in block_ids
-    assert core.runner.read_kv_blocks(block_ids).tobytes() == kv.data.tobytes()
+    return core.runner.read_kv_blocks(block_ids).tobytes()
+
+
+def test_a_decode_engine_holding_the_first_blocks_writes_only_the_rest(
+    engines, exact_llm, tokenizer, hf_model
+):
+    prefill, decode = engines
+    prompt = story_ids(tokenizer, 200, offset=11)  # 12 full blocks and 8 tokens
+    # A shared system prompt, say: 5 full blocks cached (one token out: its tokens fill no more)
+    _run(decode, prompt[:90], SamplingParams(max_tokens=1, temperature=0))
+    own = _pool_bytes(decode, prompt, 5)
+    kv = _prefill(prefill, prompt)
+    outputs = _run(decode, prompt, GREEDY, kv=kv)
+    assert outputs[-1].num_cached_tokens == kv.num_blocks * BLOCK
+    pool = np.frombuffer(_pool_bytes(decode, prompt, kv.num_blocks), np.uint8)
+    layout = kv.layout
+    by_block = pool.reshape(*layout.shape(kv.num_blocks)[:3], -1)  # layers, K/V, blocks, bytes
+    sent = kv.data.reshape(by_block.shape)
+    assert by_block[:, :, :5].tobytes() == own  # its own blocks kept (computed in another chunking)
+    assert by_block[:, :, 5:].tobytes() == sent[:, :, 5:].tobytes()  # the rest, the prefill's bytes
+    (colocated,) = exact_llm.generate([prompt], GREEDY)
+    expected = colocated.outputs[0].token_ids
+    assert_matches_up_to_ties(hf_model, prompt, _tokens(outputs), expected, "a prefix held")
     _assert_idle(prefill, decode)
+
+
+def test_the_runner_writes_any_of_the_buffers_blocks_where_it_is_told(engines):
+    _, decode = engines
+    runner = decode.core.runner
+    shape = runner.kv_layout.shape(3)
+    data = torch.arange(int(np.prod(shape)), dtype=runner.config.torch_dtype)
+    as_bytes = data.view(torch.uint8).numpy()
+    for indices in ([0, 2], [1, 2], [2]):  # apart, consecutive from the middle, one
+        targets = [7, 4][: len(indices)]
+        runner.write_kv_blocks(targets, as_bytes, indices)
+        expected = data.view(shape)[:, :, indices].contiguous().view(torch.uint8).numpy().tobytes()
+        assert runner.read_kv_blocks(targets).tobytes() == expected, indices
+    _empty_prefix_cache(decode)  # those pool blocks now hold other bytes than their hashes say
 
 
 def test_blocks_of_another_prompt_or_layout_are_refused_and_the_prompt_computed(engines, tokenizer):
@@ -98,10 +149,7 @@ def test_blocks_of_another_prompt_or_layout_are_refused_and_the_prompt_computed(
     wrong_layout = dataclasses.replace(kv, layout=bf16)
     plain = _tokens(_run(decode, prompt, GREEDY))
     for label, blocks in (("another prompt", kv), ("another layout", wrong_layout)):
-        decode.core.kv_cache_manager = type(decode.core.kv_cache_manager)(  # an empty prefix cache
-            decode.core.kv_cache_manager.num_blocks, BLOCK, True, model=decode.config.model
-        )
-        decode.core.scheduler.kv_cache_manager = decode.core.kv_cache_manager
+        _empty_prefix_cache(decode)
         outputs = _run(decode, prompt, GREEDY, kv=blocks)
         assert outputs[-1].num_cached_tokens == 0, label
         assert _tokens(outputs) == plain, label
