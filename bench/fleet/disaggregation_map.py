@@ -10,7 +10,9 @@ Designs, on the same arrivals (paired seed by seed):
 Workloads (uniform lengths, unique prompts, Poisson arrivals for 30 s; 3 seeds):
   chat: prompts 500-2,500 tokens, 100-400 out; TTFT <= 0.5 s, TPOT <= 40 ms;
   summarize: prompts 3,000-6,000, 50-200 out; TTFT <= 2 s, TPOT <= 40 ms;
-  generate: prompts 100-400, 400-900 out; TTFT <= 0.3 s, TPOT <= 30 ms.
+  generate: prompts 100-400, 400-900 out; TTFT <= 0.3 s, TPOT <= 30 ms;
+  chat_tight: chat's lengths, TPOT <= 15 ms (about two decode steps: where DistServe's case for
+      the split is strongest, as a colocated step has little room left for prompt chunks).
 A request attains its SLOs when its TTFT and its TPOT (its mean time between tokens, DistServe's
 measure) are both within them; goodput = such requests per second. Loads: 0.5x, 0.9x and 1.2x the
 rate at which the colocated fleet attains 90% (found first, by bisection on seed 0). Then, at
@@ -20,6 +22,7 @@ Writes bench/results/disaggregation_map.json and .png."""
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import random
@@ -75,6 +78,7 @@ WORKLOADS = {
     "chat": PdWorkload((500, 2500), (100, 400), 0.5, 0.040),
     "summarize": PdWorkload((3000, 6000), (50, 200), 2.0, 0.040),
     "generate": PdWorkload((100, 400), (400, 900), 0.3, 0.030),
+    "chat_tight": PdWorkload((500, 2500), (100, 400), 0.5, 0.015),
 }
 
 
@@ -147,16 +151,25 @@ def main(argv: list[str] | None = None) -> None:
         help="e.g. chat=59.5,summarize=25.75: an earlier run's rates (its seed 0 bisection), not found again",
     )
     parser.add_argument("--output", type=Path, default=Path("bench/results/disaggregation_map.json"))
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the output's results (an earlier or stopped run, the same settings) and simulate "
+        "only the points it lacks: its workloads stay in the map",
+    )
     args = parser.parse_args(argv)
     run = BenchmarkRun("disaggregation_map", args.output, GOALS)
-    workloads = args.workloads.split(",")
+    earlier = json.loads(args.output.read_text()) if args.resume and args.output.exists() else {}
+    results: dict = earlier.get("results", {})
+    workloads = list(dict.fromkeys([*results, *args.workloads.split(",")]))
     with multiprocessing.Pool(args.processes) as pool:
+        capacities = dict(earlier.get("colocated_capacity_rps", {}))
         if args.capacities:
-            capacities = {
+            capacities |= {
                 name: float(rate) for name, rate in (item.split("=") for item in args.capacities.split(","))
             }
-        else:
-            capacities = dict(zip(workloads, pool.map(colocated_capacity, workloads), strict=True))
+        missing = [name for name in workloads if name not in capacities]
+        capacities |= dict(zip(missing, pool.map(colocated_capacity, missing), strict=True))
         print(f"colocated 90%-attainment rates (requests/s): {capacities}", flush=True)
         designs = ["colocated", "colocated_8192", *SPLITS]
         points = [
@@ -166,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
             (workload, "pd_2_2", capacities[workload] * LOADS[1], link, seed)
             for workload in workloads for link in LINKS if link != MAP_LINK for seed in SEEDS
         ]  # fmt: skip
-        results: dict = {}
+        points = [point for point in points if not simulated(results, point, capacities)]
         body = {
             "settings": {
                 "seeds": SEEDS, "duration_s": DURATION_S, "gpus": NUM_GPUS, "loads": LOADS, "hop_s": HOP_S,
@@ -178,8 +191,8 @@ def main(argv: list[str] | None = None) -> None:
             "results": results,
         }  # fmt: skip
         for done, (point, summary) in enumerate(zip(points, pool.imap(run_point, points), strict=True), 1):
-            workload, design, rate, link, seed = point
-            load = f"{rate / capacities[workload]:.1f}x"
+            workload, design, _, link, seed = point
+            load = load_label(point, capacities)
             results.setdefault(workload, {}).setdefault(load, {}).setdefault(f"{design}@{link}", []).append(
                 summary
             )
@@ -192,6 +205,18 @@ def main(argv: list[str] | None = None) -> None:
     plot(args.output.with_suffix(".png"), body)
     print_verdicts(goals_met)
     run.write(body, goals_met)
+
+
+def load_label(point: tuple[str, str, float, str, int], capacities: dict[str, float]) -> str:
+    workload, _, rate, _, _ = point
+    return f"{rate / capacities[workload]:.1f}x"
+
+
+def simulated(results: dict, point: tuple[str, str, float, str, int], capacities: dict[str, float]) -> bool:
+    """Whether an earlier run holds the point: its runs of a cell are in seed order."""
+    workload, design, _, link, seed = point
+    runs = results.get(workload, {}).get(load_label(point, capacities), {}).get(f"{design}@{link}", [])
+    return len(runs) > SEEDS.index(seed)
 
 
 def goodput_ratio(runs: list[dict], base: list[dict]) -> Spread:
@@ -231,8 +256,10 @@ def plot(path: Path, body: dict) -> None:
     """Per workload: each split's goodput over colocated's against the load (median, seed range)."""
     plt = pyplot()
     results = body["results"]
-    figure, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
-    for axis, (workload, by_load) in zip(axes[0], results.items(), strict=True):
+    columns = min(2, len(results))
+    rows = -(-len(results) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4 * rows), squeeze=False)
+    for axis, (workload, by_load) in zip(axes.flat, results.items(), strict=False):
         loads = list(by_load)
         for design in [*SPLITS, "colocated_8192"]:
             key = f"{design}@{MAP_LINK}"
@@ -248,6 +275,8 @@ def plot(path: Path, body: dict) -> None:
         axis.axhline(1.0, color="grey", linewidth=0.8)
         axis.set_title(f"{workload}: goodput / colocated stall-free's", fontsize=9)
         axis.set_xlabel("load (x colocated's 90%-attainment rate)")
+    for axis in axes.flat[len(results) :]:
+        axis.set_visible(False)
     axes[0][0].legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=100)

@@ -43,7 +43,7 @@ DISAGGREGATION_SPECS: dict[str, BenchSpec] = {
     ),
     "disaggregation_map": BenchSpec(
         PAGE,
-        "The simulator's map: P/D against stall-free colocation, 4 H100s, three workloads",
+        "The simulator's map: P/D against stall-free colocation, 4 H100s, four workloads",
         (
             Rows(
                 "capacity",
