@@ -74,10 +74,14 @@ BENCH_CLUSTER_ENV = {
 # The controller re-sends them twice per report interval instead (at Ray's default 10 s interval
 # the agent keeps a series 20 s, so a default cluster has no gap). Both cost the cores a little
 # every second, which is why benchmarks leave them out.
+# And an Ingress replica that stops (an app deleted, a downscale) stays reachable 3 s, not 30, for
+# HAProxy to drop it: this machine's HAProxy reloads within that, and it retries a refused
+# connection on another replica anyway. At 30 s, the tests' app deletions alone took ~10 minutes.
 TEST_CLUSTER_ENV = {
     **BENCH_CLUSTER_ENV,
     "RAY_metrics_report_interval_ms": "1000",
     "RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S": "0.5",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "3",
 }
 
 
