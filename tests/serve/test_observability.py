@@ -5,15 +5,13 @@ Prometheus scraping the cluster, and that Prometheus evaluates the shipped alert
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 
 import httpx
 import pytest
 
-from harness.metrics_scrape import scrape, scrape_by_replica
+from harness.metrics_scrape import MetricsPage, scrape_by_replica, settled
 from harness.replicas import engine_deployment, engine_stats
-from harness.serve_cluster import REPORT_WAIT_S, ServeCluster, post_concurrently, wait_for
+from harness.serve_cluster import ServeCluster, post_concurrently, wait_for
 from tests.engine.engine_idle import wait_idle
 from tests.serve import prometheus_server
 
@@ -35,26 +33,15 @@ def main_app(serve_cluster: ServeCluster) -> dict[str, str]:
     return {"application": serve_cluster.app_name, "deployment": engine_deployment(serve_cluster.app_name)}
 
 
-def settled(counts: Callable[[], dict[str, float]]) -> dict[str, float]:
-    """The counters once they have stood still for SETTLED_S (waited on for up to REPORT_WAIT_S)."""
-    latest = counts()
-    deadline = time.monotonic() + REPORT_WAIT_S
-    while True:
-        time.sleep(SETTLED_S)
-        latest, previous = counts(), latest
-        if latest == previous:
-            return latest
-        assert time.monotonic() < deadline, f"counters still moving after {REPORT_WAIT_S} s: {latest}"
-
-
 def test_replica_metrics_add_up_on_the_ray_endpoint(serve_cluster: ServeCluster, main_app: dict[str, str]):
     def counts() -> dict[str, float]:
-        return {key: scrape(serve_cluster, name, main_app) for key, name in COUNTED.items()}
+        page = MetricsPage(serve_cluster)  # one read: a page is parsed in a second on a loaded host
+        return {key: page.total(name, main_app) for key, name in COUNTED.items()}
 
     # Whatever earlier tests sent has ended (the replica is idle) and been reported (the counters
     # stood still for several report periods) before the baseline is taken.
     wait_idle(lambda: engine_stats(serve_cluster.app_name))
-    before = settled(counts)
+    before = settled(counts, SETTLED_S)
     num_requests, max_tokens = 3, 5
     body = {"prompt": "Name three colours.", "max_tokens": max_tokens, "ignore_eos": True}
     assert all(
@@ -68,16 +55,17 @@ def test_replica_metrics_add_up_on_the_ray_endpoint(serve_cluster: ServeCluster,
         "generated": num_requests * max_tokens,
     }
     wait_for(lambda: counts()["e2e"] - before["e2e"] >= num_requests, "the requests are reported")
-    after = settled(counts)
+    after = settled(counts, SETTLED_S)
     counted = {key: after[key] - before[key] for key in COUNTED}
     # A message carries every token ready for its request: at least one a request, at most one a token.
     assert num_requests <= counted.pop("messages") <= num_requests * max_tokens
     assert counted == expected
-    assert scrape(serve_cluster, "ray_stallfree_kv_cache_usage_perc", main_app) == 0
-    assert scrape(serve_cluster, "ray_stallfree_num_requests_running", main_app) == 0
-    assert scrape(serve_cluster, "ray_stallfree_num_free_kv_blocks", main_app) > 0
+    page = MetricsPage(serve_cluster)
+    assert page.total("ray_stallfree_kv_cache_usage_perc", main_app) == 0
+    assert page.total("ray_stallfree_num_requests_running", main_app) == 0
+    assert page.total("ray_stallfree_num_free_kv_blocks", main_app) > 0
     finished = {**main_app, "finished_reason": "length"}
-    assert scrape(serve_cluster, "ray_stallfree_requests_finished_total", finished) >= num_requests
+    assert page.total("ray_stallfree_requests_finished_total", finished) >= num_requests
 
 
 def test_the_api_counts_its_answers_by_route_and_status(serve_cluster: ServeCluster):
@@ -88,19 +76,21 @@ def test_the_api_counts_its_answers_by_route_and_status(serve_cluster: ServeClus
     }
 
     def counts() -> dict[tuple[str, str], float]:
+        page = MetricsPage(serve_cluster)
+
         def count(route: str, status: str) -> float:
             labels = {**app, "route": route, "status": status}
-            return scrape(serve_cluster, "ray_stallfree_http_requests_total", labels)
+            return page.total("ray_stallfree_http_requests_total", labels)
 
         return {key: count(*key) for key in [*outcomes, ("unmatched", "404")]}
 
-    before = settled(counts)
+    before = settled(counts, SETTLED_S)
     for (route, status), body in outcomes.items():
         response = httpx.post(f"{serve_cluster.base_url}{route}", json=body, timeout=300)
         assert response.status_code == int(status), response.text
     assert httpx.get(f"{serve_cluster.base_url}/v1/no-such-route", timeout=300).status_code == 404
     wait_for(lambda: counts() != before, "the answers are reported")
-    after = settled(counts)
+    after = settled(counts, SETTLED_S)
     assert {key: after[key] - before[key] for key in after} == dict.fromkeys(after, 1)
 
 
