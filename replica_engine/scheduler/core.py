@@ -203,9 +203,9 @@ class Scheduler:
                 continue
             if request.num_in_flight_tokens and not plan.ahead:
                 continue
-            if not request.num_owed_tokens or not select(request):
-                continue
             owed = request.num_owed_tokens
+            if not owed or not select(request):
+                continue
             num_tokens = self._chunk(plan, request, owed) if chunked else owed
             if num_tokens <= 0 or num_tokens > plan.budget_left:
                 break
@@ -218,7 +218,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                plan.num_scheduled_tokens[request] = num_tokens
+                plan.schedule(request, num_tokens)
 
     def _schedule_drafts(self, plan: StepPlan) -> None:
         """Draft tokens behind the plan's decodes, from what its budget leaves, as far as they
@@ -242,7 +242,7 @@ class Scheduler:
         proposals = {r: d for r, d in self.proposer.propose(limits).items() if d} if limits else {}
         for request, num_drafts in pricing.take(proposals, plan.budget_left).items():
             if self.kv_cache_manager.allocate(request, 1 + num_drafts):
-                plan.num_scheduled_tokens[request] = 1 + num_drafts
+                plan.schedule(request, 1 + num_drafts)
                 plan.drafts[request] = tuple(proposals[request][:num_drafts])
 
     def _admit_waiting(self, plan: StepPlan, chunked: bool) -> None:
@@ -279,7 +279,7 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = request.num_computed_tokens
             self.running.append(request)
-            plan.num_scheduled_tokens[request] = num_tokens
+            plan.schedule(request, num_tokens)
 
     def _release_holds(self) -> bool:
         """Let go of the blocks held for waiting requests (prefill/decode disaggregation's adopted
@@ -330,7 +330,7 @@ class Scheduler:
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Free the request's blocks and queue it again to recompute later, ahead of every later
         arrival of its priority. Its tokens (prompt and output so far) are kept: nothing is lost."""
-        plan.num_scheduled_tokens.pop(request, None)
+        plan.unschedule(request)
         plan.preempted.append(request)
         if self.proposer is not None:
             self.proposer.request_preempted(request)

@@ -198,6 +198,9 @@ class StepPlan:
     # Ahead, the pool ran short: the step waits for the batch in flight, then decides (and
     # preempts) as a synchronous step would.
     blocked: bool = False
+    # The sum of num_scheduled_tokens, kept as rows come and go (schedule, unschedule): the
+    # budget left is read for every row, and summing each time made a step quadratic in its rows.
+    total_tokens: int = 0
 
     def shape(self) -> StepShape:
         return StepShape.of(
@@ -211,9 +214,13 @@ class StepPlan:
     def budget_left(self) -> int:
         return self.token_budget - self.total_tokens
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
+    def schedule(self, request: Request, num_tokens: int) -> None:
+        """`num_tokens` this step for the request (in place of any it had)."""
+        self.total_tokens += num_tokens - self.num_scheduled_tokens.get(request, 0)
+        self.num_scheduled_tokens[request] = num_tokens
+
+    def unschedule(self, request: Request) -> None:
+        self.total_tokens -= self.num_scheduled_tokens.pop(request, 0)
 
     @property
     def is_empty(self) -> bool:
