@@ -1,41 +1,91 @@
 """Incremental detokenization and stop strings for one request.
 
-Text is decoded over a short sliding window (vLLM's prefix/read offsets), seeded with the last
-prompt tokens so tokenizers that drop a leading space on a lone token still get it right. While
-the request runs, the last len(longest stop) - 1 characters are held back from the stream, so a
-client never sees the start of a stop string that is then cut off."""
+A fast tokenizer's text comes from its own stream decoder (tokenizers' DecodeStream: one call per
+token in Rust, about a microsecond, where decoding a window twice costs ~8 us). Other tokenizers
+decode a short sliding window (vLLM's prefix/read offsets), as does a request whose tokens the
+stream refuses. Both are seeded with the last prompt
+tokens, so tokenizers that drop a leading space on a lone token still get it right, and both
+hold back half a multi-byte character until it is whole. While the request runs, the last
+len(longest stop) - 1 characters are held back from the stream, so a client never sees the start
+of a stop string that is then cut off."""
 
 from __future__ import annotations
 
+from collections import deque
+
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
 _PROMPT_CONTEXT_TOKENS = 6
+
+
+class _WindowDecoder:
+    """New text per token from decoding a sliding window twice (a tokenizer without a stream)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, context: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._token_ids = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+
+    def step(self, token_id: int) -> str | None:
+        self._token_ids.append(token_id)
+        decode = self._tokenizer.decode
+        prefix = decode(self._token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        full = decode(self._token_ids[self._prefix_offset :], skip_special_tokens=True)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None  # no new characters yet, or half a multi-byte character
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
+        return full[len(prefix) :]
+
+
+class _StreamDecoder:
+    """New text per token from a fast tokenizer's own stream decoder. Where the stream refuses a
+    token (it raises when a tokenizer's text for more tokens does not extend its text for fewer:
+    tokenizers issue #1705), the request goes on decoding a window, from its latest tokens."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, context: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(ids=context, skip_special_tokens=True)
+        self._decoded = deque(context, maxlen=_PROMPT_CONTEXT_TOKENS)  # latest whose text is out
+        self._pending: list[int] = []  # since then: no text yet (half a character, special tokens)
+        self._window: _WindowDecoder | None = None
+
+    def step(self, token_id: int) -> str | None:
+        if self._window is not None:
+            return self._window.step(token_id)
+        try:
+            text = self._stream.step(self._tokenizer.backend_tokenizer, token_id)
+        except Exception:
+            self._window = _WindowDecoder(self._tokenizer, list(self._decoded))
+            texts = [self._window.step(pending) for pending in (*self._pending, token_id)]
+            return "".join(text for text in texts if text) or None
+        self._pending.append(token_id)
+        if text:
+            self._decoded.extend(self._pending)
+            self._pending.clear()
+        return text
 
 
 class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], stop: list[str]
     ) -> None:
-        self._tokenizer = tokenizer
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
-        self._token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._token_ids)
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        decoder = _StreamDecoder if tokenizer.is_fast else _WindowDecoder
+        self._decoder = decoder(tokenizer, context)
         self.text = ""  # output text so far, cut before a stop string once one appears
         self._num_emitted_chars = 0
 
     def add_token(self, token_id: int) -> bool:
         """Append one output token; True when a stop string has appeared (the text is cut there)."""
-        self._token_ids.append(token_id)
-        decode = self._tokenizer.decode
-        prefix = decode(self._token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        full = decode(self._token_ids[self._prefix_offset :], skip_special_tokens=True)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return False  # no new characters yet, or half a multi-byte character
+        new_text = self._decoder.step(token_id)
+        if not new_text:
+            return False
         previous_length = len(self.text)
-        self.text += full[len(prefix) :]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
+        self.text += new_text
         return self._cut_at_stop_string(previous_length)
 
     def _cut_at_stop_string(self, previous_length: int) -> bool:

@@ -1,6 +1,27 @@
+import pytest
+
 from replica_engine.detokenizer import IncrementalDetokenizer
 
 TEXT = "Café au lait — naïve façade 😀 costs 3€. Then the end."
+
+
+class _SlowTokenizer:
+    """A tokenizer without a stream decoder (as a slow, Python one is): the real tokenizer
+    behind is_fast False, so the sliding-window path runs."""
+
+    is_fast = False
+
+    def __init__(self, fast) -> None:
+        self._fast = fast
+
+    def __getattr__(self, name: str):
+        return getattr(self._fast, name)
+
+
+@pytest.fixture(params=["stream", "window"])
+def tokenizer(request, tokenizer):
+    """Each test on both ways to detokenize: a fast tokenizer's stream, a slow one's window."""
+    return tokenizer if request.param == "stream" else _SlowTokenizer(tokenizer)
 
 
 def _stream(tokenizer, text: str, stop: list[str]) -> tuple[IncrementalDetokenizer, list[str], bool]:
@@ -40,3 +61,28 @@ def test_special_tokens_are_not_in_the_text(tokenizer):
     for token_id in [*tokenizer.encode("Paris."), tokenizer.eos_token_id]:
         detok.add_token(token_id)
     assert detok.take_delta(finished=True) == "Paris."
+
+
+def test_a_token_the_stream_refuses_leaves_the_text_whole(tokenizer, monkeypatch):
+    """tokenizers' stream decoder raises on some tokenizers' text (issue #1705): a stand-in for
+    it that refuses one token, each in turn (one of them right after half a character, which
+    has no text yet); the request goes on from a window and loses no text."""
+    from tokenizers.decoders import DecodeStream
+
+    whole = tokenizer.decode(tokenizer.encode(TEXT))
+    for refused in range(len(tokenizer.encode(TEXT))):
+
+        class RefusingStream:
+            def __init__(self, **kwargs) -> None:
+                self._stream, self._steps = DecodeStream(**kwargs), 0
+
+            def step(self, backend, token_id: int, refused: int = refused) -> str | None:
+                self._steps += 1
+                if self._steps == refused + 1:
+                    raise Exception("Invalid prefix encountered")
+                return self._stream.step(backend, token_id)
+
+        monkeypatch.setattr("replica_engine.detokenizer.DecodeStream", RefusingStream)
+        detok, deltas, stopped = _stream(tokenizer, TEXT, [])
+        assert not stopped
+        assert "".join(deltas) == detok.text == whole, refused
