@@ -146,16 +146,18 @@ def wait_drained(cluster: MetricsSource, app: str) -> tuple[float, dict[str, dic
         time.sleep(0.5)
 
 
-def settled(read: Callable[[], Counts], settle_s: float = SETTLE_S) -> Counts:
+def settled(
+    read: Callable[[], Counts], settle_s: float = SETTLE_S, timeout_s: float = SETTLE_TIMEOUT_S
+) -> Counts:
     """`read()` once it stops changing for `settle_s` (three report periods: the test clusters'
     are 1 s, Ray's default 10 s): a counter read right after a request can miss it (it is
     exported later), so a test that compares counts before and after takes both settled."""
-    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     counts = read()
     while True:
         time.sleep(settle_s)
         again = read()
         if again == counts:
             return counts
-        assert time.monotonic() < deadline, f"counts still changing after {SETTLE_TIMEOUT_S} s: {again}"
+        assert time.monotonic() < deadline, f"counts still changing after {timeout_s} s: {again}"
         counts = again

@@ -3,9 +3,9 @@
 A fast tokenizer's text comes from its own stream decoder (tokenizers' DecodeStream: one call per
 token in Rust, about a microsecond, where decoding a window twice costs ~8 us). Other tokenizers
 decode a short sliding window (vLLM's prefix/read offsets), as does a request whose tokens the
-stream refuses. Both are seeded with the last prompt
-tokens, so tokenizers that drop a leading space on a lone token still get it right, and both
-hold back half a multi-byte character until it is whole. While the request runs, the last
+stream refuses. Both are seeded with the last prompt tokens, so tokenizers that drop a leading
+space on a lone token still get it right, and both hold back half a multi-byte character until
+it is whole. While the request runs, the last
 len(longest stop) - 1 characters are held back from the stream, so a client never sees the start
 of a stop string that is then cut off."""
 

@@ -193,14 +193,12 @@ class KVCacheManager:
         num_new = self.num_new_blocks(request, num_hit_tokens + num_new_tokens) - len(hits)
         if num_new > len(self._free) - sum(block.ref_count == 0 for block in hits):
             return False
-        if hits:
-            for block in hits:
-                self._take_cached(block)
-                request.block_ids.append(block.block_id)
-            request.num_computed_tokens += num_hit_tokens
-            request.num_hashed_blocks += len(hits)
-        if num_new > 0:  # a decode mostly fits in the blocks it holds
-            request.block_ids.extend(self._take_free_block() for _ in range(num_new))
+        for block in hits:
+            self._take_cached(block)
+            request.block_ids.append(block.block_id)
+        request.num_computed_tokens += num_hit_tokens
+        request.num_hashed_blocks += len(hits)
+        request.block_ids.extend(self._take_free_block() for _ in range(num_new))
         return True
 
     def _take_cached(self, block: Block) -> None:

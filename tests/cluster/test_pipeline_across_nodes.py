@@ -80,8 +80,8 @@ def cluster(tmp_path):
 def test_a_replica_whose_stages_span_nodes_answers_and_is_replaced_when_a_stage_node_is_lost(cluster):
     batch = requests(seed=1)
     # The first requests wait for whatever the stages still load: on a loaded host, minutes (this
-    # test failed twice while other processes loaded the host, and REQUEST_S is the one deadline
-    # here that a slow start overruns).
+    # test failed in a run beside other processes' load, and REQUEST_S is the one deadline here
+    # that a slow start overruns).
     assert outcomes(cluster, batch, REPLACED_S) == ["completed"] * len(batch)
     stages, (replica,) = alive_on(cluster, "RayWorker"), alive_on(cluster, "EngineReplica")
     assert len(set(stages)) == 2, stages  # one stage a node

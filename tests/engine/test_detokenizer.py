@@ -19,7 +19,7 @@ class _SlowTokenizer:
 
 
 @pytest.fixture(params=["stream", "window"])
-def tokenizer(request, tokenizer):
+def either_tokenizer(request, tokenizer):
     """Each test on both ways to detokenize: a fast tokenizer's stream, a slow one's window."""
     return tokenizer if request.param == "stream" else _SlowTokenizer(tokenizer)
 
@@ -38,15 +38,15 @@ def _stream(tokenizer, text: str, stop: list[str]) -> tuple[IncrementalDetokeniz
     return detok, deltas, stopped
 
 
-def test_incremental_text_equals_decoding_everything_at_once(tokenizer):
-    detok, deltas, stopped = _stream(tokenizer, TEXT, [])
+def test_incremental_text_equals_decoding_everything_at_once(either_tokenizer):
+    detok, deltas, stopped = _stream(either_tokenizer, TEXT, [])
     assert not stopped
-    assert "".join(deltas) == detok.text == tokenizer.decode(tokenizer.encode(TEXT))
+    assert "".join(deltas) == detok.text == either_tokenizer.decode(either_tokenizer.encode(TEXT))
     assert sum(1 for d in deltas if d) > 5  # really incremental
 
 
-def test_stop_string_cuts_the_text_and_no_part_of_it_is_ever_streamed(tokenizer):
-    detok, deltas, stopped = _stream(tokenizer, TEXT, ["3€", "zzz"])
+def test_stop_string_cuts_the_text_and_no_part_of_it_is_ever_streamed(either_tokenizer):
+    detok, deltas, stopped = _stream(either_tokenizer, TEXT, ["3€", "zzz"])
     assert stopped
     assert detok.text == "Café au lait — naïve façade 😀 costs "
     assert "".join(deltas) == detok.text
@@ -56,9 +56,9 @@ def test_stop_string_cuts_the_text_and_no_part_of_it_is_ever_streamed(tokenizer)
         assert "3" not in streamed  # the stop string's start was held back, never shown
 
 
-def test_special_tokens_are_not_in_the_text(tokenizer):
-    detok = IncrementalDetokenizer(tokenizer, [1], [])
-    for token_id in [*tokenizer.encode("Paris."), tokenizer.eos_token_id]:
+def test_special_tokens_are_not_in_the_text(either_tokenizer):
+    detok = IncrementalDetokenizer(either_tokenizer, [1], [])
+    for token_id in [*either_tokenizer.encode("Paris."), either_tokenizer.eos_token_id]:
         detok.add_token(token_id)
     assert detok.take_delta(finished=True) == "Paris."
 
@@ -69,7 +69,7 @@ def test_a_token_the_stream_refuses_leaves_the_text_whole(tokenizer, monkeypatch
     has no text yet); the request goes on from a window and loses no text."""
     from tokenizers.decoders import DecodeStream
 
-    whole = tokenizer.decode(tokenizer.encode(TEXT))
+    whole, refusals = tokenizer.decode(tokenizer.encode(TEXT)), []
     for refused in range(len(tokenizer.encode(TEXT))):
 
         class RefusingStream:
@@ -79,6 +79,7 @@ def test_a_token_the_stream_refuses_leaves_the_text_whole(tokenizer, monkeypatch
             def step(self, backend, token_id: int, refused: int = refused) -> str | None:
                 self._steps += 1
                 if self._steps == refused + 1:
+                    refusals.append(refused)
                     raise Exception("Invalid prefix encountered")
                 return self._stream.step(backend, token_id)
 
@@ -86,3 +87,4 @@ def test_a_token_the_stream_refuses_leaves_the_text_whole(tokenizer, monkeypatch
         detok, deltas, stopped = _stream(tokenizer, TEXT, [])
         assert not stopped
         assert "".join(deltas) == detok.text == whole, refused
+    assert refusals == list(range(len(tokenizer.encode(TEXT))))  # the stream ran, and refused each

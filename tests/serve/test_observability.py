@@ -11,7 +11,7 @@ import pytest
 
 from harness.metrics_scrape import MetricsPage, scrape_by_replica, settled
 from harness.replicas import engine_deployment, engine_stats
-from harness.serve_cluster import ServeCluster, post_concurrently, wait_for
+from harness.serve_cluster import REPORT_WAIT_S, ServeCluster, post_concurrently, wait_for
 from tests.engine.engine_idle import wait_idle
 from tests.serve import prometheus_server
 
@@ -41,7 +41,7 @@ def test_replica_metrics_add_up_on_the_ray_endpoint(serve_cluster: ServeCluster,
     # Whatever earlier tests sent has ended (the replica is idle) and been reported (the counters
     # stood still for several report periods) before the baseline is taken.
     wait_idle(lambda: engine_stats(serve_cluster.app_name))
-    before = settled(counts, SETTLED_S)
+    before = settled(counts, SETTLED_S, REPORT_WAIT_S)
     num_requests, max_tokens = 3, 5
     body = {"prompt": "Name three colours.", "max_tokens": max_tokens, "ignore_eos": True}
     assert all(
@@ -55,7 +55,7 @@ def test_replica_metrics_add_up_on_the_ray_endpoint(serve_cluster: ServeCluster,
         "generated": num_requests * max_tokens,
     }
     wait_for(lambda: counts()["e2e"] - before["e2e"] >= num_requests, "the requests are reported")
-    after = settled(counts, SETTLED_S)
+    after = settled(counts, SETTLED_S, REPORT_WAIT_S)
     counted = {key: after[key] - before[key] for key in COUNTED}
     # A message carries every token ready for its request: at least one a request, at most one a token.
     assert num_requests <= counted.pop("messages") <= num_requests * max_tokens
@@ -84,13 +84,13 @@ def test_the_api_counts_its_answers_by_route_and_status(serve_cluster: ServeClus
 
         return {key: count(*key) for key in [*outcomes, ("unmatched", "404")]}
 
-    before = settled(counts, SETTLED_S)
+    before = settled(counts, SETTLED_S, REPORT_WAIT_S)
     for (route, status), body in outcomes.items():
         response = httpx.post(f"{serve_cluster.base_url}{route}", json=body, timeout=300)
         assert response.status_code == int(status), response.text
     assert httpx.get(f"{serve_cluster.base_url}/v1/no-such-route", timeout=300).status_code == 404
     wait_for(lambda: counts() != before, "the answers are reported")
-    after = settled(counts, SETTLED_S)
+    after = settled(counts, SETTLED_S, REPORT_WAIT_S)
     assert {key: after[key] - before[key] for key in after} == dict.fromkeys(after, 1)
 
 
