@@ -26,7 +26,10 @@ device call is at most 10 minutes: the parts go in several calls, bench/gpu/gpu_
 
 `--dry-run` runs the same code on this CPU: Triton in its interpreter, a tiny dummy model, a few
 steps and requests (part of make test, so the command cannot rot); its figures mean nothing and
-its file says so. Goals (on an H100): decode steps at batch >= 32 <= 1.5x the HBM floor (the
+its file says so. `--rehearse` runs the served parts on this CPU at the GPU plan's concurrency with
+the tiny dummy model (bench/results/gpu_rehearsal.json): its short steps stand in for a GPU's, so
+the serving path's host cost shows against the engine alone's; only the served goals are judged.
+Goals (on an H100): decode steps at batch >= 32 <= 1.5x the HBM floor (the
 mixture's: <= 2x its touched-expert floor); offline
 >= 6,600 output tok/s, the device idle (waiting on the host: wall time less the model's) <= 10% of
 the wall time; every exactness check passes;
@@ -140,6 +143,15 @@ DRY_RUN = Plan(
         model="dummy:tiny-moe", decode_batches=(1, 4), context=32, num_steps=3, kv_cache_bytes=16 << 20
     ),
 )
+# `--rehearse`: the served parts on this CPU at the GPU plan's concurrency, the tiny dummy model's
+# short steps standing in for a GPU's, so that the serving path's host cost shows against the
+# engine alone's as it does beside a GPU (closed loops only: Poisson rates are the GPU's)
+REHEARSAL = replace(
+    DRY_RUN,
+    max_len=256,
+    served=replace(FULL.served, closed=((1, 16), (64, 256)), poisson_rates=(), poisson_requests=0, seeds=()),
+)
+REHEARSED_PARTS = ("served", "served_options")
 
 
 def _served_setup(plan: Plan) -> tuple[dict, list[Arrival]] | None:
@@ -241,10 +253,14 @@ def run_part(name: str, part: Callable[[], dict]) -> dict:
         gpu_steps.free_device_memory()
 
 
-def goals_met(result: dict, dry_run: bool) -> dict[str, bool]:
-    """Each goal, judged on the parts that ran (a part missing or failed misses its goals)."""
+def goals_met(result: dict, dry_run: bool, rehearse: bool = False) -> dict[str, bool]:
+    """Each goal, judged on the parts that ran (a part missing or failed misses its goals); a
+    rehearsal judges the served goals only."""
     parts = result["parts"]
     ran = {name for name, part in parts.items() if "error" not in part}
+    comparison = parts.get("served", {}).get("served_vs_alone") if "served" in ran else None
+    if rehearse:
+        return gpu_served.goals_met(comparison)
     exactness = parts.get("exactness", {})
     checks = [c for kind in EXACTNESS_KINDS for c in exactness.get(kind, [])]
     met = {"every exactness check passes": "exactness" in ran and all(c["passed"] for c in checks)}
@@ -279,7 +295,6 @@ def goals_met(result: dict, dry_run: bool) -> dict[str, bool]:
         "HBM floor (eager or graphs, the better)"
     )
     met[moe_goal] = "moe" in ran and gpu_moe.goal_met(parts["moe"]["steps"])
-    comparison = parts.get("served", {}).get("served_vs_alone") if "served" in ran else None
     return met | gpu_served.goals_met(comparison)
 
 
@@ -347,26 +362,37 @@ def print_table(parts: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="on this CPU: Triton interpreted, tiny shapes")
-    parser.add_argument("--output", type=Path, help="default: bench/results/gpu_<device>.json")
     parser.add_argument(
-        "--parts", default=",".join(PARTS), help=f"some of {','.join(PARTS)}; the output's others are kept"
+        "--rehearse",
+        action="store_true",
+        help=f"on this CPU: {','.join(REHEARSED_PARTS)} at the GPU plan's concurrency, a tiny model",
     )
+    parser.add_argument("--output", type=Path, help="default: bench/results/gpu_<device>.json")
+    parser.add_argument("--parts", help=f"some of {','.join(PARTS)}; the output's others are kept")
     args = parser.parse_args(argv)
-    chosen = args.parts.split(",")
-    if not set(chosen) <= set(PARTS):
-        parser.error(f"--parts: each of {PARTS}, got {args.parts!r}")
-    plan = DRY_RUN if args.dry_run else FULL
-    if not args.dry_run and not torch.cuda.is_available():
-        parser.error("no CUDA device here: run with --dry-run to rehearse on the CPU")
+    allowed = REHEARSED_PARTS if args.rehearse else PARTS
+    chosen = args.parts.split(",") if args.parts else list(allowed)
+    if not set(chosen) <= set(allowed):
+        parser.error(f"--parts: each of {allowed}, got {args.parts!r}")
+    if args.dry_run and args.rehearse:
+        parser.error("--dry-run or --rehearse, not both")
+    plan = DRY_RUN if args.dry_run else REHEARSAL if args.rehearse else FULL
+    on_cpu = args.dry_run or args.rehearse
+    if not on_cpu and not torch.cuda.is_available():
+        parser.error("no CUDA device here: run with --dry-run or --rehearse on the CPU")
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before our kernel's module is first imported
-    name = "dry_run" if args.dry_run else torch.cuda.get_device_name().split()[1].lower()
+    if on_cpu:
+        name = "dry_run" if args.dry_run else "rehearsal"
+    else:
+        name = torch.cuda.get_device_name().split()[1].lower()
     output = args.output or Path(f"bench/results/gpu_{name}.json")
-    run = BenchmarkRun("gpu", output, GOALS)
+    run = BenchmarkRun("gpu", output, gpu_served.GOALS if args.rehearse else GOALS)
     work_dir = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
-    kept = json.loads(output.read_text()) if output.exists() and set(chosen) != set(PARTS) else {}
+    kept = json.loads(output.read_text()) if output.exists() and set(chosen) != set(allowed) else {}
     body: dict = {
         "dry_run": args.dry_run,
+        "rehearsal": args.rehearse,
         "plan": {"model": plan.model, "steps": vars(plan.steps), "served": vars(plan.served)},
         "parts": {name: part for name, part in kept.get("parts", {}).items() if name not in chosen},
         "measured_at": {  # each part's own date (a kept part keeps its own)
@@ -388,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
         run.write(body, {})  # so far: a run cut short still leaves its parts
     body["parts"] = {name: body["parts"][name] for name in PARTS if name in body["parts"]}
     print_table(body["parts"])
-    met = goals_met(body, args.dry_run)
+    met = goals_met(body, args.dry_run, args.rehearse)
     print_verdicts(met)
     run.write(body, met)
 
