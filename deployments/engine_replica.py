@@ -52,6 +52,13 @@ async def merge_choice_streams(streams: list[ChoiceStream]) -> AsyncIterator[lis
     """Interleave the choices' streams as they produce; each item is every (stream index,
     output) ready at that moment, so a busy replica sends fewer, larger messages. Closing this
     closes (and so aborts) every stream still running."""
+    if len(streams) == 1:  # no task and queue in between: each output holds every token then ready
+        try:
+            async for output in streams[0]:
+                yield [(0, output)]
+        finally:
+            await streams[0].aclose()
+        return
     ready: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: ChoiceStream) -> None:
@@ -242,11 +249,14 @@ class EngineReplica:
                 )
                 for index, (prompt, params, blocks) in enumerate(jobs)
             ]
-            # closing it (a cancel) aborts at once
-            async with aclosing(_serve(starts, _choice_deltas)) as items:
-                async for item in items:
-                    self.metrics.stream_messages.inc(1, self.metrics.labels)
-                    yield item
+            messages = 0
+            try:  # closing it (a cancel) aborts at once
+                async with aclosing(_serve(starts, _choice_deltas)) as items:
+                    async for item in items:
+                        messages += 1
+                        yield item
+            finally:  # once a call: a record per message was a large share of the event loop's time
+                self.metrics.stream_messages.inc(messages, self.metrics.labels)
 
     async def prefill(self, request: GenerateRequest) -> list[KvHandle | None] | GenerateError:
         """Prefill/decode disaggregation's first half: compute each prompt (a token is sampled and

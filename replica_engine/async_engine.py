@@ -165,9 +165,19 @@ class AsyncEngine:
     async def _read(
         self, output_queue: _OutputQueue, close: Callable[[], None]
     ) -> AsyncGenerator[RequestDelta, None]:
+        failure: BaseException | None = None  # queued after outputs: raised once they are read
         try:
             while True:
-                item = await output_queue.ready.get()
+                item = failure or await output_queue.ready.get()
+                failure = None
+                # Every output already queued goes out as one: a reader that fell behind a step
+                # (a busy event loop) catches up in one message, not one per step.
+                while isinstance(item, RequestDelta) and not item.finished and not output_queue.ready.empty():
+                    later = output_queue.ready.get_nowait()
+                    if isinstance(later, BaseException):
+                        failure = later
+                        break
+                    item = item.then(later)
                 if isinstance(item, BaseException):
                     raise item
                 yield item

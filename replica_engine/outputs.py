@@ -57,7 +57,8 @@ class CoreOutput:
 
 @dataclass
 class RequestDelta:
-    """One request's progress in one step: the new tokens and text since its last output."""
+    """One request's progress: the new tokens and text since its last output (one step's, or
+    several steps' where its reader fell behind: `then`)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -71,6 +72,23 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., in the first output
     embedding: list[float] | None = None  # an embedding request's, in its final output
     kv: KvBlocks | None = None  # a request that exports its prompt's blocks: in its final output
+
+    def then(self, later: RequestDelta) -> RequestDelta:
+        """This delta and the next one as one: what a reader that fell behind reads at once."""
+        return RequestDelta(
+            self.request_id,
+            self.new_token_ids + later.new_token_ids,
+            self.text_delta + later.text_delta,
+            later.num_prompt_tokens,
+            later.num_output_tokens,
+            later.finished,
+            later.finish_reason,
+            later.num_cached_tokens,
+            self.logprobs + later.logprobs,
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+            later.embedding,
+            later.kv,
+        )
 
 
 @dataclass

@@ -4,6 +4,7 @@ its blocks by the end of the step that was running."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -56,13 +57,20 @@ def test_closing_a_stream_early_aborts_and_frees_its_blocks(async_engine):
     wait_idle(async_engine.stats)
 
 
-def test_closing_a_stream_never_read_aborts(async_engine):
-    added = async_engine.stats().num_requests_added
+def _idle_once_added(engine: AsyncEngine) -> Callable[[], EngineStats]:
+    """The engine's stats, read as busy until the core has taken a request added from now on
+    (before, they are idle anyway)."""
+    added = engine.stats().num_requests_added
 
-    def added_and_idle() -> EngineStats:
-        """The stats once the core has taken the request (before, they are idle anyway)."""
-        latest = async_engine.stats()
+    def stats() -> EngineStats:
+        latest = engine.stats()
         return latest if latest.num_requests_added > added else replace(latest, num_running=1)
+
+    return stats
+
+
+def test_closing_a_stream_never_read_aborts(async_engine):
+    stats = _idle_once_added(async_engine)
 
     async def main():
         stream = await async_engine.add_request(
@@ -70,9 +78,28 @@ def test_closing_a_stream_never_read_aborts(async_engine):
         )
         await stream.aclose()  # its 4000 tokens would take many seconds
         # on this loop: once it has closed, the engine drops the requests it read for anyway
-        await asyncio.to_thread(wait_idle, added_and_idle)
+        await asyncio.to_thread(wait_idle, stats)
 
     asyncio.run(main())
+
+
+def test_a_reader_behind_reads_the_steps_it_missed_as_one_output(async_engine, llm):
+    """A stream's outputs queued while its reader was busy come out as one: every token and all
+    the text of those steps, and the finish, in the order the steps made them."""
+    prompt, params = "1, 2, 3,", SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+    offline = llm.generate([prompt], params)[0].outputs[0]
+    stats = _idle_once_added(async_engine)
+
+    async def main():
+        stream = await async_engine.add_request(prompt, params)
+        await asyncio.to_thread(wait_idle, stats)  # every step ran and queued its output, none read
+        return [out async for out in stream]
+
+    outputs = asyncio.run(main())
+    assert len(outputs) == 1
+    (output,) = outputs
+    assert output.new_token_ids == offline.token_ids and output.text_delta == offline.text
+    assert output.finished and output.finish_reason == "length" and output.num_output_tokens == 12
 
 
 def test_cancelling_the_reading_task_aborts(async_engine):
