@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
-from ray.serve.handle import DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from common.messages import ChoiceDelta, Embeddings, GenerateError
 from deployments.protocol import ApiError
@@ -58,6 +58,13 @@ async def replies(
             error_type="server_error",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         ) from None
+
+
+def by_value(handle: DeploymentHandle) -> DeploymentHandle:
+    """The handle, its calls over gRPC to the replica (Serve's by-value transport, which its
+    throughput-optimized preset turns on): each streamed message a gRPC message rather than a
+    Ray object reported to the caller, the costlier per message on both ends."""
+    return handle.options(_by_reference=False)
 
 
 def cancel(replica_call: DeploymentResponseGenerator) -> None:

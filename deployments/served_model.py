@@ -20,6 +20,7 @@ from common.model_source import ModelSource, generation_defaults, model_config_d
 from common.prompts import Prompt, PromptProcessor
 from common.sampling_params import SamplingParams
 from common.tokenizer import Message
+from deployments import replica_calls
 from deployments.disaggregated_engine import DisaggregatedEngine, PrefillDecode
 from deployments.in_process_engine import ColocatedReplica, InProcessEngine, build_in_process_engine
 from deployments.logprobs_format import LogprobsFormat
@@ -63,6 +64,8 @@ class ServedModel:
             self.engine = build_in_process_engine(engine)
         elif isinstance(engine, PrefillDecode):
             self.engine = DisaggregatedEngine(engine)
+        else:
+            self.engine = replica_calls.by_value(engine)
         source = resolve_model(settings.model)
         self.prompts = PromptProcessor.load(source, settings.max_model_len, settings.chat_template)
         model_config = model_config_dict(source)

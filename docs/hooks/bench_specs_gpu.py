@@ -151,24 +151,7 @@ def _gpu_served_spec(device: str) -> BenchSpec:
                 "served_vs_alone",
                 "Served over the engine alone:",
                 (
-                    Col(
-                        "c=64 output tok/s",
-                        "parts/served/served_vs_alone/high_concurrency_tok_per_s_ratio",
-                        "x",
-                        goal="served at the highest concurrency: output tok/s >= 0.95x the engine alone's",
-                    ),
-                    Col(
-                        "c=1 TTFT p50, extra",
-                        "parts/served/served_vs_alone/c1_ttft_p50_extra_s",
-                        "ms",
-                        goal="served c=1 TTFT p50 <= the engine alone's + 10 ms",
-                    ),
-                    Col(
-                        "c=1 TBT p50",
-                        "parts/served/served_vs_alone/c1_tbt_p50_ratio",
-                        "x",
-                        goal="served c=1 TBT p50 <= 1.1x the engine alone's",
-                    ),
+                    *_vs_alone_cols("parts/served/served_vs_alone/", goals=True),
                     *(
                         Col(
                             f"Poisson {rate}/s output tok/s",
@@ -177,16 +160,80 @@ def _gpu_served_spec(device: str) -> BenchSpec:
                         )
                         for rate in (4, 8, 16)
                     ),
-                    Col(
-                        "failed requests",
-                        "parts/served/served_vs_alone/failed_requests",
-                        "int",
-                        goal="no request failed, served or alone",
-                    ),
                 ),
             ),
         ),
     )
 
 
-GPU_SPECS: dict[str, BenchSpec] = {"gpu_h100": _gpu_spec("H100"), "gpu_h200": _gpu_served_spec("H200")}
+def _vs_alone_cols(at: str, goals: bool) -> tuple[Col, ...]:
+    """A served run's closed loops over the engine alone's (`at`: where gpu_served.comparison's
+    figures are), with the served goals where `goals`."""
+
+    def col(header: str, key: str, unit: str, goal: str) -> Col:
+        return Col(header, at + key, unit, goal=goal if goals else None)
+
+    return (
+        col(
+            "c=64 output tok/s",
+            "high_concurrency_tok_per_s_ratio",
+            "x",
+            "served at the highest concurrency: output tok/s >= 0.95x the engine alone's",
+        ),
+        col(
+            "c=1 TTFT p50, extra",
+            "c1_ttft_p50_extra_s",
+            "ms",
+            "served c=1 TTFT p50 <= the engine alone's + 10 ms",
+        ),
+        col("c=1 TBT p50", "c1_tbt_p50_ratio", "x", "served c=1 TBT p50 <= 1.1x the engine alone's"),
+        col("failed requests", "failed_requests", "int", "no request failed, served or alone"),
+    )
+
+
+def _rehearsal_spec() -> BenchSpec:
+    """bench.gpu --rehearse's file: the served parts on this CPU, a tiny model's short steps
+    standing in for a GPU's."""
+    systems = ("engine_alone", "served")
+    vs_alone = _vs_alone_cols("vs_alone/", goals=False)
+    return BenchSpec(
+        "benchmarks/gpu.md",
+        "bench.gpu --rehearse on this CPU: the served parts at the GPU plan's concurrency, a tiny model",
+        (
+            Values(
+                "rehearsal_measured_at",
+                "When each part was measured:",
+                tuple(Col(part, f"measured_at/{part}", "str") for part in ("served", "served_options")),
+            ),
+            Rows(
+                "rehearsal_closed",
+                "Served through Ray Serve (one replica: the API and the engine in one process) and the"
+                " engine alone, the same requests, closed loops:",
+                "parts/served/*/*",
+                ("system / run",),
+                _served_figures(),
+                only=tuple(f"{system}/{run}" for system in systems for run in ("c1", "c64")),
+            ),
+            Values(
+                "rehearsal_vs_alone",
+                "Served over the engine alone:",
+                _vs_alone_cols("parts/served/served_vs_alone/", goals=True),
+            ),
+            Rows(
+                "rehearsal_options",
+                "Served with other settings (`engine.core_process: true`; `ingress: separate`, an Ingress"
+                " in front of an EngineReplica), over the engine alone's closed loops in the same part:",
+                "parts/served_options",
+                ("setting",),
+                vs_alone,
+                only=("core_process", "separate"),
+            ),
+        ),
+    )
+
+
+GPU_SPECS: dict[str, BenchSpec] = {
+    "gpu_h100": _gpu_spec("H100"),
+    "gpu_h200": _gpu_served_spec("H200"),
+    "gpu_rehearsal": _rehearsal_spec(),
+}
