@@ -339,6 +339,8 @@ class EngineCore:
             self._token_output(request, num_new, logprob, now)
             for (request, num_new), logprob in zip(advanced, sampled.logprobs, strict=True)
         ]
+        if self.metrics is not None:
+            self.metrics.record_generated(sum(num_new for _, num_new in advanced))
         outputs += self._pool(ran, executed.output.pooled, now)
         failed = [
             self.abort_request(request_id, FinishReason.ERROR) for request_id in executed.failed_request_ids

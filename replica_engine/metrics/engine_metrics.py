@@ -210,8 +210,7 @@ class EngineMetrics:
         self, request: Request, now: float, previous_token_time: float | None, num_tokens: int = 1
     ) -> None:
         """A request got `num_tokens` output tokens at `now` (more than one: draft tokens kept,
-        each counted at an equal share of the interval)."""
-        self.generation_tokens.inc(num_tokens, self.labels)
+        each at an equal share of the interval); `record_generated` counts them, once a step."""
         if previous_token_time is None:
             self.time_to_first_token.observe(now - request.arrival_time, self.labels)
             self.prompt_tokens.inc(request.num_prompt_tokens, self.labels)
@@ -220,6 +219,11 @@ class EngineMetrics:
         else:
             for _ in range(num_tokens):
                 self.inter_token_latency.observe((now - previous_token_time) / num_tokens, self.labels)
+
+    def record_generated(self, num_tokens: int) -> None:
+        """A step's output tokens, all its requests' (one record a step, not one a request)."""
+        if num_tokens:
+            self.generation_tokens.inc(num_tokens, self.labels)
 
     def record_drafts(self, num_drafted: int, num_accepted: int) -> None:
         """One decode's draft: how many tokens it proposed, how many verification kept."""
