@@ -65,6 +65,12 @@ def _routing(args: AppArgs) -> dict[str, Any]:
     return {"request_router_config": config}
 
 
+# The Ingress calls its replicas over Serve's gRPC (replica_calls.by_value), which refuses a message
+# over 4 MiB by default: a request of many long prompts, or an answer of many embeddings, is larger.
+# Both ends read the limit from their process's environment.
+GRPC_MESSAGE_LIMIT_ENV = {"env_vars": {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str((1 << 31) - 1)}}
+
+
 def _ingress_routing() -> dict[str, Any]:
     """A request stays on its node's Ingress (router/same_node.py says why). Under Serve's HAProxy
     ingress HTTP goes straight to an Ingress replica's own server, and Serve refuses a router there."""
@@ -126,8 +132,10 @@ def _replica_options(args: AppArgs, config: EngineConfig) -> dict[str, Any]:
             cluster_nodes(),
             "engine.tensor_parallel_size x pipeline_parallel_size (a bundle each, of num_cpus and num_gpus)",
         )
+    actor_options = {**placement["ray_actor_options"], "runtime_env": GRPC_MESSAGE_LIMIT_ENV}
     return {
         **placement,
+        "ray_actor_options": actor_options,
         "max_ongoing_requests": args.max_ongoing_requests,
         "max_queued_requests": args.max_queued_requests,
         **_autoscaling(args),
@@ -169,6 +177,7 @@ def build_app(args: AppArgs) -> Application:
         max_ongoing_requests=args.ingress_max_ongoing_requests,
         num_replicas=args.ingress_replicas,
         max_replicas_per_node=1 if args.ingress_replicas > 1 else None,
+        ray_actor_options={"num_cpus": 0, "runtime_env": GRPC_MESSAGE_LIMIT_ENV},
         **_ingress_routing(),
     )
     return ingress.bind(engines, settings)

@@ -6,6 +6,7 @@ the official `openai` client, and frees a request's KV blocks when its client ha
 from __future__ import annotations
 
 import asyncio
+import pickle
 
 import httpx
 import openai
@@ -53,6 +54,19 @@ def test_the_shipped_app_answers_as_its_separate_shape_does(serve_cluster: Serve
     chunks = ours.chat.completions.create(model=model, stream=True, **CHAT)
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
     assert streamed == whole.choices[0].message.content
+
+
+def test_an_answer_over_grpcs_default_message_limit_crosses_the_hop(separate: str):
+    """The Ingress calls its EngineReplica over Serve's gRPC, whose default limit is 4 MiB a
+    message: 1,200 inputs' embeddings (576 floats each, pickled at 9 bytes a float: ~6 MiB) come
+    back from the replica as one message, under the limit the app sets."""
+    inputs = [f"input {i}" for i in range(1200)]
+    apart = client(separate)
+    model = apart.models.list().data[0].id
+    answer = apart.embeddings.create(model=model, input=inputs, encoding_format="float")
+    assert [data.index for data in answer.data] == list(range(len(inputs)))
+    assert all(len(data.embedding) == 576 for data in answer.data)
+    assert len(pickle.dumps([data.embedding for data in answer.data])) > 4 << 20
 
 
 def test_a_client_that_hangs_up_frees_its_kv_blocks(serve_cluster: ServeCluster):
