@@ -60,8 +60,8 @@ class _Streaming:
 
 class DisaggregatedEngine:
     def __init__(self, pair: PrefillDecode) -> None:
-        self.prefill: DeploymentHandle = replica_calls.by_value(pair.prefill)
-        self.decode: DeploymentHandle = replica_calls.by_value(pair.decode)
+        self.prefill: DeploymentHandle = pair.prefill
+        self.decode: DeploymentHandle = pair.decode
         self.prefill_timeout_s = pair.prefill_timeout_s
         self._skip_prefill_until = 0.0  # loop time
 

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import functools
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle
@@ -63,7 +63,10 @@ class ServedModel:
         if isinstance(engine, ColocatedReplica):
             self.engine = build_in_process_engine(engine)
         elif isinstance(engine, PrefillDecode):
-            self.engine = DisaggregatedEngine(engine)
+            by_value = replica_calls.by_value
+            self.engine = DisaggregatedEngine(
+                replace(engine, prefill=by_value(engine.prefill), decode=by_value(engine.decode))
+            )
         else:
             self.engine = replica_calls.by_value(engine)
         source = resolve_model(settings.model)
