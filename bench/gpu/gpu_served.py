@@ -9,6 +9,7 @@ they run in turn: the engine alone first, then the served app."""
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -38,6 +39,9 @@ class ServedPlan:
     # bench.gpu's served_options part: (name, app args changed), each served on its own cluster
     # (closed loops only); none in the dry run, where each cluster would add a minute to make test
     options: tuple[tuple[str, dict], ...] = ()
+    # the served part's interleaved rounds (alone, served, alone, served, ...): each round's ratios
+    # and their median; one on a GPU, whose device call has room for one
+    rounds: int = 1
 
 
 def measure(sender: Sender, arrivals: list[Arrival], plan: ServedPlan) -> dict:
@@ -131,6 +135,20 @@ def comparison(alone: dict, served: dict, plan: ServedPlan) -> dict[str, float |
             if name.startswith("poisson_")
         },
         "failed_requests": sum(run["failed"] for runs in (alone, served) for run in runs.values()),
+    }
+
+
+def median_comparison(rounds: list[dict]) -> dict[str, float | None]:
+    """Interleaved rounds' comparisons as one: each figure's median over the rounds (None where a
+    round has none), the failed requests of every round."""
+
+    def median(key: str) -> float | None:
+        values = [figures[key] for figures in rounds]
+        return None if None in values else statistics.median(values)
+
+    return {
+        key: sum(figures[key] for figures in rounds) if key == "failed_requests" else median(key)
+        for key in rounds[0]
     }
 
 

@@ -208,7 +208,7 @@ def _rehearsal_spec() -> BenchSpec:
             Rows(
                 "rehearsal_closed",
                 "Served through Ray Serve (one replica: the API and the engine in one process) and the"
-                " engine alone, the same requests, closed loops:",
+                " engine alone, the same requests, closed loops (the last round):",
                 "parts/served/*/*",
                 ("system / run",),
                 _served_figures(),
@@ -216,8 +216,16 @@ def _rehearsal_spec() -> BenchSpec:
             ),
             Values(
                 "rehearsal_vs_alone",
-                "Served over the engine alone:",
+                "Served over the engine alone, the median of the rounds:",
                 _vs_alone_cols("parts/served/served_vs_alone/", goals=True),
+            ),
+            Rows(
+                "rehearsal_rounds",
+                "Each round (the engine alone, then served) on its own:",
+                "parts/served/rounds_vs_alone",
+                ("round",),
+                _vs_alone_cols("", goals=False),
+                labels=tuple((str(index), str(index + 1)) for index in range(3)),
             ),
             Rows(
                 "rehearsal_options",
