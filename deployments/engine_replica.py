@@ -98,28 +98,22 @@ async def merge_choice_streams(streams: list[ChoiceStream]) -> AsyncIterator[lis
 
 def _coalesce(batch: list[tuple[int, RequestDelta]]) -> list[ChoiceDelta]:
     """One delta per choice: a choice that advanced twice since the last message sends both at once."""
-    deltas: dict[int, ChoiceDelta] = {}
+    merged: dict[int, RequestDelta] = {}
     for index, out in batch:
-        delta = deltas.get(index)
-        if delta is None:
-            deltas[index] = ChoiceDelta(
-                index,
-                out.text_delta,
-                list(out.new_token_ids),
-                out.num_prompt_tokens,
-                out.finish_reason,
-                out.num_cached_tokens,
-                list(out.logprobs),
-                out.prompt_logprobs,
-            )
-        else:
-            delta.text += out.text_delta
-            delta.token_ids += out.new_token_ids
-            delta.logprobs += out.logprobs
-            delta.finish_reason = out.finish_reason
-            if out.prompt_logprobs is not None:
-                delta.prompt_logprobs = out.prompt_logprobs
-    return list(deltas.values())
+        merged[index] = merged[index].then(out) if index in merged else out
+    return [
+        ChoiceDelta(
+            index,
+            out.text_delta,
+            list(out.new_token_ids),
+            out.num_prompt_tokens,
+            out.finish_reason,
+            out.num_cached_tokens,
+            list(out.logprobs),
+            out.prompt_logprobs,
+        )
+        for index, out in merged.items()
+    ]
 
 
 async def _serve(
