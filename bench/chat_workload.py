@@ -12,13 +12,13 @@ import asyncio
 import random
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from bench.text_prompts import english_text, excerpt
 from common.latency import RequestTiming
 from harness.pacing import open_loop
 from harness.random_workload import zipf_weights
-from harness.sse_client import stream_completion
+from harness.sse_client import client_session, stream_completion
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ async def run_conversations(
     `max_tokens` tokens (ignore_eos), streamed. A failed turn raises, or (with a replica killed
     on purpose) is kept as a Turn without timing and ends its conversation."""
 
-    async def converse(http: httpx.AsyncClient, conversation: Conversation) -> list[Turn]:
+    async def converse(http: aiohttp.ClientSession, conversation: Conversation) -> list[Turn]:
         messages = [{"role": "system", "content": conversation.system}]
         turns = []
         for index, (question, think_s) in enumerate(
@@ -100,6 +100,6 @@ async def run_conversations(
             await asyncio.sleep(think_s)
         return turns
 
-    async with httpx.AsyncClient(timeout=900) as http:
+    async with client_session(900) as http:
         wall_s, turns = await open_loop(lambda conversation: converse(http, conversation), conversations)
         return wall_s, [turn for conversation in turns for turn in conversation]

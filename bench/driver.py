@@ -79,8 +79,8 @@ def engine_as_served(
     base: Path = SHIPPED_CONFIG,
 ) -> AsyncEngine:
     """An AsyncEngine in this process, built as a shipped config's app builds its replica's
-    (serve_config.yaml, or `base`; `app_args` and `engine_settings` over its own, every core for
-    torch unless `num_threads`): the engine without Ray."""
+    (serve_config.yaml, or `base`; `app_args` and `engine_settings` over its own; torch's threads:
+    `num_threads`, else the app's cpu_threads, else every core): the engine without Ray."""
     import torch
 
     from deployments.app_args import AppArgs
@@ -88,8 +88,10 @@ def engine_as_served(
 
     shipped = shipped_app_config(base)["applications"][0]["args"]
     settings = with_app_args(shipped, {**(app_args or {}), "engine": engine_settings or {}})
-    torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))  # as the replica sets it
-    return AsyncEngine(AppArgs.model_validate(settings).engine_config(), metrics)
+    args = AppArgs.model_validate(settings)
+    threads = num_threads or args.cpu_threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)  # as the replica sets it
+    return AsyncEngine(args.engine_config(), metrics)
 
 
 @dataclass

@@ -11,12 +11,12 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from typing import TypeVar
 
-import httpx
+import aiohttp
 
 from bench.driver import Arrival
 from common.latency import RequestTiming
 from harness import pacing
-from harness.sse_client import stream_completion
+from harness.sse_client import client_session, stream_completion
 
 Send = Callable[[Arrival], Awaitable[RequestTiming]]
 Sender = Callable[[str], AbstractAsyncContextManager[Send]]  # a run's cache salt -> its requests' sender
@@ -24,7 +24,7 @@ Result = TypeVar("Result")
 
 
 async def stream_request(
-    http: httpx.AsyncClient, url: str, arrival: Arrival, cache_salt: str | None, model: str | None
+    http: aiohttp.ClientSession, url: str, arrival: Arrival, cache_salt: str | None, model: str | None
 ) -> RequestTiming:
     # Greedy with exact lengths: every system under comparison does the same work. The run's own
     # cache_salt: a run never finds the prompts an earlier run (or a warm-up) left in the prefix
@@ -40,9 +40,15 @@ async def stream_request(
     return result.timing()
 
 
-# No connection is reused: llama-server closes a kept-alive connection after a few requests, and a
-# request sent on it as it closes fails; every server under comparison pays the same connect.
-_ONE_CONNECTION_PER_REQUEST = httpx.Limits(max_keepalive_connections=0)
+TIMEOUT_S = 600
+
+
+def _session() -> aiohttp.ClientSession:
+    """As many connections as requests in flight: an open loop sends each request at its time, not
+    when a pooled connection frees."""
+    # No connection is reused: llama-server closes a kept-alive connection after a few requests, and
+    # a request sent on it as it closes fails; every server under comparison pays the same connect.
+    return client_session(TIMEOUT_S, connections=0, reuse_connections=False)
 
 
 def _new_salt() -> str:
@@ -55,7 +61,7 @@ async def open_loop(
     """Each request sent at its arrival time, whatever the server is doing. `salted`: with the
     run's own cache_salt (unsalted, a prefix-aware router may route by prefix)."""
     salt = _new_salt() if salted else None
-    async with httpx.AsyncClient(timeout=600, limits=_ONE_CONNECTION_PER_REQUEST) as http:
+    async with _session() as http:
         return await pacing.open_loop(
             partial(stream_request, http, url, cache_salt=salt, model=model), arrivals
         )
@@ -66,8 +72,7 @@ async def closed_loop(
 ) -> tuple[float, list[RequestTiming]]:
     """`concurrency` clients take the requests in order, each sending the next as its last ends."""
     salt = _new_salt()
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+    async with _session() as http:
         send = partial(stream_request, http, url, cache_salt=salt, model=model)
         return await pacing.closed_loop(send, arrivals, concurrency)
 
@@ -77,7 +82,7 @@ def http_sender(url: str, model: str | None = None) -> Sender:
 
     @asynccontextmanager
     async def sender(salt: str) -> AsyncIterator[Send]:
-        async with httpx.AsyncClient(timeout=600, limits=_ONE_CONNECTION_PER_REQUEST) as http:
+        async with _session() as http:
             yield partial(stream_request, http, url, cache_salt=salt, model=model)
 
     return sender

@@ -10,12 +10,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from common.latency import percentile
 from harness.pacing import closed_loop
 from harness.random_workload import log_uniform, random_tokens
-from harness.sse_client import StreamResult, stream_completion
+from harness.sse_client import StreamResult, client_session, stream_completion
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ async def run_load(
     """Send every request, at most `concurrency` at once; `on_finished(count)` after each ends."""
     num_finished = 0
 
-    async def one(http: httpx.AsyncClient, request: SoakRequest) -> StreamResult:
+    async def one(http: aiohttp.ClientSession, request: SoakRequest) -> StreamResult:
         nonlocal num_finished
         body = {
             "prompt": request.prompt_token_ids,
@@ -103,15 +103,14 @@ async def run_load(
         }
         try:
             result = await stream_completion(http, url, body, request.disconnect_after_chunks)
-        except httpx.HTTPError as error:  # counted, not raised: the report says what happened
+        except (aiohttp.ClientError, TimeoutError) as error:  # counted, not raised: the report says so
             result = StreamResult(status=0, error_code=f"client:{type(error).__name__}")
         num_finished += 1
         if on_finished is not None:
             on_finished(num_finished)
         return result
 
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+    async with client_session(600, connections=concurrency) as http:
         return await closed_loop(lambda request: one(http, request), requests, concurrency)
 
 

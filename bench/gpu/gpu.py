@@ -81,6 +81,8 @@ class Plan:
     served: gpu_served.ServedPlan
     served_base: Path  # the shipped config the served app is built from
     moe: gpu_moe.MoePlan  # its offline run: offline_requests of the same workload
+    # torch's threads for the served replica and the engine alone (None: every core)
+    served_cpu_threads: int | None = None
 
 
 FULL = Plan(
@@ -147,10 +149,14 @@ DRY_RUN = Plan(
 )
 # `--rehearse`: the served parts on this CPU at the GPU plan's concurrency, the tiny dummy model's
 # short steps standing in for a GPU's, so that the serving path's host cost shows against the
-# engine alone's as it does beside a GPU (closed loops only: Poisson rates are the GPU's)
+# engine alone's as it does beside a GPU (closed loops only: Poisson rates are the GPU's). Its
+# engines compute on one thread: a device's work takes no host core, and a second OpenMP thread
+# would spin (up to milliseconds after each of a tiny model's short ops) on the core the client,
+# HAProxy and the replica's event loop share.
 REHEARSAL = replace(
     DRY_RUN,
     max_len=256,
+    served_cpu_threads=1,
     served=replace(
         FULL.served, closed=((1, 16), (64, 256)), poisson_rates=(), poisson_requests=0, seeds=(), rounds=3
     ),
@@ -165,6 +171,8 @@ def _served_setup(plan: Plan) -> tuple[dict, list[Arrival]] | None:
         return None
     num_gpus = 1 if plan.device == "cuda" else 0
     args = {"model": plan.model, "num_replicas": 1, "num_gpus": num_gpus, "engine": {"dtype": "bfloat16"}}
+    if plan.served_cpu_threads is not None:
+        args["cpu_threads"] = plan.served_cpu_threads
     count = max(plan.served.poisson_requests, *(n for _, n in plan.served.closed))
     return args, gpu_offline.sharegpt_like(count, plan.max_len, gpu_offline.vocab_size(plan.model), seed=1)
 

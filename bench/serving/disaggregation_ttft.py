@@ -28,15 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from bench.driver import BenchmarkRun, print_verdicts
 from bench.serving.kv_transfer import blocks, fit, transfer_s
 from common.kv_transfer import kv_block_bytes
 from deployments.kv_connectors import make_connector
 from harness import multinode_cluster
 from harness.serve_cluster import shipped_app_config, with_app_args
-from harness.sse_client import stream_completion
+from harness.sse_client import client_session, stream_completion
 
 PROMPT_TOKENS = (512, 1024, 2048)
 ROUNDS = 5
@@ -65,7 +63,7 @@ def cluster_config() -> dict:
 async def ttft(url: str, prompt: list[int]) -> tuple[float, int]:
     """One streamed request's TTFT, and the prompt tokens its replica found cached (adopted)."""
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    async with httpx.AsyncClient(timeout=600) as http:
+    async with client_session(600) as http:
         result = await stream_completion(http, url, body)
     assert result.status == 200 and result.ttft_s is not None, result
     return result.ttft_s, result.cached_tokens or 0

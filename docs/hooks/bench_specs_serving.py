@@ -197,6 +197,11 @@ SERVING_SPECS: dict[str, BenchSpec] = {
         "The engine core in its own process against the shipped app, alone, in three paired rounds",
         SERVE_OPTIONS_TABLES,
     ),
+    "serve_options_spincount": BenchSpec(
+        "benchmarks/serve_options.md",
+        "A short OpenMP spin (GOMP_SPINCOUNT=10000) against the shipped app, in three paired rounds",
+        SERVE_OPTIONS_TABLES,
+    ),
     "spec_serving": BenchSpec(
         "benchmarks/spec.md",
         "Speculative decoding served over HTTP, beside vLLM CPU's prompt lookup",

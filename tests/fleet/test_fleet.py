@@ -16,7 +16,7 @@ from deployments.app import AppArgs, build_app
 from harness.metrics_scrape import ENGINE_PREFIX, scrape, scrape_by_replica, settled
 from harness.replicas import kill_actor, replica_actor_names, wait_replaced
 from harness.serve_cluster import ServeCluster, wait_for
-from harness.sse_client import StreamResult, stream_completion
+from harness.sse_client import StreamResult, client_session, stream_completion
 from replica_engine import SamplingParams
 
 LONG_PROMPT = "Summarise the history of the Roman Empire in detail. " * 12  # ~130 tokens
@@ -105,7 +105,7 @@ def test_router_steers_away_from_a_loaded_replica(serve_cluster: ServeCluster, f
     hog_body = {"prompt": LONG_PROMPT, "max_tokens": 220, "ignore_eos": True}
 
     async def stream_hog() -> None:
-        async with httpx.AsyncClient(timeout=HANG_S) as http:
+        async with client_session(HANG_S) as http:
             await stream_completion(http, url, hog_body, result=hog)
 
     hog_thread = threading.Thread(target=asyncio.run, args=(stream_hog(),))
@@ -221,7 +221,7 @@ def test_killing_a_replica_mid_load_fails_only_its_requests_and_serve_replaces_i
 
     async def load_then_kill() -> tuple[str, list[StreamResult]]:
         progress = [StreamResult(status=0) for _ in bodies]
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with client_session(120) as http:
             streams = [
                 asyncio.create_task(stream_completion(http, url, body, result=result))
                 for body, result in zip(bodies, progress, strict=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import pickle
 
-import httpx
 import openai
 import pytest
 import yaml
@@ -17,7 +16,7 @@ from ray import serve
 from deployments.app import AppArgs, build_app
 from harness.replicas import engine_stats
 from harness.serve_cluster import REPO, ServeCluster, wait_for
-from harness.sse_client import stream_completion
+from harness.sse_client import client_session, stream_completion
 
 APP = "separate"
 CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24, "temperature": 0}
@@ -73,7 +72,7 @@ def test_a_client_that_hangs_up_frees_its_kv_blocks(serve_cluster: ServeCluster)
     long = {"prompt": "Count to a thousand:", "max_tokens": 2000, "ignore_eos": True}
 
     async def hang_up() -> bool:
-        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
+        async with client_session(HTTP_TIMEOUT_S) as http:
             result = await stream_completion(
                 http, f"{serve_cluster.base_url}/v1/completions", long, disconnect_after_chunks=3
             )

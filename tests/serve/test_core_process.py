@@ -14,7 +14,7 @@ from ray import serve
 from deployments.app import AppArgs, build_app
 from harness.replicas import engine_stats, kill_engine_core, wait_replaced
 from harness.serve_cluster import ServeCluster, wait_for
-from harness.sse_client import stream_completion
+from harness.sse_client import client_session, stream_completion
 
 APP = "fragile"
 # SmolLM2's shape with random weights: ~20 ms steps on a core, so the 2,000 tokens stream long
@@ -47,7 +47,7 @@ def test_a_killed_engine_core_ends_its_stream_with_an_error_and_serve_replaces_t
     wait_for(lambda: answers(fragile_app), "the app answers")
 
     async def stream_and_kill_the_core() -> tuple[object, str]:
-        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
+        async with client_session(HTTP_TIMEOUT_S) as http:
             stream = asyncio.create_task(stream_completion(http, fragile_app, LONG))
             await asyncio.to_thread(wait_for, lambda: engine_stats(APP).num_running == 1, "it streams")
             victim = await asyncio.to_thread(kill_engine_core, APP)

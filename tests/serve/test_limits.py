@@ -14,7 +14,7 @@ from deployments.app import AppArgs, build_app
 from harness.metrics_scrape import ENGINE_PREFIX, scrape
 from harness.replicas import engine_stats
 from harness.serve_cluster import ServeCluster, wait_for
-from harness.sse_client import stream_completion
+from harness.sse_client import client_session, stream_completion
 from replica_engine import LLM, SamplingParams
 from replica_engine.metrics.engine_metrics import REASON_LABEL
 from tests.engine.engine_idle import wait_idle
@@ -108,7 +108,7 @@ def test_request_timeout_answers_408_and_frees_the_request(serve_cluster: ServeC
 
 def test_request_timeout_ends_a_stream_with_an_error_event(serve_cluster: ServeCluster, timeout_app: str):
     async def stream():
-        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
+        async with client_session(HTTP_TIMEOUT_S) as http:
             return await stream_completion(http, f"{timeout_app}/v1/completions", LONG)
 
     before = _aborts(serve_cluster)
