@@ -101,7 +101,7 @@ class AsyncEngine:
         self._keys = itertools.count()
         # In its own process the core's metrics cannot reach Ray's exporter: they travel with its
         # outputs and are replayed here. On a thread of this process it records them itself.
-        core_type = ProcessCore if config.core_process else ThreadCore
+        core_type = ProcessCore if config.runs_core_in_process else ThreadCore
         self.client: CoreClient = core_type(config, metrics, self._deliver)
         self.inputs = self.client.inputs
         self._started.wait()

@@ -285,12 +285,15 @@ class EngineConfig:
         ),
     )
     seed: int = field(default=0, metadata=_doc("Seeds dummy weights and unseeded sampling"))
-    core_process: bool = field(
-        default=False,
+    core_process: bool | None = field(
+        default=None,
         metadata=_doc(
             "Serving: run the engine core (scheduler, KV cache, model) in a process of its own, as"
             " vLLM v1 does, so the replica's event loop and Ray never hold its interpreter; false"
-            " runs it on a thread of the replica's process. The offline `LLM` always runs it in place"
+            " runs it on a thread of the replica's process. Default: its own process on a GPU"
+            " replica of one worker (the core's host work and the streaming share no interpreter),"
+            " a thread on a CPU (where the model's threads take the cores anyway). The offline"
+            " `LLM` always runs it in place"
         ),
     )
     offline: bool = field(
@@ -335,14 +338,13 @@ class EngineConfig:
             raise InvalidRequestError("max_priority", f"must be an integer >= 0 or None, got {bound!r}")
         for flag in (
             "enable_prefix_caching",
-            "core_process",
             "normalize_embeddings",
             "enable_lora",
             "amx_weights",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidRequestError(flag, f"must be true or false, got {getattr(self, flag)!r}")
-        for flag in ("cuda_graphs", "async_scheduling"):
+        for flag in ("cuda_graphs", "async_scheduling", "core_process"):
             if getattr(self, flag) is not None and not isinstance(getattr(self, flag), bool):
                 raise InvalidRequestError(flag, f"must be true, false or unset, got {getattr(self, flag)!r}")
         if self.async_scheduling and self.num_workers > 1:
@@ -449,6 +451,7 @@ class EngineConfig:
             if self.async_scheduling is not None
             else on_gpu and self.num_workers == 1 and self.speculative is None,
             amx_weights=self._amx_weights(on_gpu),
+            core_process=self.runs_core_in_process,
         )
 
     def _amx_weights(self, on_gpu: bool) -> bool:
@@ -513,6 +516,14 @@ class EngineConfig:
     def num_workers(self) -> int:
         """Model worker processes: 1 means the model runs in the engine core's own process."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def runs_core_in_process(self) -> bool:
+        """core_process, or where unset: a process of its own on a GPU replica of one worker."""
+        if self.core_process is not None:
+            return self.core_process
+        on_gpu = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
+        return on_gpu and self.num_workers == 1 and self.distributed_executor_backend == "mp"
 
     @property
     def torch_dtype(self) -> torch.dtype:

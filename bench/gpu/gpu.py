@@ -47,7 +47,7 @@ import os
 import tempfile
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -81,8 +81,8 @@ class Plan:
     served: gpu_served.ServedPlan
     served_base: Path  # the shipped config the served app is built from
     moe: gpu_moe.MoePlan  # its offline run: offline_requests of the same workload
-    # torch's threads for the served replica and the engine alone (None: every core)
-    served_cpu_threads: int | None = None
+    # the served app's args over bench/gpu/gpu_served's (the engine alone is built from them too)
+    served_app_args: dict = field(default_factory=dict)
 
 
 FULL = Plan(
@@ -108,7 +108,7 @@ FULL = Plan(
         poisson_requests=48,
         seeds=(0, 1, 2),
         options=(
-            ("core_process", {"engine": {"core_process": True}}),
+            ("core_thread", {"engine": {"core_process": False}}),
             ("separate", {"ingress": "separate"}),
         ),
     ),
@@ -152,11 +152,12 @@ DRY_RUN = Plan(
 # engine alone's as it does beside a GPU (closed loops only: Poisson rates are the GPU's). Its
 # engines compute on one thread: a device's work takes no host core, and a second OpenMP thread
 # would spin (up to milliseconds after each of a tiny model's short ops) on the core the client,
-# HAProxy and the replica's event loop share.
+# HAProxy and the replica's event loop share. Its core in a process of its own, as a GPU
+# replica's runs by default.
 REHEARSAL = replace(
     DRY_RUN,
     max_len=256,
-    served_cpu_threads=1,
+    served_app_args={"cpu_threads": 1, "engine": {"core_process": True}},
     served=replace(
         FULL.served, closed=((1, 16), (64, 256)), poisson_rates=(), poisson_requests=0, seeds=(), rounds=3
     ),
@@ -171,10 +172,14 @@ def _served_setup(plan: Plan) -> tuple[dict, list[Arrival]] | None:
         return None
     num_gpus = 1 if plan.device == "cuda" else 0
     args = {"model": plan.model, "num_replicas": 1, "num_gpus": num_gpus, "engine": {"dtype": "bfloat16"}}
-    if plan.served_cpu_threads is not None:
-        args["cpu_threads"] = plan.served_cpu_threads
+    args = _changed(args, plan.served_app_args)
     count = max(plan.served.poisson_requests, *(n for _, n in plan.served.closed))
     return args, gpu_offline.sharegpt_like(count, plan.max_len, gpu_offline.vocab_size(plan.model), seed=1)
+
+
+def _changed(args: dict, changed: dict) -> dict:
+    """App args with some changed, their engine settings merged."""
+    return {**args, **changed, "engine": {**args.get("engine", {}), **changed.get("engine", {})}}
 
 
 def served(plan: Plan, work_dir: Path) -> dict:
@@ -211,8 +216,9 @@ def served_options(plan: Plan, work_dir: Path) -> dict:
     gpu_steps.free_device_memory()
     result: dict = {"engine_alone": alone}
     for name, changed in plan.served.options:
-        option_args = {**args, **changed, "engine": {**args["engine"], **changed.get("engine", {})}}
-        runs = gpu_served.through_serve(option_args, plan.served_base, work_dir, arrivals, closed_only)
+        runs = gpu_served.through_serve(
+            _changed(args, changed), plan.served_base, work_dir, arrivals, closed_only
+        )
         versus = gpu_served.comparison(alone, runs, closed_only)
         result[name] = {"app_args": changed, "runs": runs, "vs_alone": versus}
     return result

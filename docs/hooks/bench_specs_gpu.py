@@ -207,8 +207,9 @@ def _rehearsal_spec() -> BenchSpec:
             ),
             Rows(
                 "rehearsal_closed",
-                "Served through Ray Serve (one replica: the API and the engine in one process) and the"
-                " engine alone, the same requests, closed loops (the last round):",
+                "Served through Ray Serve (one replica: the API in its process, the engine core in a"
+                " child process, as on a GPU) and the engine alone (built the same way), the same"
+                " requests, closed loops (the last round):",
                 "parts/served/*/*",
                 ("system / run",),
                 _served_figures(),
@@ -229,12 +230,13 @@ def _rehearsal_spec() -> BenchSpec:
             ),
             Rows(
                 "rehearsal_options",
-                "Served with other settings (`engine.core_process: true`; `ingress: separate`, an Ingress"
-                " in front of an EngineReplica), over the engine alone's closed loops in the same part:",
+                "Served with other settings (`engine.core_process: false`, the core on a thread of the"
+                " replica's process; `ingress: separate`, an Ingress in front of an EngineReplica), over"
+                " the engine alone's closed loops in the same part:",
                 "parts/served_options",
                 ("setting",),
                 vs_alone,
-                only=("core_process", "separate"),
+                only=("core_thread", "separate"),
             ),
         ),
     )

@@ -112,3 +112,30 @@ def test_cuda_graphs_default_on_for_a_gpu_with_triton(monkeypatch, device, backe
     model_config = load_config(resolve_model("dummy:tiny-llama"))
     config = EngineConfig(model="dummy:tiny-llama", device=device, attention_backend=backend)
     assert config.resolve(model_config).cuda_graphs is expected
+
+
+@pytest.mark.parametrize(
+    ("device", "settings", "expected"),
+    [
+        ("cpu", {}, False),
+        ("cuda", {}, True),
+        ("auto", {}, True),  # a GPU is found
+        ("cuda", {"core_process": False}, False),
+        ("cpu", {"core_process": True}, True),
+        ("cuda", {"tensor_parallel_size": 2}, False),  # parallel workers: a thread, as before
+    ],
+)
+def test_the_engine_core_runs_in_its_own_process_by_default_on_a_gpu(monkeypatch, device, settings, expected):
+    """Resolved only (no model runs): a GPU is pretended. On a GPU the core's host work (scheduling,
+    inputs, launches) and the replica's streaming would share one interpreter; on a CPU the
+    model's threads take the cores whichever process they are in."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = EngineConfig(model="dummy:tiny-llama", device=device, **settings)
+    assert config.runs_core_in_process is expected
+    if settings.get("tensor_parallel_size", 1) == 1:
+        assert config.resolve(load_config(resolve_model("dummy:tiny-llama"))).core_process is expected
+
+
+def test_core_process_takes_true_false_or_unset():
+    with pytest.raises(InvalidRequestError, match="core_process"):
+        EngineConfig(model="dummy:tiny-llama", core_process="yes")
