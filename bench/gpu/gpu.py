@@ -146,18 +146,18 @@ DRY_RUN = Plan(
     moe=gpu_moe.MoePlan(
         model="dummy:tiny-moe", decode_batches=(1, 4), context=32, num_steps=3, kv_cache_bytes=16 << 20
     ),
+    served_app_args={"engine": {"core_process": True}},  # as a GPU replica runs its core
 )
 # `--rehearse`: the served parts on this CPU at the GPU plan's concurrency, the tiny dummy model's
 # short steps standing in for a GPU's, so that the serving path's host cost shows against the
 # engine alone's as it does beside a GPU (closed loops only: Poisson rates are the GPU's). Its
 # engines compute on one thread: a device's work takes no host core, and a second OpenMP thread
 # would spin (up to milliseconds after each of a tiny model's short ops) on the core the client,
-# HAProxy and the replica's event loop share. Its core in a process of its own, as a GPU
-# replica's runs by default.
+# HAProxy and the replica's event loop share. Its core in a process of its own, as the dry run's.
 REHEARSAL = replace(
     DRY_RUN,
     max_len=256,
-    served_app_args={"cpu_threads": 1, "engine": {"core_process": True}},
+    served_app_args={**DRY_RUN.served_app_args, "cpu_threads": 1},
     served=replace(
         FULL.served, closed=((1, 16), (64, 256)), poisson_rates=(), poisson_requests=0, seeds=(), rounds=3
     ),
