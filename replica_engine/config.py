@@ -413,9 +413,7 @@ class EngineConfig:
 
     def resolve(self, model_config: PretrainedConfig) -> EngineConfig:
         """A copy with every default made concrete for this machine and model."""
-        device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = self._device()
         on_gpu = torch.device(device).type == "cuda"
         if on_gpu and not torch.cuda.is_available():
             raise InvalidRequestError("device", f"{device!r} asked for, but CUDA is not available")
@@ -522,8 +520,14 @@ class EngineConfig:
         """core_process, or where unset: a process of its own on a GPU replica of one worker."""
         if self.core_process is not None:
             return self.core_process
-        on_gpu = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
+        on_gpu = torch.device(self._device()).type == "cuda"
         return on_gpu and self.num_workers == 1 and self.distributed_executor_backend == "mp"
+
+    def _device(self) -> str:
+        """`device`, `auto` resolved: `cuda` when available, else `cpu`."""
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     @property
     def torch_dtype(self) -> torch.dtype:

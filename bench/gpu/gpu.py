@@ -172,14 +172,9 @@ def _served_setup(plan: Plan) -> tuple[dict, list[Arrival]] | None:
         return None
     num_gpus = 1 if plan.device == "cuda" else 0
     args = {"model": plan.model, "num_replicas": 1, "num_gpus": num_gpus, "engine": {"dtype": "bfloat16"}}
-    args = _changed(args, plan.served_app_args)
+    args = serve_cluster.with_app_args(args, plan.served_app_args)
     count = max(plan.served.poisson_requests, *(n for _, n in plan.served.closed))
     return args, gpu_offline.sharegpt_like(count, plan.max_len, gpu_offline.vocab_size(plan.model), seed=1)
-
-
-def _changed(args: dict, changed: dict) -> dict:
-    """App args with some changed, their engine settings merged."""
-    return {**args, **changed, "engine": {**args.get("engine", {}), **changed.get("engine", {})}}
 
 
 def served(plan: Plan, work_dir: Path) -> dict:
@@ -216,9 +211,8 @@ def served_options(plan: Plan, work_dir: Path) -> dict:
     gpu_steps.free_device_memory()
     result: dict = {"engine_alone": alone}
     for name, changed in plan.served.options:
-        runs = gpu_served.through_serve(
-            _changed(args, changed), plan.served_base, work_dir, arrivals, closed_only
-        )
+        option_args = serve_cluster.with_app_args(args, changed)
+        runs = gpu_served.through_serve(option_args, plan.served_base, work_dir, arrivals, closed_only)
         versus = gpu_served.comparison(alone, runs, closed_only)
         result[name] = {"app_args": changed, "runs": runs, "vs_alone": versus}
     return result
