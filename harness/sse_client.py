@@ -1,7 +1,7 @@
 """An OpenAI completions / chat completions client over raw SSE that records what a user sees:
 status, error code, chunk arrival times, usage. It can hang up mid-stream, as an impatient client
-does. Over aiohttp: it reads a stream at about half httpx's CPU per event, and a benchmark's
-client shares the host with the servers it measures."""
+does. Over aiohttp, which spends less CPU per event than httpx did: a benchmark's client shares
+the host with the servers it measures."""
 
 from __future__ import annotations
 
