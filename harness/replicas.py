@@ -15,6 +15,8 @@ from harness.metrics_scrape import ENGINE_PREFIX, scrape_by_replica
 from harness.serve_cluster import ServeCluster
 
 if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
     from replica_engine import EngineStats
 
 STATS_TIMEOUT_S = 60  # a hang detector: the call answers in milliseconds on an idle machine
@@ -54,25 +56,32 @@ def kill_replica(cluster: ServeCluster, app: str) -> str:
     running = scrape_by_replica(cluster, f"{ENGINE_PREFIX}num_requests_running", {"application": app})
     names = replica_actor_names(app)
     victim = max(names, key=lambda name: running.get(name.rsplit("#", 1)[1], 0))
-    kill_actor(victim)
+    kill_actor(replica_actor(victim))
     return victim
 
 
-def kill_actor(name: str) -> None:
-    """Kill a replica's actor by name, as a crash would (Serve does not restart it: it replaces it)."""
+def replica_actor(name: str) -> ActorHandle:
+    """A replica's actor by name (looked up ahead of a kill that must land at once: the lookup
+    can take seconds on a loaded host)."""
     import ray
 
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    return ray.get_actor(name, namespace="serve")
+
+
+def kill_actor(actor: ActorHandle) -> None:
+    """Kill a replica's actor, as a crash would (Serve does not restart it: it replaces it)."""
+    import ray
+
+    ray.kill(actor, no_restart=True)
 
 
 def kill_engine_core(app: str) -> str:
     """Kill the engine core process of the app's (first) engine replica with SIGKILL, as the
     kernel's OOM killer would; return the replica's actor name."""
-    import ray
     from ray.util.state import list_actors
 
     victim = replica_actor_names(app)[0]
-    actor_id = ray.get_actor(victim, namespace="serve")._actor_id.hex()
+    actor_id = replica_actor(victim)._actor_id.hex()
     [actor] = list_actors(filters=[("actor_id", "=", actor_id)])
     os.kill(_engine_core_pid(actor.pid), signal.SIGKILL)
     return victim

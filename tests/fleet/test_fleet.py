@@ -14,7 +14,7 @@ from ray import serve
 
 from deployments.app import AppArgs, build_app
 from harness.metrics_scrape import ENGINE_PREFIX, scrape, scrape_by_replica, settled
-from harness.replicas import kill_actor, replica_actor_names, wait_replaced
+from harness.replicas import kill_actor, replica_actor, replica_actor_names, wait_replaced
 from harness.serve_cluster import ServeCluster, wait_for
 from harness.sse_client import StreamResult, client_session, stream_completion
 from replica_engine import SamplingParams
@@ -219,7 +219,12 @@ def test_killing_a_replica_mid_load_fails_only_its_requests_and_serve_replaces_i
     url = f"{fleet}/v1/completions"
     bodies = [{"prompt": p, "max_tokens": 100, "temperature": 0, "ignore_eos": True} for p in prompts]
 
-    async def load_then_kill() -> tuple[str, list[StreamResult]]:
+    victim = replica_actor_names("fleet")[0]
+    # Looked up now: at the first tokens below the kill must land at once, before the victim's
+    # 99 tokens to come (a second on an idle host), and a lookup can take seconds on a loaded one.
+    victim_actor = replica_actor(victim)
+
+    async def load_then_kill() -> list[StreamResult]:
         progress = [StreamResult(status=0) for _ in bodies]
         async with client_session(120) as http:
             streams = [
@@ -233,16 +238,18 @@ def test_killing_a_replica_mid_load_fails_only_its_requests_and_serve_replaces_i
             while not all(result.chunk_times for result in progress):
                 assert time.monotonic() < deadline and not any(s.done() for s in streams), progress
                 await asyncio.sleep(0.01)
-            victim = replica_actor_names("fleet")[0]
-            await asyncio.to_thread(kill_actor, victim)
+            kill_actor(victim_actor)  # ray.kill returns at once
             # Bounded: a request on the dead replica must end, not hang (a hang detector).
-            return victim, await asyncio.wait_for(asyncio.gather(*streams), timeout=HANG_S)
+            return await asyncio.wait_for(asyncio.gather(*streams), timeout=HANG_S)
 
-    victim, results = asyncio.run(load_then_kill())
+    results = asyncio.run(load_then_kill())
     failed = [r for r in results if r.error_code is not None]
     survivors = [(r, text) for r, text in zip(results, expected, strict=True) if r.error_code is None]
     # Some on each replica (none failed: all were on the survivor, the router did not spread them).
-    assert failed and survivors, [(r.error_code, len(r.chunk_times)) for r in results]
+    assert failed and survivors, (
+        [(r.error_code, len(r.chunk_times)) for r in results],
+        routed_by_replica(serve_cluster, "fleet"),  # since the module's first test
+    )
     # In flight on the dead replica: a clear error in the stream (headers were already sent).
     assert {(r.status, r.error_code) for r in failed} == {(200, "replica_failed")}
     for result, text in survivors:  # on the other replica: untouched, token for token
