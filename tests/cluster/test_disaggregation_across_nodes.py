@@ -27,6 +27,9 @@ APP_ARGS = {
     "model": MODEL,
     "num_cpus": 0,
     "cpu_threads": 1,
+    # One Ingress per node, each proxy's own: the lost node takes only its own with it (a single
+    # Ingress placed there took every later request's answer with it, a 503 from the head's proxy).
+    "ingress_replicas": 3,
     "engine": {"num_kv_blocks": 256, "dtype": "float32"},
     "disaggregation": {
         "prefill_timeout_s": 10,
