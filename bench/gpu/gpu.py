@@ -26,11 +26,11 @@ device call is at most 10 minutes: the parts go in several calls, bench/gpu/gpu_
 
 `--dry-run` runs the same code on this CPU: Triton in its interpreter, a tiny dummy model, a few
 steps and requests (part of make test, so the command cannot rot); its figures mean nothing and
-its file says so. `--rehearse` runs the served parts on this CPU at the GPU plan's concurrency with
-the tiny dummy model (bench/results/gpu_rehearsal.json): its short steps stand in for a GPU's, so
-the serving path's host cost shows against the engine alone's; the served part in three
-interleaved rounds (this host drifts within minutes), judged on their median; only the served
-goals are judged.
+its file says so. `--rehearse` runs the offline and served parts on this CPU at the GPU plan's
+size with the tiny dummy model (bench/results/gpu_rehearsal.json): its short steps stand in for a
+GPU's, so the host's side of each step, and the serving path's host cost against the engine
+alone's, show; the served part in three interleaved rounds (this host drifts within minutes),
+judged on their median; only the served goals are judged (the offline figures are the host's).
 Goals (on an H100): decode steps at batch >= 32 <= 1.5x the HBM floor (the
 mixture's: <= 2x its touched-expert floor); offline
 >= 6,600 output tok/s, the device idle (waiting on the host: wall time less the model's) <= 10% of
@@ -55,6 +55,7 @@ import torch
 from bench.driver import Arrival, BenchmarkRun, print_verdicts
 from bench.gpu import gpu_checks, gpu_moe, gpu_offline, gpu_served, gpu_steps
 from harness import serve_cluster
+from replica_engine.config import GPU_DEFAULTS
 
 EXACTNESS_KINDS = ("against_transformers", "async_against_sync", "triton_attention")
 GOALS = {
@@ -83,6 +84,7 @@ class Plan:
     moe: gpu_moe.MoePlan  # its offline run: offline_requests of the same workload
     # the served app's args over bench/gpu/gpu_served's (the engine alone is built from them too)
     served_app_args: dict = field(default_factory=dict)
+    offline_engine: dict = field(default_factory=dict)  # the offline part's settings over its own
 
 
 FULL = Plan(
@@ -154,15 +156,25 @@ DRY_RUN = Plan(
 # engines compute on one thread: a device's work takes no host core, and a second OpenMP thread
 # would spin (up to milliseconds after each of a tiny model's short ops) on the core the client,
 # HAProxy and the replica's event loop share. Its core in a process of its own, as the dry run's.
+#
+# Its offline part: the GPU plan's 1,000 requests, with a GPU's batch (budget and width), on the
+# CPU's own attention (no graphs), where the tiny model's short steps leave the host's side of
+# each step to show, as beside a GPU.
 REHEARSAL = replace(
     DRY_RUN,
     max_len=256,
+    offline_requests=FULL.offline_requests,
+    offline_engine={
+        "attention_backend": "auto",
+        "max_num_batched_tokens": GPU_DEFAULTS["offline_max_num_batched_tokens"],
+        "max_num_seqs": GPU_DEFAULTS["max_num_seqs"],
+    },
     served_app_args={**DRY_RUN.served_app_args, "cpu_threads": 1},
     served=replace(
         FULL.served, closed=((1, 16), (64, 256)), poisson_rates=(), poisson_requests=0, seeds=(), rounds=3
     ),
 )
-REHEARSED_PARTS = ("served", "served_options")
+REHEARSED_PARTS = ("offline", "served", "served_options")
 
 
 def _served_setup(plan: Plan) -> tuple[dict, list[Arrival]] | None:
@@ -400,6 +412,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("no CUDA device here: run with --dry-run or --rehearse on the CPU")
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before our kernel's module is first imported
+    if args.rehearse:  # the offline engine's threads as the served replica's
+        torch.set_num_threads(plan.served_app_args["cpu_threads"])
     if on_cpu:
         name = "dry_run" if args.dry_run else "rehearsal"
     else:
@@ -420,7 +434,9 @@ def main(argv: list[str] | None = None) -> None:
     parts = {
         "exactness": lambda: exactness(plan, work_dir),
         "steps": lambda: steps(plan, args.dry_run),
-        "offline": lambda: gpu_offline.offline(plan.model, plan.device, plan.offline_requests, plan.max_len),
+        "offline": lambda: gpu_offline.offline(
+            plan.model, plan.device, plan.offline_requests, plan.max_len, plan.offline_engine
+        ),
         "served": lambda: served(plan, work_dir),
         "served_options": lambda: served_options(plan, work_dir),
         "moe": lambda: moe(plan, args.dry_run),

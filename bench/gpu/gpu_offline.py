@@ -38,27 +38,39 @@ def vocab_size(model: str) -> int:
     return dummy_config_dict(model.removeprefix("dummy:"))["vocab_size"]
 
 
-def offline(model: str, device: str, num_requests: int, max_len: int) -> dict:
+def offline(model: str, device: str, num_requests: int, max_len: int, settings: dict | None = None) -> dict:
     """The workload eagerly and with decode steps from CUDA graphs, both with async scheduling
-    (the GPU's default), and with graphs in synchronous steps: what async scheduling gives."""
+    (the GPU's default), and with graphs in synchronous steps: what async scheduling gives.
+    `settings` over the engine's (bf16, Triton's attention); with another attention backend (a
+    CPU rehearsal: no graphs), eagerly in both."""
+    settings = {"attention_backend": "triton", **(settings or {})}
+    runs = (
+        {"eager": (False, True), "graphs": (True, True), "graphs_sync": (True, False)}
+        if settings["attention_backend"] == "triton"
+        else {"eager": (False, True), "eager_sync": (False, False)}
+    )
     return {
-        "eager": offline_run(model, device, num_requests, max_len, cuda_graphs=False, async_scheduling=True),
-        "graphs": offline_run(model, device, num_requests, max_len, cuda_graphs=True, async_scheduling=True),
-        "graphs_sync": offline_run(
-            model, device, num_requests, max_len, cuda_graphs=True, async_scheduling=False
-        ),
+        name: offline_run(model, device, num_requests, max_len, graphs, schedules_ahead, settings)
+        for name, (graphs, schedules_ahead) in runs.items()
     }
 
 
 def offline_run(
-    model: str, device: str, num_requests: int, max_len: int, cuda_graphs: bool, async_scheduling: bool
+    model: str,
+    device: str,
+    num_requests: int,
+    max_len: int,
+    cuda_graphs: bool,
+    async_scheduling: bool,
+    settings: dict | None = None,
 ) -> dict:
-    engine = dict(
-        dtype="bfloat16",
-        attention_backend="triton",
-        cuda_graphs=cuda_graphs,
-        async_scheduling=async_scheduling,
-    )
+    engine = {
+        "dtype": "bfloat16",
+        "attention_backend": "triton",
+        "cuda_graphs": cuda_graphs,
+        "async_scheduling": async_scheduling,
+        **(settings or {}),
+    }
     llm = LLM(model=model, device=device, **engine)
     arrivals = sharegpt_like(num_requests, max_len, vocab_size(model))
     params = [SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True) for a in arrivals]

@@ -34,9 +34,9 @@ _OFFLINE_COLS = (
 )
 
 
-def _offline(caption: str, goal: str, *extra: Col) -> Rows:
+def _offline(caption: str, goal: str | None, *extra: Col, name: str = "offline") -> Rows:
     return Rows(
-        "offline",
+        name,
         caption,
         "parts/offline",
         ("run",),
@@ -203,7 +203,18 @@ def _rehearsal_spec() -> BenchSpec:
             Values(
                 "rehearsal_measured_at",
                 "When each part was measured:",
-                tuple(Col(part, f"measured_at/{part}", "str") for part in ("served", "served_options")),
+                tuple(
+                    Col(part, f"measured_at/{part}", "str") for part in ("offline", "served", "served_options")
+                ),
+            ),
+            _offline(
+                "Offline, the GPU plan's 1000 ShareGPT-shaped requests with a GPU's batch (budget 8192"
+                " tokens, 256 requests), on the CPU's attention (no graphs), `eager` with async"
+                " scheduling, `eager_sync` without; the steps' host side is the engine's own work"
+                " around the model, and the wall time less the model's is the host's share:",
+                None,
+                Col("host share", "device_idle_share", "pct"),
+                name="rehearsal_offline",
             ),
             Rows(
                 "rehearsal_closed",

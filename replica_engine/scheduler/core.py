@@ -192,10 +192,11 @@ class Scheduler:
         return advanced
 
     # -- building blocks for policies ---------------------------------------------------
-    def _schedule_running(self, plan: StepPlan, select: Callable[[Request], bool], chunked: bool) -> None:
-        """Schedule running requests that `select` picks, oldest first. When the pool is dry,
-        preempt the least urgent running request until this one fits (or is itself the victim).
-        A request in flight sits out (a pipeline's batches) unless the plan is ahead."""
+    def _schedule_running(self, plan: StepPlan, select: Callable[[int], bool], chunked: bool) -> None:
+        """Schedule running requests that `select` picks by the tokens they owe, oldest first.
+        When the pool is dry, preempt the least urgent running request until this one fits (or is
+        itself the victim). A request in flight sits out (a pipeline's batches) unless the plan
+        is ahead."""
         if plan.blocked:
             return
         for request in list(self.running):
@@ -204,7 +205,7 @@ class Scheduler:
             if request.num_in_flight_tokens and not plan.ahead:
                 continue
             owed = request.num_owed_tokens
-            if not owed or not select(request):
+            if not owed or not select(owed):
                 continue
             num_tokens = self._chunk(plan, request, owed) if chunked else owed
             if num_tokens <= 0 or num_tokens > plan.budget_left:

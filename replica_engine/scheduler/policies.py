@@ -6,20 +6,19 @@ requests by priority (lower value first), FCFS among equals, and preempt the lea
 
 from __future__ import annotations
 
-from replica_engine.request import Request
 from replica_engine.scheduler.core import Scheduler
 from replica_engine.scheduler.plan import StepPlan
 
 
-def _owes_one_token(request: Request) -> bool:
-    return request.num_owed_tokens == 1
+def _owes_one_token(num_owed: int) -> bool:
+    return num_owed == 1
 
 
-def _owes_many_tokens(request: Request) -> bool:
-    return request.num_owed_tokens > 1
+def _owes_many_tokens(num_owed: int) -> bool:
+    return num_owed > 1
 
 
-def _any(request: Request) -> bool:
+def _any(num_owed: int) -> bool:
     return True
 
 
