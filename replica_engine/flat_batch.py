@@ -58,22 +58,24 @@ def build_flat_batch(
     query_lens: list[int] = []
     seq_lens_kv: list[int] = []
     logits_indices: list[int] = []
-    for index, row in enumerate(batch.rows):
+    for index, row in enumerate(batch.rows):  # a row's figures read once: this runs every step
+        start, num_tokens, drafts = row.start_position, len(row.token_ids), row.draft_token_ids
+        end = start + num_tokens
         input_ids.extend(row.token_ids)
-        positions.extend(range(row.start_position, row.end_position))
-        if row.draft_token_ids:
+        positions.extend(range(start, end))
+        if drafts:
             first = len(query_lens)
-            request_rows.extend(range(first, first + row.num_tokens))
-            table_rows.extend([index] * row.num_tokens)
-            query_lens.extend([1] * row.num_tokens)
-            seq_lens_kv.extend(range(row.start_position + 1, row.end_position + 1))
+            request_rows.extend(range(first, first + num_tokens))
+            table_rows.extend([index] * num_tokens)
+            query_lens.extend([1] * num_tokens)
+            seq_lens_kv.extend(range(start + 1, end + 1))
         else:
-            request_rows.extend([len(query_lens)] * row.num_tokens)
+            request_rows.extend([len(query_lens)] * num_tokens)
             table_rows.append(index)
-            query_lens.append(row.num_tokens)
-            seq_lens_kv.append(row.end_position)
+            query_lens.append(num_tokens)
+            seq_lens_kv.append(end)
         if row.sampling is not None:  # the last token, and each draft token
-            logits_indices.extend(range(len(input_ids) - 1 - len(row.draft_token_ids), len(input_ids)))
+            logits_indices.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
     if len(table_rows) != len(batch.rows):
         block_tables = block_tables[torch.tensor(table_rows)]
 

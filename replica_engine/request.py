@@ -22,6 +22,7 @@ from replica_engine.pooling import Pooling
 if TYPE_CHECKING:
     import torch  # a seeded request's generator; the scheduler itself needs no torch
 
+    from replica_engine.scheduler.plan import SamplingRow
     from replica_engine.structured import RequestGrammar
 
 
@@ -55,6 +56,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found cached when first admitted
     num_expected_cached_tokens: int = 0  # found cached when it last entered the waiting queue
     grammar: RequestGrammar | None = None  # structured outputs: where its output is in its grammar
+    sampling_row: SamplingRow | None = None  # how its tokens are sampled once no stop token is held back
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., so far
     # An embedding request: its prompt is computed and pooled, nothing sampled (sampling_params
     # then only carries its cache salt and priority). `pooled`: its chunks' parts added up so far.

@@ -204,7 +204,8 @@ def _rehearsal_spec() -> BenchSpec:
                 "rehearsal_measured_at",
                 "When each part was measured:",
                 tuple(
-                    Col(part, f"measured_at/{part}", "str") for part in ("offline", "served", "served_options")
+                    Col(part, f"measured_at/{part}", "str")
+                    for part in ("offline", "served", "served_options")
                 ),
             ),
             _offline(

@@ -85,9 +85,7 @@ class Scheduler:
         return EngineStats(
             num_waiting=len(self.waiting),
             num_running=len(self.running),
-            num_pending_prompt_tokens=sum(
-                r.num_owed_tokens - r.num_expected_cached_tokens for r in self.waiting
-            )
+            num_pending_prompt_tokens=self.waiting.num_pending_tokens
             + sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running),
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks,

@@ -276,8 +276,11 @@ def _sampling_row(request: Request) -> SamplingRow:
         grammar is None
         and len(request.output_token_ids) + request.num_output_placeholders < params.min_tokens
     )
-    banned = request.stop_token_ids if holding else frozenset()
-    return SamplingRow(params, request.generator, banned_token_ids=banned, grammar=grammar)
+    if holding:
+        return SamplingRow(params, request.generator, banned_token_ids=request.stop_token_ids)
+    if request.sampling_row is None:  # the same every step from here on: built once (frozen)
+        request.sampling_row = SamplingRow(params, request.generator, grammar=grammar)
+    return request.sampling_row
 
 
 def _token_history(request: Request) -> TokenHistory | None:

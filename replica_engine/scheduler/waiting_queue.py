@@ -19,10 +19,21 @@ def admission_key(request: Request) -> tuple[int, int]:
 @dataclass
 class WaitingQueue:
     _requests: deque[Request] = field(default_factory=deque)
+    # Each request's prompt tokens to compute, less the cache hits expected, as it entered: they
+    # do not change while it waits (it holds no blocks and samples nothing). Their sum, kept as
+    # requests come and go, is read every step and on every arrival (the load reports).
+    _pending: dict[Request, int] = field(default_factory=dict)
+    num_pending_tokens: int = 0
 
     def push(self, request: Request) -> None:
-        """A new arrival, or a preempted request going back by its original arrival. At one
-        priority this is always an append (new) or an appendleft (preempted), as plain FCFS."""
+        """A new arrival, or a preempted request going back by its original arrival."""
+        pending = request.num_owed_tokens - request.num_expected_cached_tokens
+        self._pending[request] = pending
+        self.num_pending_tokens += pending
+        self._insert(request)
+
+    def _insert(self, request: Request) -> None:
+        """At one priority this is always an append (new) or an appendleft (preempted), as plain FCFS."""
         key, queue = admission_key(request), self._requests
         if not queue or admission_key(queue[-1]) <= key:
             queue.append(request)
@@ -35,10 +46,13 @@ class WaitingQueue:
         return self._requests[0]
 
     def pop_first(self) -> Request:
-        return self._requests.popleft()
+        request = self._requests.popleft()
+        self.num_pending_tokens -= self._pending.pop(request)
+        return request
 
     def remove(self, request: Request) -> None:
         self._requests.remove(request)
+        self.num_pending_tokens -= self._pending.pop(request)
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self._requests)

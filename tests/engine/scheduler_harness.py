@@ -81,6 +81,10 @@ def run_to_completion(
                 seen.add(row.request_id)
                 run.first_admission_order.append(row.request_id)
         scheduler.update(batch, [next_token(row.request_id) for row in batch.sampling_rows])
+        # the queue's running sum (load reports read it) is what its requests owe now
+        waiting = scheduler.waiting
+        owed = sum(r.num_owed_tokens - r.num_expected_cached_tokens for r in waiting)
+        assert waiting.num_pending_tokens == owed, (step, waiting.num_pending_tokens, owed)
         run.batches.append(batch)
         step += 1
         assert step < max_steps, "no progress"

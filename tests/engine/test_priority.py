@@ -87,7 +87,7 @@ class _FcfsQueue(WaitingQueue):
 
     _seen: set[Request] = field(default_factory=set)
 
-    def push(self, request: Request) -> None:
+    def _insert(self, request: Request) -> None:
         if request in self._seen:
             self._requests.appendleft(request)
         else:
