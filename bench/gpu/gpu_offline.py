@@ -38,15 +38,18 @@ def vocab_size(model: str) -> int:
     return dummy_config_dict(model.removeprefix("dummy:"))["vocab_size"]
 
 
+ENGINE = {"dtype": "bfloat16", "attention_backend": "triton"}  # the offline runs' own settings
+
+
 def offline(model: str, device: str, num_requests: int, max_len: int, settings: dict | None = None) -> dict:
     """The workload eagerly and with decode steps from CUDA graphs, both with async scheduling
     (the GPU's default), and with graphs in synchronous steps: what async scheduling gives.
-    `settings` over the engine's (bf16, Triton's attention); with another attention backend (a
-    CPU rehearsal: no graphs), eagerly in both."""
-    settings = {"attention_backend": "triton", **(settings or {})}
+    `settings` over ENGINE; with another attention backend (a CPU rehearsal: graphs need
+    Triton's), eagerly in both."""
+    graphs = {**ENGINE, **(settings or {})}["attention_backend"] == "triton"
     runs = (
         {"eager": (False, True), "graphs": (True, True), "graphs_sync": (True, False)}
-        if settings["attention_backend"] == "triton"
+        if graphs
         else {"eager": (False, True), "eager_sync": (False, False)}
     )
     return {
@@ -64,13 +67,7 @@ def offline_run(
     async_scheduling: bool,
     settings: dict | None = None,
 ) -> dict:
-    engine = {
-        "dtype": "bfloat16",
-        "attention_backend": "triton",
-        "cuda_graphs": cuda_graphs,
-        "async_scheduling": async_scheduling,
-        **(settings or {}),
-    }
+    engine = {**ENGINE, "cuda_graphs": cuda_graphs, "async_scheduling": async_scheduling, **(settings or {})}
     llm = LLM(model=model, device=device, **engine)
     arrivals = sharegpt_like(num_requests, max_len, vocab_size(model))
     params = [SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True) for a in arrivals]
@@ -90,6 +87,7 @@ def offline_run(
         "wall_s": wall_s,
         "output_tok_per_s": output_tokens / wall_s,
         "budget": llm.engine.config.max_num_batched_tokens,
+        "max_num_seqs": llm.engine.config.max_num_seqs,
         # where the time went: steps, the model's share, decode-only steps (the ones graphs replay)
         "steps": len(summaries),
         "model_s": model_s,

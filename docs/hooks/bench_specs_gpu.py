@@ -209,12 +209,14 @@ def _rehearsal_spec() -> BenchSpec:
                 ),
             ),
             _offline(
-                "Offline, the GPU plan's 1000 ShareGPT-shaped requests with a GPU's batch (budget 8192"
-                " tokens, 256 requests), on the CPU's attention (no graphs), `eager` with async"
+                "Offline, the GPU plan's ShareGPT-shaped requests with a GPU's batch (token budget and"
+                " requests at once as shown), on the CPU's attention (no graphs), `eager` with async"
                 " scheduling, `eager_sync` without; the steps' host side is the engine's own work"
                 " around the model, and the wall time less the model's is the host's share:",
                 None,
                 Col("host share", "device_idle_share", "pct"),
+                Col("requests", "requests", "int"),
+                Col("budget / at once", ("budget", "max_num_seqs"), ("int", "int")),
                 name="rehearsal_offline",
             ),
             Rows(
