@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from common.routing_stats import RoutingStats
 
 STALE_AFTER_S = 2.0  # four missed reports at the 0.5 s period
-# A report received this long after a request finished was taken after it (0.5 s period plus
-# the controller's broadcast): the blocks it freed no longer need correcting for.
+# A report received this long after a request was sent or finished was taken after it (0.5 s
+# period plus the controller's broadcast): it counts the request's blocks, or no longer counts the
+# ones it freed. One received sooner may be older than the send (a full test run saw a short
+# request steered onto a replica whose pre-send report, arriving just after, wiped its long one).
 REPORT_LAG_S = 1.0
 # A request a report counts is remembered until it finishes, or this long (a request cancelled
 # before a replica accepted it is never reported finished).
@@ -40,7 +42,7 @@ class _Sent:
     num_tokens: int  # KV tokens it will hold there
     sent_at: float
     prefill_tokens: int = 0  # prompt tokens it will compute there
-    reported: bool = False  # a report received after it was sent counts it
+    reported: bool = False  # a report received REPORT_LAG_S after it was sent counts it
 
 
 @dataclass
@@ -74,7 +76,7 @@ class PressureTracker:
             seen = self._received[replica] = _Received(load.report_seq, _now(now))
             unreported = self._unreported.get(replica, {})
             for request_id, sent in list(unreported.items()):
-                if sent.sent_at <= seen.received_at:
+                if seen.received_at - sent.sent_at >= REPORT_LAG_S:
                     sent.reported = True
                     del unreported[request_id]
             while self._sent:  # oldest first: forget what was never reported finished

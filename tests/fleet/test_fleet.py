@@ -110,11 +110,11 @@ def test_router_steers_away_from_a_loaded_replica(serve_cluster: ServeCluster, f
 
     hog_thread = threading.Thread(target=asyncio.run, args=(stream_hog(),))
     hog_thread.start()
-    # Replicas report every 0.5 s and Serve's controller passes reports on to every Ingress once
-    # a loop (0.5 s in these clusters, RAY_SERVE_CONTROL_LOOP_INTERVAL_S); a short may go through
-    # another Ingress than the hog did, whose router knows of the hog only from a report. So the
-    # shorts go once the hog has run 80 steps (~1.6 s on an idle host, longer on a loaded one: past
-    # two reports and two controller loops), with 140 of its steps still to come.
+    # The app's one Ingress routed the hog: its router counts the hog's blocks from the send on,
+    # until a report received REPORT_LAG_S after it (so taken after it) shows them; replicas report
+    # every 0.5 s, passed on by Serve's controller once a loop (0.5 s in these clusters). The
+    # shorts go once the hog has run 80 steps (~1.2 s on an idle host, longer on a loaded one),
+    # with 140 of its steps still to come.
     wait_for(lambda: len(hog.chunk_times) >= 80 or hog.done_at is not None, "the long request's 80th token")
     for _ in range(6):
         assert httpx.post(url, json=short, timeout=HANG_S).status_code == 200

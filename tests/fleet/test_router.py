@@ -25,6 +25,7 @@ from router.pressure import (
     BY_QUEUE,
     MAX_IN_FLIGHT_S,
     NO_STATS,
+    REPORT_LAG_S,
     PressureTracker,
 )
 
@@ -176,16 +177,20 @@ def test_the_router_counts_a_burst_on_the_replicas_it_ranks_first_before_any_acc
     assert asyncio.run(choose_for_burst()) == ["a", "b", "a", "b", "a", "b"]
 
 
-def test_a_newer_report_counts_the_sends_before_it_and_unfinished_ones_are_forgotten_in_time():
+def test_a_report_counts_the_sends_a_report_lag_before_it_and_unfinished_ones_are_forgotten_in_time():
     tracker = PressureTracker()
     tracker.observe("a", report(free=50, seq=0), now=NOW)
     tracker.on_sent("cancelled-before-accepted", "a", num_tokens=16 * 10, now=NOW + 0.1)
     tracker.on_sent("to-b", "b", num_tokens=16, now=NOW + 0.1)
+    # Received just after the send, it may have been taken before: the send still counts on top.
     tracker.observe("a", report(free=50, seq=1), now=NOW + 0.5)
+    assert tracker.in_flight_tokens("a") == 16 * 10
+    assert tracker.pressure("a", report(free=50, seq=1), now=NOW + 0.5) == (50 + 10) / 100
+    tracker.observe("a", report(free=50, seq=2), now=NOW + 0.1 + REPORT_LAG_S)
     assert tracker.in_flight_tokens("a") == 0
     assert tracker.in_flight_tokens("b") == 16
     # never reported finished: dropped once older than MAX_IN_FLIGHT_S (no leak)
-    tracker.observe("a", report(free=50, seq=2), now=NOW + MAX_IN_FLIGHT_S + 1)
+    tracker.observe("a", report(free=50, seq=3), now=NOW + MAX_IN_FLIGHT_S + 1)
     assert "cancelled-before-accepted" not in tracker._sent
     assert tracker.unfinished_requests("a") == tracker.unfinished_requests("b") == 0
     assert tracker.in_flight_tokens("b") == 0
@@ -205,9 +210,9 @@ def test_a_request_ranked_onto_one_replica_and_routed_to_another_counts_on_the_s
         for replica in "ab"
     }
     assert counts == {"a": (0, 0, 0, 0), "b": (1, 32, 20, 1)}
-    tracker.observe("b", report(free=50, seq=1), now=NOW + 0.5)  # b's report counts it now
+    tracker.observe("b", report(free=50, seq=1), now=NOW + 0.01 + REPORT_LAG_S)  # b's report counts it now
     assert (tracker.in_flight_requests("b"), tracker.unfinished_requests("b")) == (0, 1)
-    tracker.on_finished("r", now=NOW + 1)
+    tracker.on_finished("r", now=NOW + 2)
     assert tracker.unfinished_requests("b") == 0 and tracker.freed_tokens("b") == 32
 
 
