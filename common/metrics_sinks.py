@@ -133,9 +133,10 @@ class RayServeSink:
 
 
 class _BufferedInstrument:
-    def __init__(self, name: str, ops: list[MetricOp]) -> None:
+    def __init__(self, name: str, ops: list[MetricOp], gauges: dict[tuple, MetricOp]) -> None:
         self._name = name
         self._ops = ops
+        self._gauges = gauges  # (name, label values) -> its latest set
 
     def inc(self, amount: float, labels: Labels) -> None:
         self._ops.append((self._name, "inc", amount, labels))
@@ -144,7 +145,7 @@ class _BufferedInstrument:
         """Nothing to carry: the replaying side's own instruments initialized their series."""
 
     def set(self, value: float, labels: Labels) -> None:
-        self._ops.append((self._name, "set", value, labels))
+        self._gauges[(self._name, *labels.values())] = (self._name, "set", value, labels)
 
     def observe(self, value: float, labels: Labels) -> None:
         self._ops.append((self._name, "observe", value, labels))
@@ -153,23 +154,26 @@ class _BufferedInstrument:
 class BufferedSink:
     """Instruments that only record their updates, for a process that cannot reach the exporter
     (the engine core's own process): `drain` hands them over, and the frontend replays them into
-    its real instruments (EngineMetrics.replay)."""
+    its real instruments (EngineMetrics.replay). Of a gauge's sets only the latest is carried: a
+    gauge shows its latest value, and each update replayed is a metrics call there."""
 
     def __init__(self) -> None:
         self._ops: list[MetricOp] = []
+        self._gauges: dict[tuple, MetricOp] = {}
 
     def drain(self) -> list[MetricOp]:
-        ops = self._ops[:]
+        ops = [*self._ops, *self._gauges.values()]
         self._ops.clear()
+        self._gauges.clear()
         return ops
 
     def counter(self, name: str, description: str, label_names: Sequence[str]) -> Counter:
-        return _BufferedInstrument(name, self._ops)
+        return _BufferedInstrument(name, self._ops, self._gauges)
 
     def gauge(self, name: str, description: str, label_names: Sequence[str]) -> Gauge:
-        return _BufferedInstrument(name, self._ops)
+        return _BufferedInstrument(name, self._ops, self._gauges)
 
     def histogram(
         self, name: str, description: str, buckets: Sequence[float], label_names: Sequence[str]
     ) -> Histogram:
-        return _BufferedInstrument(name, self._ops)
+        return _BufferedInstrument(name, self._ops, self._gauges)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,12 +21,13 @@ from replica_engine.outputs import CoreOutput, EngineStats
 from replica_engine.request import Request
 
 logger = logging.getLogger(__name__)
+# The prefix cache's keys (a tuple as long as the pool) are taken and sent at most this often while
+# requests run; routers read them every ~0.5 s. Taken every step, they cost a served core 12% of
+# its time (py-spy, c=64, the GPU rehearsal's pool). An idle core takes and sends them at once.
+HASHES_EVERY_S = 0.2
 # An idle core republishes its gauges this often: Ray's metrics agent drops a gauge series that
 # is not refreshed.
 GAUGE_REFRESH_S = 0.5
-# The prefix-cache keys (a tuple as long as the pool) travel at most this often while they change
-# every step; routers read them every ~0.5 s. An idle core sends the latest at once.
-HASHES_EVERY_S = 0.2
 # A failing request is finished with reason error and the rest go on (EngineCore.step); this
 # many steps in a row where every request failed mean the engine itself is broken (a lost
 # device, a corrupted cache), so it stops and reports unhealthy.
@@ -82,11 +82,11 @@ class CoreLoop:
         """`receive(timeout)`: the next message, waiting up to `timeout` (None: none waiting);
         `emit`: send an EngineOutputs to the frontend; `drain_metrics`: metric updates to carry."""
         self.core = core
+        core.cached_hashes_every_s = HASHES_EVERY_S
         self.receive = receive
         self.emit = emit
         self.drain_metrics = drain_metrics
         self._hashes_sent: tuple[bytes, ...] | None = None
-        self._hashes_sent_at = 0.0
         self._num_applied = 0  # messages the latest drain applied
         self._paused = False
 
@@ -94,7 +94,7 @@ class CoreLoop:
         """Until SHUTDOWN; an error outside any one request's work ends the loop after one last
         EngineOutputs that fails every request and says why (`dead`)."""
         try:
-            self._send([], idle=True)  # the stats at start
+            self._send([])  # the stats at start
             self._run()
         except BaseException as error:  # the loop cannot go on
             self._die(error, [])
@@ -109,7 +109,7 @@ class CoreLoop:
             if self._num_applied or not busy:
                 # What the messages changed (queue depth, aborts' finals) is visible at once, not
                 # only after the next step: routers and autoscaling read these stats.
-                self._send(finals, idle=not busy)
+                self._send(finals)
                 finals = []
             if not busy:
                 continue
@@ -125,7 +125,7 @@ class CoreLoop:
                 outputs = failure.outputs
             else:
                 consecutive_failures = 0
-            self._send(finals + outputs, idle=False)
+            self._send(finals + outputs)
 
     def _apply_messages(self, wait: bool) -> list[CoreOutput] | None:
         """Apply every queued message (when `wait`, first wait for one up to GAUGE_REFRESH_S); the
@@ -153,13 +153,12 @@ class CoreLoop:
         """A step to take: requests, and not paused."""
         return not self._paused and self.core.has_unfinished_requests()
 
-    def _send(self, outputs: list[CoreOutput], idle: bool) -> None:
+    def _send(self, outputs: list[CoreOutput]) -> None:
         stats = self.core.stats
-        hashes = stats.cached_block_hashes
-        now = time.monotonic()
-        fresh = hashes is not self._hashes_sent and (idle or now - self._hashes_sent_at >= HASHES_EVERY_S)
+        hashes = stats.cached_block_hashes  # a new snapshot at most every HASHES_EVERY_S
+        fresh = hashes is not self._hashes_sent
         if fresh:
-            self._hashes_sent, self._hashes_sent_at = hashes, now
+            self._hashes_sent = hashes
         self.emit(
             EngineOutputs(
                 outputs,

@@ -8,6 +8,7 @@ publishes, and nothing else. "The step thread" elsewhere means that owner."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -120,6 +121,10 @@ class EngineCore:
         self._in_pipeline: deque[tuple[ScheduledBatch, float]] = deque()
         self._ahead = runner.schedules_ahead  # async scheduling: a batch in flight holds none back
         self._last_collected_at = 0.0
+        # While requests run, publish_stats takes the prefix cache's keys (a tuple as long as the
+        # pool) at most this often (0: every time; the core loop behind a served engine sets it).
+        self.cached_hashes_every_s = 0.0
+        self._hashes_taken_at = -math.inf
         self.stats = self.scheduler.stats()
         self.publish_stats()
 
@@ -200,8 +205,15 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self._in_pipeline)
 
     def publish_stats(self) -> None:
-        """Snapshot the gauges (queue depth, running, KV usage) for readers on any thread."""
-        self.stats = self.scheduler.stats(step_work_s=self.step_load.work_s)
+        """Snapshot the gauges (queue depth, running, KV usage) for readers on any thread; while
+        requests run, the prefix cache's keys at most every `cached_hashes_every_s` (in between,
+        the snapshot keeps the keys it had)."""
+        now = self.clock()
+        take = now - self._hashes_taken_at >= self.cached_hashes_every_s or not self.has_unfinished_requests()
+        hashes = None if take else self.stats.cached_block_hashes
+        self.stats = self.scheduler.stats(step_work_s=self.step_load.work_s, cached_block_hashes=hashes)
+        if take:
+            self._hashes_taken_at = now
         if self.metrics is not None:
             self.metrics.record_stats(self.stats)
 

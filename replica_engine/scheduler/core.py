@@ -79,8 +79,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def stats(self, step_work_s: float = 0.0) -> EngineStats:
-        """The queues and the KV pool, as a snapshot, with the step work the engine measured."""
+    def stats(
+        self, step_work_s: float = 0.0, cached_block_hashes: tuple[bytes, ...] | None = None
+    ) -> EngineStats:
+        """The queues and the KV pool, as a snapshot, with the step work the engine measured;
+        the prefix cache's keys as given (an earlier snapshot of them), else taken now."""
         kv = self.kv_cache_manager
         return EngineStats(
             num_waiting=len(self.waiting),
@@ -95,7 +98,7 @@ class Scheduler:
             num_requests_added=self.num_added,
             num_requests_finished=self.num_finished,
             step_work_s=step_work_s,
-            cached_block_hashes=kv.cached_hashes(),
+            cached_block_hashes=kv.cached_hashes() if cached_block_hashes is None else cached_block_hashes,
             lora_adapters=tuple(self.loaded_adapters),
             num_running_context_tokens=sum(r.num_tokens for r in self.running),
             step_time_coefficients=self._step_time_coefficients(),

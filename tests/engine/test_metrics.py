@@ -138,6 +138,27 @@ def test_an_engine_core_in_its_own_process_records_into_this_process_metrics():
     assert sample(registry, "stallfree_num_requests_running") == 0  # the gauges after the last step
 
 
+def test_a_buffered_sink_carries_every_count_and_observation_and_each_gauges_latest_value():
+    """What a core in its own process records, replayed in the frontend: the same figures as
+    recorded there directly, with one gauge update per gauge and label set per drain."""
+    from common.metrics_sinks import BufferedSink
+
+    buffered = BufferedSink()
+    core_side = EngineMetrics(buffered, "smollm2")
+    for running, latency in ((3, 0.01), (5, 0.02), (2, 0.03)):
+        core_side.num_requests_running.set(running, core_side.labels)
+        core_side.inter_token_latency.observe(latency, core_side.labels)
+        core_side.preemptions.inc(1, core_side.labels)
+    ops = buffered.drain()
+    assert [op[1] for op in ops].count("set") == 1 and buffered.drain() == []
+    registry = prometheus_client.CollectorRegistry()
+    EngineMetrics(PrometheusSink(registry), "smollm2").replay(ops)
+    assert sample(registry, "stallfree_num_requests_running") == 2
+    assert sample(registry, "stallfree_inter_token_latency_seconds_count") == 3
+    assert sample(registry, "stallfree_inter_token_latency_seconds_sum") == pytest.approx(0.06)
+    assert sample(registry, "stallfree_num_preemptions_total") == 3
+
+
 def test_stats_count_requests_and_step_work_for_the_autoscaler():
     """The running totals a replica turns into rates for its autoscaling report (LoadMeter)."""
     engine, _ = run_engine({}, PROMPTS, max_tokens=6)
