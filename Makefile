@@ -45,9 +45,12 @@ test-fast: setup
 # wakes twice a second, not ten times (docs/deployment.md).
 SERVE_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5
 # A cluster of its own (RAY_ADDRESS=local) unless RAY_ADDRESS names one: /tmp/ray/ray_current_cluster
-# may name a cluster that has ended, and `serve run` would wait on it for ever.
+# may name a cluster that has ended, and `serve run` would wait on it for ever. One node, whose
+# HAProxy hears of a stopping Ingress within a control loop: it drains for 3 s, not Serve's 30
+# (Ctrl-C waited them out).
 serve: $(SERVE_STAMP)
-	RAY_ADDRESS=$${RAY_ADDRESS:-local} RAY_worker_niceness=0 $(SERVE_ENV) $(VENV)/bin/serve run serve_config.yaml
+	RAY_ADDRESS=$${RAY_ADDRESS:-local} RAY_worker_niceness=0 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=3 \
+		$(SERVE_ENV) $(VENV)/bin/serve run serve_config.yaml
 
 lint: setup
 	$(PY) -m ruff check .

@@ -96,6 +96,7 @@ def small_app(serve_cluster):
     from ray import serve
 
     from deployments.app import AppArgs, build_app
+    from harness.serve_cluster import delete_app
 
     args = AppArgs(
         ingress="separate",  # test_structured_outputs pauses its EngineReplica through the handle
@@ -116,7 +117,7 @@ def small_app(serve_cluster):
     )
     serve.run(build_app(args), name="small", route_prefix="/small")
     yield f"{serve_cluster.base_url}/small"
-    serve.delete("small")
+    delete_app("small")
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from ray import serve
 from deployments.app import AppArgs, build_app
 from harness.metrics_scrape import ENGINE_PREFIX, scrape, scrape_by_replica, settled
 from harness.replicas import kill_actor, replica_actor, replica_actor_names, wait_replaced
-from harness.serve_cluster import ServeCluster, wait_for
+from harness.serve_cluster import ServeCluster, delete_app, wait_for
 from harness.sse_client import StreamResult, client_session, stream_completion
 from replica_engine import SamplingParams
 
@@ -57,7 +57,7 @@ def fleet(serve_cluster: ServeCluster) -> str:
     )
     deploy("fleet", args)
     yield f"{serve_cluster.base_url}/fleet"
-    serve.delete("fleet")
+    delete_app("fleet")
 
 
 def post_staggered(url: str, bodies: list[dict], gap_s: float) -> list[httpx.Response]:
@@ -191,7 +191,7 @@ def test_kv_pressure_scales_up_under_load_and_back_down_when_idle(serve_cluster:
         )
         wait_for_replica_count("autoscale", 1, "when idle")
     finally:
-        serve.delete("autoscale")
+        delete_app("autoscale")
 
 
 def test_the_load_the_replicas_report_scales_up_and_back_down(serve_cluster: ServeCluster):
@@ -207,7 +207,7 @@ def test_the_load_the_replicas_report_scales_up_and_back_down(serve_cluster: Ser
         assert statuses == {200}, statuses
         wait_for_replica_count("autoscale-rates", 1, "when idle")  # the rates fall to 0
     finally:
-        serve.delete("autoscale-rates")
+        delete_app("autoscale-rates")
 
 
 def test_killing_a_replica_mid_load_fails_only_its_requests_and_serve_replaces_it(

@@ -18,7 +18,7 @@ from ray.util.state import list_actors
 from deployments.app import AppArgs, build_app
 from harness.metrics_scrape import scrape, scrape_by_replica
 from harness.replicas import replica_actor_names, wait_replaced
-from harness.serve_cluster import ServeCluster, wait_for
+from harness.serve_cluster import ServeCluster, delete_app, wait_for
 
 APP = "prefix"
 HITS = "ray_stallfree_prefix_cache_hits_total"
@@ -42,7 +42,7 @@ def client(serve_cluster: ServeCluster) -> openai.OpenAI:
     )
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     yield openai.OpenAI(base_url=f"{serve_cluster.base_url}/{APP}/v1", api_key="unused", max_retries=0)
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def ask(client: openai.OpenAI, messages: list[dict]) -> tuple[str, int, int]:
@@ -163,4 +163,4 @@ def test_rays_prefix_cache_affinity_router_is_selectable_and_serves(serve_cluste
         )
         assert completion.usage.prompt_tokens == 8
     finally:
-        serve.delete("affinity")
+        delete_app("affinity")

@@ -15,7 +15,7 @@ from ray import serve
 
 from deployments.app import AppArgs, build_app
 from harness.replicas import engine_stats
-from harness.serve_cluster import REPO, ServeCluster, wait_for
+from harness.serve_cluster import REPO, ServeCluster, delete_app, wait_for
 from harness.sse_client import client_session, stream_completion
 
 APP = "separate"
@@ -34,7 +34,7 @@ def separate(serve_cluster: ServeCluster) -> str:
         route_prefix=f"/{APP}",
     )
     yield f"{serve_cluster.base_url}/{APP}"
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def client(base_url: str) -> openai.OpenAI:

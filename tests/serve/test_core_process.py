@@ -13,7 +13,7 @@ from ray import serve
 
 from deployments.app import AppArgs, build_app
 from harness.replicas import engine_stats, kill_engine_core, wait_replaced
-from harness.serve_cluster import ServeCluster, wait_for
+from harness.serve_cluster import ServeCluster, delete_app, wait_for
 from harness.sse_client import client_session, stream_completion
 
 APP = "fragile"
@@ -35,7 +35,7 @@ def fragile_app(serve_cluster: ServeCluster) -> str:
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     url = f"{serve_cluster.base_url}/{APP}/v1/completions"
     yield url
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def answers(url: str) -> bool:

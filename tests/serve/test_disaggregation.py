@@ -20,7 +20,7 @@ from deployments.app import AppArgs, build_app
 from deployments.kv_connectors import _shm_root
 from harness.hf_reference import assert_matches_up_to_ties
 from harness.replicas import STATS_TIMEOUT_S
-from harness.serve_cluster import ServeCluster, wait_for
+from harness.serve_cluster import ServeCluster, delete_app, wait_for
 from tests.engine.test_engine_integrity import story_ids
 
 BLOCK = 16
@@ -86,7 +86,7 @@ def test_prefill_and_decode_deployments_answer_as_colocated_and_hold_nothing_aft
         again = client.completions.create(model=completion.model, prompt=prompt, max_tokens=4)
         assert again.choices[0].finish_reason == "length"
     finally:
-        serve.delete(app)
+        delete_app(app)
 
 
 def _cancel_after(url: str, prompt: list[int], delay_s: float) -> None:

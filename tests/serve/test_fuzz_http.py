@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ray import serve
 
 from deployments.app import AppArgs, build_app
-from harness.serve_cluster import ServeCluster
+from harness.serve_cluster import ServeCluster, delete_app
 
 FIELDS = [
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
@@ -152,7 +152,7 @@ def fuzz_app(serve_cluster: ServeCluster) -> str:
     args = AppArgs(num_cpus=0, engine={"max_model_len": 32, "kv_cache_bytes": 64 << 20, "max_num_seqs": 256})
     serve.run(build_app(args), name="fuzz", route_prefix="/fuzz")
     yield f"{serve_cluster.base_url}/fuzz"
-    serve.delete("fuzz")
+    delete_app("fuzz")
 
 
 def post(url: str, content: bytes) -> httpx.Response:

@@ -13,7 +13,7 @@ from common.finish_reason import FinishReason
 from deployments.app import AppArgs, build_app
 from harness.metrics_scrape import ENGINE_PREFIX, scrape
 from harness.replicas import engine_stats
-from harness.serve_cluster import ServeCluster, wait_for
+from harness.serve_cluster import ServeCluster, delete_app, wait_for
 from harness.sse_client import client_session, stream_completion
 from replica_engine import LLM, SamplingParams
 from replica_engine.metrics.engine_metrics import REASON_LABEL
@@ -81,7 +81,7 @@ def timeout_app(serve_cluster: ServeCluster) -> str:
         "the timeout app answers",
     )
     yield url
-    serve.delete("timeout")
+    delete_app("timeout")
 
 
 def _aborts(cluster: ServeCluster) -> float:

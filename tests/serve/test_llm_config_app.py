@@ -7,7 +7,7 @@ import openai
 from ray import serve
 
 from deployments.app import AppArgs, build_app
-from harness.serve_cluster import ServeCluster
+from harness.serve_cluster import ServeCluster, delete_app
 
 APP = "rayllm"
 LLM_CONFIG = {  # as Ray Serve LLM's quickstart writes one, our model in its place, on a CPU
@@ -31,4 +31,4 @@ def test_a_ray_serve_llm_config_deploys_and_answers(serve_cluster: ServeCluster)
         )
         assert "Paris" in chat.choices[0].message.content
     finally:
-        serve.delete(APP)
+        delete_app(APP)

@@ -16,7 +16,7 @@ from ray import serve
 from deployments.app import AppArgs, build_app
 from harness import soak_load
 from harness.metrics_scrape import EngineCounters, wait_drained
-from harness.serve_cluster import ServeCluster, wait_for
+from harness.serve_cluster import ServeCluster, delete_app, wait_for
 
 APP = "load"
 
@@ -34,7 +34,7 @@ def load_app(serve_cluster: ServeCluster) -> str:
     )
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     yield f"{serve_cluster.base_url}/{APP}/v1/completions"
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def test_a_thousand_requests_with_disconnects_lose_nothing_and_leak_nothing(

@@ -19,7 +19,7 @@ from common.sampling_params import SamplingParams
 from deployments.app import AppArgs, build_app
 from harness.lora_adapters import save_random_adapter
 from harness.metrics_scrape import EngineCounters
-from harness.serve_cluster import ServeCluster, wait_for
+from harness.serve_cluster import ServeCluster, delete_app, wait_for
 
 APP = "lora-routing"
 BASE = "smollm2-135m-instruct"
@@ -45,7 +45,7 @@ def client(serve_cluster: ServeCluster, adapter: Path):
     yield openai.OpenAI(
         base_url=f"{serve_cluster.base_url}/{APP}/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S
     )
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def finished_by_replica(cluster: ServeCluster) -> dict[str, float]:

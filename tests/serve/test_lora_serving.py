@@ -22,7 +22,7 @@ from ray import serve
 from common.lora import LoRARequest
 from deployments.app import AppArgs, build_app
 from harness.lora_adapters import save_random_adapter
-from harness.serve_cluster import ServeCluster
+from harness.serve_cluster import ServeCluster, delete_app
 from replica_engine import LLM, SamplingParams
 
 BASE = "smollm2-135m-instruct"
@@ -78,7 +78,7 @@ def served(serve_cluster: ServeCluster, adapters: dict[str, Path]) -> Iterator[S
             deployed.result()
         yield Served(f"{serve_cluster.base_url}/lora", offline)
     finally:
-        serve.delete("lora")
+        delete_app("lora")
 
 
 @pytest.fixture(scope="module")

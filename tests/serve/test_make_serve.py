@@ -18,8 +18,8 @@ from common.ports import free_port
 from harness.serve_cluster import REPO, START_TIMEOUT_S, end_session, ray_address_file_kept, wait_for_http
 
 pytestmark = pytest.mark.own_ray_cluster
-# Ctrl-C waits out HAProxy's 30 s draining period (docs/deployment.md) and the replicas' graceful
-# shutdown; on loaded cores it took over 120 s
+# Ctrl-C waits out the Ingress's draining period (3 s under `make serve`: docs/deployment.md) and
+# the replicas' graceful shutdown; on loaded cores, with Serve's 30 s period, it took over 120 s
 STOP_TIMEOUT_S = 300
 
 

@@ -15,7 +15,7 @@ import pytest
 from ray import serve
 
 from deployments.app import AppArgs, build_app
-from harness.serve_cluster import ServeCluster
+from harness.serve_cluster import ServeCluster, delete_app
 from harness.tiny_moe import save_tiny_moe, tiny_moe
 from replica_engine import LLM, SamplingParams
 from tests.serve.test_reasoning_model import ASK, WEATHER  # the city an enum: one answer
@@ -42,7 +42,7 @@ def client(serve_cluster: ServeCluster, checkpoint: Path) -> Iterator[openai.Ope
     try:
         yield openai.OpenAI(base_url=f"{serve_cluster.base_url}/{APP}/v1", api_key="unused", max_retries=0)
     finally:
-        serve.delete(APP)
+        delete_app(APP)
 
 
 def model_name(client: openai.OpenAI) -> str:

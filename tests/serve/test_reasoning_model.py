@@ -14,7 +14,7 @@ import pytest
 from ray import serve
 
 from deployments.app import AppArgs, build_app
-from harness.serve_cluster import ServeCluster
+from harness.serve_cluster import ServeCluster, delete_app
 from tests.serve.thinking_model import ANSWER, THOUGHT, build
 
 APP = "thinking"
@@ -47,7 +47,7 @@ def client(serve_cluster: ServeCluster, tmp_path_factory: pytest.TempPathFactory
     try:
         yield openai.OpenAI(base_url=f"{serve_cluster.base_url}/{APP}/v1", api_key="unused", max_retries=0)
     finally:
-        serve.delete(APP)
+        delete_app(APP)
 
 
 def streamed(client: openai.OpenAI, **request: object) -> tuple[str, str, list[tuple[str, str]], str]:

@@ -8,7 +8,7 @@ import pytest
 from ray import serve
 
 from deployments.app import AppArgs, build_app
-from harness.serve_cluster import ServeCluster
+from harness.serve_cluster import ServeCluster, delete_app
 
 KEY = "sk-test-4f1c"
 
@@ -25,7 +25,7 @@ def secured(serve_cluster: ServeCluster, tmp_path_factory: pytest.TempPathFactor
     )
     serve.run(build_app(args), name="secured", route_prefix="/secured")
     yield f"{serve_cluster.base_url}/secured"
-    serve.delete("secured")
+    delete_app("secured")
 
 
 @pytest.mark.parametrize("authorization", [None, "Bearer wrong-key", f"Basic {KEY}", KEY])

@@ -13,7 +13,7 @@ from ray import serve
 from deployments.app import AppArgs, build_app
 from harness.metrics_scrape import scrape
 from harness.replicas import engine_deployment
-from harness.serve_cluster import ServeCluster, wait_for
+from harness.serve_cluster import ServeCluster, delete_app, wait_for
 from tests.serve.thinking_model import ANSWER, THOUGHT, build
 
 APP = "several"
@@ -59,4 +59,4 @@ def test_one_app_serves_each_model_by_name(
             lambda: counted("smol") == 1 and counted("thinker") == 1, "each request counted under its model"
         )
     finally:
-        serve.delete(APP)
+        delete_app(APP)

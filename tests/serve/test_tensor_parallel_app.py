@@ -11,7 +11,7 @@ from ray import serve
 
 from deployments.app import AppArgs, build_app
 from harness.replicas import engine_stats
-from harness.serve_cluster import ServeCluster, wait_for
+from harness.serve_cluster import ServeCluster, delete_app, wait_for
 from replica_engine import SamplingParams
 
 APP = "split"
@@ -24,7 +24,7 @@ def split_app(serve_cluster: ServeCluster):
     args = AppArgs(num_cpus=0.1, cpu_threads=1, engine={"dtype": "float32", "tensor_parallel_size": 3})
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     yield openai.OpenAI(base_url=f"{serve_cluster.base_url}/{APP}/v1", api_key="unused", max_retries=0)
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def test_a_three_worker_replica_answers_as_the_whole_model(split_app: openai.OpenAI, exact_llm):
