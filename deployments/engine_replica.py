@@ -357,13 +357,28 @@ class EngineReplica:
         return {KV_USAGE: stats.kv_cache_usage, WAITING: stats.num_waiting, **rates}
 
     def check_health(self) -> None:
-        """Serve calls this periodically; raising marks the replica unhealthy and replaces it. The
-        call also re-sends the counters that start at zero (EngineMetrics.initialize_series)."""
+        """Serve calls this every 10 s (and the Ingress's /health). The engine stopped (its core's
+        process died, its steps kept failing, a pipeline stage was lost): once no call runs here
+        (their streams have ended with the error) the replica exits, and Serve replaces it at once,
+        where a check that raises is replaced after three in a row (30 s). While calls run, it
+        raises. The call also re-sends the counters that start at zero (initialize_series)."""
         self.metrics.initialize_series()
-        if not self.engine.is_healthy:
-            raise RuntimeError(f"engine step loop died: {self.engine.error!r}")
+        if self.engine.is_healthy:
+            return
+        error = f"engine step loop died: {self.engine.error!r}"
+        if self.num_ongoing_requests:
+            raise RuntimeError(error)
+        logger.error("%s; the replica exits for Serve to replace it", error)
+        self._release()
+        self.exit_process(1)
 
-    def __del__(self) -> None:
+    # How the replica exits (tests of the class alone, in their own process, record it instead).
+    exit_process: Callable[[int], None] = staticmethod(os._exit)
+
+    def _release(self) -> None:
         self.engine.shutdown()
         if self.connector is not None:
             self.connector.close()
+
+    def __del__(self) -> None:
+        self._release()

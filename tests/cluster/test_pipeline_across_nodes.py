@@ -3,9 +3,9 @@
 serve_config.yaml's app with two pipeline stages as Ray actors (`distributed_executor_backend:
 ray`) and a SPREAD placement group: the replica's bundle on a worker node (it needs a slot), a
 stage in each of the others. Then a stage's node is lost (every process of it SIGKILLed): the
-replica's engine stops at its next step, its health check fails, and Serve replaces it; the
-replacement answers as the model does, and nothing is held after. `dummy:tiny-llama`, its greedy
-outputs known offline."""
+replica's engine stops at its next step, the replica exits at its next health check, and Serve
+replaces it; the replacement answers as the model does, and nothing is held after.
+`dummy:tiny-llama`, its greedy outputs known offline."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The engine core's own process over HTTP on the real cluster: killed mid-stream (as the kernel's
-OOM killer would), its stream ends with an error at once, the replica's health check fails, and
-Serve replaces the replica."""
+OOM killer would), its stream ends with an error at once, the replica exits at its next health
+check, and Serve replaces it."""
 
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def test_a_failing_choice_ends_its_request_with_a_500_and_the_replica_goes_on(th
     wait_idle(replica.stats)  # the poisoned request's other choice is aborted when it fails
 
 
-def test_health_check_fails_once_every_step_keeps_failing(threaded_replica: EngineReplica):
+def test_the_replica_exits_once_every_step_keeps_failing(threaded_replica: EngineReplica):
     replica = threaded_replica
 
     def broken_execute(batch):
@@ -115,8 +115,7 @@ def test_health_check_fails_once_every_step_keeps_failing(threaded_replica: Engi
         statuses.append(items[0].status)
     # Each request fails (500); after MAX failing steps in a row the engine stops: 503 from then on.
     assert statuses == [500] * MAX_CONSECUTIVE_STEP_FAILURES + [503]
-    with pytest.raises(RuntimeError, match="engine step loop died"):
-        replica.check_health()
+    assert health_check_exits(replica)
 
 
 def test_embed_answers_every_input_in_order_from_the_core_process(replica: EngineReplica):
@@ -166,10 +165,20 @@ def test_the_routing_report_counts_a_request_of_n_choices_as_one_call_as_serve_d
     wait_idle(replica.stats)  # closing the call aborted its choices
 
 
-def test_the_core_process_dying_mid_stream_fails_its_streams_and_the_health_check(replica: EngineReplica):
+def health_check_exits(replica: EngineReplica) -> bool:
+    """Serve's health check on a replica whose engine has stopped: it exits the process (here the
+    test's own: the exit is recorded instead) once no call runs."""
+    exits: list[int] = []
+    replica.exit_process = exits.append
+    replica.check_health()
+    return exits == [1]
+
+
+def test_the_core_process_dying_mid_stream_fails_its_streams_and_the_replica_exits(replica: EngineReplica):
     """The engine core's own process is killed (as the kernel's OOM killer would) while a request
-    streams: the stream ends with an error at once, the health check fails (Serve then replaces
-    the replica: tests/serve/test_limits.py), and a new request is refused with a 503."""
+    streams: the stream ends with an error at once, a new request is refused with a 503, and the
+    health check fails while the stream's call runs, then exits the replica (Serve replaces it at
+    once: tests/serve/test_core_process.py)."""
     request = generate_request(replica, "long", ["Count: 1, 2, 3,"], max_tokens=400, ignore_eos=True)
 
     async def stream_until_killed() -> list[list[ChoiceDelta] | GenerateError]:
@@ -178,13 +187,15 @@ def test_the_core_process_dying_mid_stream_fails_its_streams_and_the_health_chec
             items.append(item)
             if len(items) == 2:  # streaming: kill the core
                 os.kill(replica.engine.client.pid, signal.SIGKILL)
+            if isinstance(item, GenerateError):  # the call still runs: its stream has not ended
+                with pytest.raises(RuntimeError, match="engine step loop died"):
+                    replica.check_health()
         return items
 
     items = asyncio.run(asyncio.wait_for(stream_until_killed(), timeout=60))  # never hangs
     last = items[-1]
     assert isinstance(last, GenerateError) and (last.status, last.code) == (500, "engine_error")
     assert sum(len(d.token_ids) for batch in items[:-1] for d in batch) < 400
-    with pytest.raises(RuntimeError, match="engine step loop died"):
-        replica.check_health()
     refused = asyncio.run(collect(replica, generate_request(replica, "after", ["Hello"], max_tokens=4)))
     assert len(refused) == 1 and (refused[0].status, refused[0].code) == (503, "engine_unavailable")
+    assert health_check_exits(replica)
