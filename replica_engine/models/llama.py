@@ -15,7 +15,7 @@ from torch import nn
 from replica_engine.attention.base import AttentionBackend, AttentionMetadata
 from replica_engine.kernels import cpu as cpu_kernels
 from replica_engine.kernels.quantized_weight import QuantizedWeight, dequantize_rows
-from replica_engine.models.layers import MLP, Linear, MergedLinear, RMSNorm
+from replica_engine.models.layers import MLP, Embedding, Linear, MergedLinear, RMSNorm
 from replica_engine.models.moe import MOE_MODEL_TYPES, Experts, MoeShape, SparseMoeBlock
 from replica_engine.models.rotary import RotaryEmbedding, apply_rotary
 
@@ -94,7 +94,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         moe = MoeShape.of(config)
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend, moe if moe is not None and i in moe.sparse_layers else None)
