@@ -24,8 +24,17 @@ def make_replica(core_process: bool) -> EngineReplica:
     return EngineReplica.func_or_class(config, "smollm2")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def replica():
+    """Its core in a process of its own; the tests that share it leave it idle and healthy."""
+    replica = make_replica(core_process=True)
+    yield replica
+    replica.engine.shutdown()
+
+
+@pytest.fixture
+def doomed_replica():
+    """A replica of its own, for a test that kills its core."""
     replica = make_replica(core_process=True)
     yield replica
     replica.engine.shutdown()
@@ -174,11 +183,14 @@ def health_check_exits(replica: EngineReplica) -> bool:
     return exits == [1]
 
 
-def test_the_core_process_dying_mid_stream_fails_its_streams_and_the_replica_exits(replica: EngineReplica):
+def test_the_core_process_dying_mid_stream_fails_its_streams_and_the_replica_exits(
+    doomed_replica: EngineReplica,
+):
     """The engine core's own process is killed (as the kernel's OOM killer would) while a request
     streams: the stream ends with an error at once, a new request is refused with a 503, and the
     health check fails while the stream's call runs, then exits the replica (Serve replaces it at
     once: tests/serve/test_core_process.py)."""
+    replica = doomed_replica
     request = generate_request(replica, "long", ["Count: 1, 2, 3,"], max_tokens=400, ignore_eos=True)
 
     async def stream_until_killed() -> list[list[ChoiceDelta] | GenerateError]:
