@@ -2,7 +2,8 @@
 replica, streamed /v1/completions over HTTP) and through the engine alone (an AsyncEngine in this
 process, built as that replica builds its own), on the same device in the same run: closed loops
 (c=1 and c=64 on a GPU) and Poisson arrivals at three rates, three seeds each. Each run: TTFT and
-TBT p50/p99, output tok/s and failed requests; then the served figures against the engine alone's.
+TBT p50/p99, output tok/s and failed requests (a closed loop's also where the host's cores went,
+by process); then the served figures against the engine alone's.
 The two cannot hold the device at once (each sizes its KV pool from the memory it finds free), so
 they run in turn: the engine alone first, then the served app."""
 
@@ -51,10 +52,14 @@ def measure(sender: Sender, arrivals: list[Arrival], plan: ServedPlan) -> dict:
     def run(paced: Callable[[Send], Awaitable[tuple[float, list[RequestTiming | None]]]]) -> dict:
         return _summary(*run_paced(sender, lambda send: paced(partial(_counted, send))))
 
+    from bench.serving.cpu_split import cpu_split  # psutil: Ray's own copy, once ray is imported
+
     run(partial(closed_loop, items=arrivals[:4], concurrency=4))  # warm: kernels, first steps
     runs: dict[str, dict] = {}
     for concurrency, count in plan.closed:
-        runs[f"c{concurrency}"] = run(partial(closed_loop, items=arrivals[:count], concurrency=concurrency))
+        with cpu_split() as cores:  # where the host's cores went: which process took them
+            figures = run(partial(closed_loop, items=arrivals[:count], concurrency=concurrency))
+        runs[f"c{concurrency}"] = {**figures, "cpu": cores}
     for rate in plan.poisson_rates:
         seeds = [
             run(partial(open_loop, items=poisson(arrivals[: plan.poisson_requests], rate, seed)))

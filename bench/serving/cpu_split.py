@@ -17,12 +17,15 @@ TOP = 6  # groups named in the result; the rest are summed
 
 
 def _label(process: psutil.Process) -> str:
-    """What a process is: a Ray worker by its actor, else its name."""
+    """What a process is: a Ray worker by its actor, a Python module run with -m by the module
+    (an engine core's process), else its name."""
     if process.pid == os.getpid():
         return "load generator (this process)"
     cmdline = process.cmdline()
     if cmdline and cmdline[0].startswith("ray::"):  # Ray workers name themselves by actor
         return cmdline[0].removeprefix("ray::").split(".")[0]
+    if "-m" in cmdline[1:-1]:
+        return f"python -m {cmdline[cmdline.index('-m', 1) + 1]}"
     return process.name()
 
 

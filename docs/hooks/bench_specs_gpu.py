@@ -229,6 +229,17 @@ def _rehearsal_spec() -> BenchSpec:
                 _served_figures(),
                 only=tuple(f"{system}/{run}" for system in systems for run in ("c1", "c64")),
             ),
+            *(
+                Rows(
+                    f"rehearsal_cores_{system}",
+                    f"Where the cores went during the last round's c=64 run, {name}: CPU seconds per"
+                    " process (the largest six, then the rest), and their share of the run's core-seconds:",
+                    f"parts/served/{system}/c64/cpu/by_process/*",
+                    ("process",),
+                    (Col("CPU s", "cpu_s"), Col("share of the cores", "share_of_cores", "pct")),
+                )
+                for system, name in (("served", "served"), ("engine_alone", "the engine alone"))
+            ),
             Values(
                 "rehearsal_vs_alone",
                 "Served over the engine alone, the median of the rounds:",

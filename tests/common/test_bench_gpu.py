@@ -60,6 +60,10 @@ def test_the_gpu_benchmark_rehearses_on_the_cpu(tmp_path: Path):
         runs = parts["served"][system]
         assert set(runs) == {"c1", "c4", "poisson_4"}
         assert runs["c1"]["output_tok_per_s"] > 0 and runs["poisson_4"]["median"]["output_tok_per_s"] > 0
+    # Where the cores went in each closed loop (tests/common/test_cpu_split.py: how it names them).
+    for system in ("engine_alone", "served"):
+        cores = parts["served"][system]["c4"]["cpu"]
+        assert cores["wall_s"] > 0 and "the rest" in cores["by_process"], cores
     comparison = parts["served"]["served_vs_alone"]
     assert comparison["failed_requests"] == 0 and comparison["high_concurrency_tok_per_s_ratio"] > 0
 
