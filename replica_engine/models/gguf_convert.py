@@ -12,21 +12,22 @@ import tempfile
 from pathlib import Path
 
 import torch
-from gguf import GGUFReader
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from replica_engine.models.gguf_file import read_metadata
 
 
 def expert_widths(gguf_path: Path) -> dict[str, int]:
     """A mixture's expert widths, which transformers' GGUF loader does not read (it would size the
     experts by its config's defaults): as config fields, where the file has them."""
-    reader = GGUFReader(str(gguf_path))
-    architecture = reader.fields["general.architecture"].contents()
+    values = read_metadata(gguf_path)  # gguf-py's reader: 3.6 s for the tokenizer's arrays alone
+    architecture = values["general.architecture"]
     fields = {
         "moe_intermediate_size": f"{architecture}.expert_feed_forward_length",
         "shared_expert_intermediate_size": f"{architecture}.expert_shared_feed_forward_length",
     }
-    return {ours: int(reader.fields[key].contents()) for ours, key in fields.items() if key in reader.fields}
+    return {ours: int(values[key]) for ours, key in fields.items() if key in values}
 
 
 def convert(gguf_path: Path, target: Path) -> None:

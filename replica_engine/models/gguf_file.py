@@ -1,7 +1,8 @@
-"""The tensors of a GGUF file, without its metadata's values: gguf-py's reader decodes every
-key/value (the tokenizer's 49k strings, merges) element by element, 7.6 s for the embedded
-model, and this needs only where each tensor's blocks lie. Layout per the GGUF spec (version 2
-and 3): header, key/values (skipped), tensor infos, then the data, aligned."""
+"""The tensors of a GGUF file, and its metadata's scalars and strings, without its arrays:
+gguf-py's reader decodes every key/value (the tokenizer's 49k strings, merges) element by
+element, 7.6 s for the embedded model, and this needs only where each tensor's blocks lie and a
+few numbers. Layout per the GGUF spec (version 2 and 3): header, key/values, tensor infos, then
+the data, aligned."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAGIC = b"GGUF"
-# Value types of fixed size -> bytes; 8 is a string, 9 an array.
-SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# Value types of fixed size -> their struct format (u8, i8, u16, i16, u32, i32, f32, bool, u64,
+# i64, f64); 8 is a string, 9 an array.
+SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+SCALAR_BYTES = {value_type: struct.calcsize(fmt) for value_type, fmt in SCALAR_FORMATS.items()}
 STRING, ARRAY = 8, 9
+Scalar = int | float | bool | str
 DEFAULT_ALIGNMENT = 32
 
 
@@ -58,8 +62,8 @@ class _Cursor:
             raise ValueError(f"model: GGUF value type {value_type} unknown")
 
 
-def read_tensors(path: Path) -> dict[str, GgufTensor]:
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+def _metadata(mapped: np.memmap, path: Path) -> tuple[_Cursor, int, dict[str, Scalar]]:
+    """The cursor past the key/values, the number of tensors, and the scalar and string values."""
     cursor = _Cursor(memoryview(mapped))
     magic = bytes(mapped[:4])
     cursor.offset = 4
@@ -67,14 +71,28 @@ def read_tensors(path: Path) -> dict[str, GgufTensor]:
     if magic != MAGIC or version not in (2, 3):
         raise ValueError(f"model: {path} is not a GGUF file of version 2 or 3")
     num_tensors, num_values = cursor.unpack("QQ")
-    alignment = DEFAULT_ALIGNMENT
+    values: dict[str, Scalar] = {}
     for _ in range(num_values):
         key = cursor.string()
         (value_type,) = cursor.unpack("I")
-        if key == "general.alignment" and value_type == 4:
-            (alignment,) = cursor.unpack("I")
+        if value_type in SCALAR_FORMATS:
+            (values[key],) = cursor.unpack(SCALAR_FORMATS[value_type])
+        elif value_type == STRING:
+            values[key] = cursor.string()
         else:
             cursor.skip_value(value_type)
+    return cursor, num_tensors, values
+
+
+def read_metadata(path: Path) -> dict[str, Scalar]:
+    """The file's key/values but its arrays (the tokenizer's): `general.architecture`, shapes."""
+    return _metadata(np.memmap(path, dtype=np.uint8, mode="r"), path)[2]
+
+
+def read_tensors(path: Path) -> dict[str, GgufTensor]:
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    cursor, num_tensors, values = _metadata(mapped, path)
+    alignment = int(values.get("general.alignment", DEFAULT_ALIGNMENT))
     infos = []
     for _ in range(num_tensors):
         name = cursor.string()

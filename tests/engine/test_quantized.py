@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize as gguf_dequantize
 from safetensors import safe_open
 
@@ -26,7 +26,7 @@ from replica_engine.kernels.quantized_weight import (
     quantize_int8,
 )
 from replica_engine.models.gguf_blocks import DECODERS
-from replica_engine.models.gguf_file import read_tensors
+from replica_engine.models.gguf_file import read_metadata, read_tensors
 from replica_engine.models.gguf_weights import rotary_rows
 
 pytestmark = pytest.mark.skipif(cpu_kernels.cpu_ops() is None, reason="the CPU kernels need AVX-512")
@@ -127,6 +127,16 @@ def test_our_gguf_index_finds_every_tensor_where_gguf_py_does():
         mine = ours[tensor.name]
         assert mine.type_name == tensor.tensor_type.name
         assert np.array_equal(mine.data.reshape(-1), np.asarray(tensor.data).view(np.uint8).reshape(-1))
+
+
+def test_our_gguf_metadata_is_gguf_pys_but_the_arrays():
+    theirs = GGUFReader(str(embedded_gguf_path())).fields
+    arrays = {name for name, field in theirs.items() if field.types[0] == GGUFValueType.ARRAY}
+    assert "tokenizer.ggml.tokens" in arrays
+    ours = read_metadata(embedded_gguf_path())
+    header = {name for name in theirs if name.startswith("GGUF.")}  # gguf-py's: the counts, version
+    assert ours == {name: field.contents() for name, field in theirs.items() if name not in arrays | header}
+    assert ours["general.architecture"] == "llama" and ours["llama.block_count"] == 30
 
 
 def test_the_embedded_files_blocks_are_its_converted_weights(model_dir):
