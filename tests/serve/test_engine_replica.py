@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Iterator
 from contextlib import aclosing
 
 import pytest
@@ -19,34 +20,31 @@ from replica_engine.core_loop import MAX_CONSECUTIVE_STEP_FAILURES
 from tests.engine.engine_idle import is_idle, wait_idle
 
 
-def make_replica(core_process: bool) -> EngineReplica:
+def running_replica(core_process: bool) -> Iterator[EngineReplica]:
+    """A replica for a fixture to yield, its engine shut down afterwards."""
     config = EngineConfig(kv_cache_bytes=32 << 20, dtype="float32", core_process=core_process)
-    return EngineReplica.func_or_class(config, "smollm2")
+    replica = EngineReplica.func_or_class(config, "smollm2")
+    yield replica
+    replica.engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def replica():
     """Its core in a process of its own; the tests that share it leave it idle and healthy."""
-    replica = make_replica(core_process=True)
-    yield replica
-    replica.engine.shutdown()
+    yield from running_replica(core_process=True)
 
 
 @pytest.fixture
 def doomed_replica():
     """A replica of its own, for a test that kills its core."""
-    replica = make_replica(core_process=True)
-    yield replica
-    replica.engine.shutdown()
+    yield from running_replica(core_process=True)
 
 
 @pytest.fixture
 def threaded_replica():
     """The core on a thread of this process, where a test can reach its model runner and make it
     fail (a device fault cannot be caused on purpose on a CPU)."""
-    replica = make_replica(core_process=False)
-    yield replica
-    replica.engine.shutdown()
+    yield from running_replica(core_process=False)
 
 
 def generate_request(
