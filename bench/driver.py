@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import gzip
 import json
+import math
 import os
 import platform
 import random
@@ -80,7 +81,7 @@ def engine_as_served(
 ) -> AsyncEngine:
     """An AsyncEngine in this process, built as a shipped config's app builds its replica's
     (serve_config.yaml, or `base`; `app_args` and `engine_settings` over its own; torch's threads:
-    `num_threads`, else the app's cpu_threads, else every core): the engine without Ray."""
+    `num_threads`, else as the replica's): the engine without Ray."""
     import torch
 
     from deployments.app_args import AppArgs
@@ -89,8 +90,11 @@ def engine_as_served(
     shipped = shipped_app_config(base)["applications"][0]["args"]
     settings = with_app_args(shipped, {**(app_args or {}), "engine": engine_settings or {}})
     args = AppArgs.model_validate(settings)
-    threads = num_threads or args.cpu_threads or len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)  # as the replica sets it
+    # the replica's: its cpu_threads, else a GPU replica keeps the OMP_NUM_THREADS Ray gives an
+    # actor (its num_cpus, at least 1) and a CPU replica takes every core
+    gpu_threads = max(1, math.floor(args.num_cpus)) if args.num_gpus else None
+    threads = num_threads or args.cpu_threads or gpu_threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
     return AsyncEngine(args.engine_config(), metrics)
 
 

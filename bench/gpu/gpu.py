@@ -426,10 +426,10 @@ def main(argv: list[str] | None = None) -> None:
         "dry_run": args.dry_run,
         "rehearsal": args.rehearse,
         "plan": {"model": plan.model, "steps": vars(plan.steps), "served": vars(plan.served)},
-        "parts": {name: part for name, part in kept.get("parts", {}).items() if name not in chosen},
-        "measured_at": {  # each part's own date (a kept part keeps its own)
-            name: date for name, date in kept.get("measured_at", {}).items() if name not in chosen
-        },
+        # each part's figures and date: a chosen part's earlier ones stay until its run replaces
+        # them, so a call cut short at its time limit loses no part
+        "parts": kept.get("parts", {}),
+        "measured_at": kept.get("measured_at", {}),
     }
     parts = {
         "exactness": lambda: exactness(plan, work_dir),
@@ -443,8 +443,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     for part_name in chosen:
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        body["measured_at"][part_name] = now
         body["parts"][part_name] = run_part(part_name, parts[part_name])
+        body["measured_at"][part_name] = now
         run.write(body, {})  # so far: a run cut short still leaves its parts
     body["parts"] = {name: body["parts"][name] for name in PARTS if name in body["parts"]}
     print_table(body["parts"])

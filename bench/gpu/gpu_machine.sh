@@ -46,6 +46,9 @@ wheels() {
 }
 
 run() {
+  # a call cut short at its time limit leaves its Ray cluster running on the warm machine, whose
+  # busy binaries the install below could not replace
+  pkill -9 -f "[/]tmp/site/ray" || true
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl .rw/*.whl
   python3 -m zipfile -e .rw/ray_slim.zip /tmp/site

@@ -1,5 +1,5 @@
 """Which figures of bench.gpu's result files the docs show, per device: the H100's last run
-predates async scheduling and the served part; the H200's has every part."""
+predates async scheduling and the served part; the H200's has every part but served_options."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def _gpu_served_spec(device: str) -> BenchSpec:
                 "When each part was measured:",
                 tuple(
                     Col(part, f"measured_at/{part}", "str")
-                    for part in ("exactness", "steps", "offline", "served")
+                    for part in ("exactness", "steps", "offline", "served", "moe")
                 ),
             ),
             _exactness(
@@ -162,8 +162,56 @@ def _gpu_served_spec(device: str) -> BenchSpec:
                     ),
                 ),
             ),
+            *_cores_rows("served_cores", "the c=64 run"),
+            *_MOE,
         ),
     )
+
+
+def _cores_rows(name: str, run: str) -> tuple[Rows, ...]:
+    """Where the host's cores went during the served part's c=64 run, served and alone."""
+    return tuple(
+        Rows(
+            f"{name}_{system}",
+            f"Where the host's cores went during {run}, {label}: CPU seconds per process (the largest"
+            " six, then the rest), and their share of the run's core-seconds:",
+            f"parts/served/{system}/c64/cpu/by_process/*",
+            ("process",),
+            (Col("CPU s", "cpu_s"), Col("share of the cores", "share_of_cores", "pct")),
+        )
+        for system, label in (("served", "served"), ("engine_alone", "the engine alone"))
+    )
+
+
+_MOE = (
+    Rows(
+        "moe_steps",
+        "Qwen3-30B-A3B-shaped decode steps (bf16, 512 tokens of context per decode; experts read: the"
+        " distinct experts the step's tokens picked, summed over the layers), in ms:",
+        "parts/moe/steps",
+        (),
+        (
+            Col("case", "case", "str"),
+            Col("step", "step_ms", "ms_value"),
+            Col("experts read", "experts_read", "int"),
+            Col("touched-expert floor", "floor_ms", "ms_value"),
+            Col("step / floor", "ratio", "x"),
+            Col("goal", "goal_met", "met"),
+        ),
+    ),
+    Values(
+        "moe_offline",
+        "The mixture offline (CUDA graphs, async scheduling), the dense model's workload:",
+        (
+            Col("output tok/s", "parts/moe/offline_graphs/output_tok_per_s"),
+            Col("wall", "parts/moe/offline_graphs/wall_s", "s"),
+            Col("steps", "parts/moe/offline_graphs/steps", "int"),
+            Col("model", "parts/moe/offline_graphs/model_s", "s"),
+            Col("decodes a step", "parts/moe/offline_graphs/mean_decodes_per_step"),
+            Col("device idle", "parts/moe/offline_graphs/device_idle_share", "pct"),
+        ),
+    ),
+)
 
 
 def _vs_alone_cols(at: str, goals: bool) -> tuple[Col, ...]:
@@ -229,17 +277,7 @@ def _rehearsal_spec() -> BenchSpec:
                 _served_figures(),
                 only=tuple(f"{system}/{run}" for system in systems for run in ("c1", "c64")),
             ),
-            *(
-                Rows(
-                    f"rehearsal_cores_{system}",
-                    f"Where the cores went during the last round's c=64 run, {name}: CPU seconds per"
-                    " process (the largest six, then the rest), and their share of the run's core-seconds:",
-                    f"parts/served/{system}/c64/cpu/by_process/*",
-                    ("process",),
-                    (Col("CPU s", "cpu_s"), Col("share of the cores", "share_of_cores", "pct")),
-                )
-                for system, name in (("served", "served"), ("engine_alone", "the engine alone"))
-            ),
+            *_cores_rows("rehearsal_cores", "the last round's c=64 run"),
             Values(
                 "rehearsal_vs_alone",
                 "Served over the engine alone, the median of the rounds:",
