@@ -51,6 +51,12 @@ class ModelRunner:
         self.schedules_ahead = bool(config.async_scheduling)
         self.pipeline_depth = 2 if self.schedules_ahead else 1
         self._pending: deque[PendingOutput] = deque()  # submitted, not yet collected
+        # On a GPU: the device's idle time between steps, summed (the wall time it waited for the
+        # host to submit the next step: from one step's end to the next's start, both events);
+        # the last submitted step's end, and each pending step's (previous end, start)
+        self.device_idle_between_steps_s = 0.0
+        self._last_end: torch.cuda.Event | None = None
+        self._gaps: deque[tuple[torch.cuda.Event, torch.cuda.Event] | None] = deque()
         attention = model.model.layers[0].self_attn
         self.kv_shape = (config.block_size, attention.num_kv_heads, attention.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -197,26 +203,40 @@ class ModelRunner:
         events = None
         if self.device.type == "cuda":  # the step's device time, read when it is collected
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
         bitmasks = self.sampler.start(batch)
         try:
-            step = self.forward(batch)
+            step = self.forward(batch, events[0] if events else None)
         finally:  # the matchers are free again before anything (a rerun) touches them
             self.sampler.settle(bitmasks)
         self._pending.append(self.sampler.finish(batch, step, bitmasks, events))
+        self._gaps.append((self._last_end, events[0]) if events and self._last_end else None)
+        self._last_end = events[1] if events else None
+
+    def count_device_idle_afresh(self) -> None:
+        """device_idle_between_steps_s from 0, counted from the next step on (a benchmark's run,
+        not the startup's profile before it)."""
+        self.device_idle_between_steps_s = 0.0
+        self._last_end = None
 
     def collect(self) -> RunnerOutput:
         """The oldest submitted step's output, once its tokens are on the host."""
-        return self._pending.popleft().result()
+        gap = self._gaps.popleft()
+        output = self._pending.popleft().result()
+        if gap is not None:  # both events have run: the step's end was waited for
+            self.device_idle_between_steps_s += gap[0].elapsed_time(gap[1]) / 1000
+        return output
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> StepLogits:
-        """The step's forward, its prompt logprobs and its sampling rows' logits."""
+    def forward(self, batch: ScheduledBatch, start: torch.cuda.Event | None = None) -> StepLogits:
+        """The step's forward, its prompt logprobs and its sampling rows' logits. `start` is
+        recorded once its inputs are queued: the host's work before it is not the device's."""
         self.rows.apply(batch)
         tables = self.rows.block_tables(batch)
         on_gpu = self.device.type == "cuda"
         flat = build_flat_batch(batch, tables, self.config.block_size, pin_memory=on_gpu).to(self.device)
         self.rows.fill_placeholders(batch, flat.input_ids)
+        if start is not None:
+            start.record()
         started = time.perf_counter()
         if self.lora is not None:
             self.lora.prepare((row.lora, row.num_tokens) for row in batch.rows)

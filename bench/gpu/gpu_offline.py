@@ -12,6 +12,7 @@ import time
 from bench.driver import Arrival
 from common.model_shapes import dummy_config_dict
 from replica_engine import LLM, SamplingParams
+from replica_engine.model_runner import ModelRunner
 from replica_engine.scheduler.plan import StepSummary
 
 SHAREGPT_MEAN_TOKENS = (230, 200)  # prompt, output
@@ -71,6 +72,9 @@ def offline_run(
     llm = LLM(model=model, device=device, **engine)
     arrivals = sharegpt_like(num_requests, max_len, vocab_size(model))
     params = [SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True) for a in arrivals]
+    runner = llm.engine.core.runner
+    assert isinstance(runner, ModelRunner)  # one process, no parallel workers
+    runner.count_device_idle_afresh()
     summaries: list[StepSummary] = []
     llm.engine.step_listeners.append(summaries.append)
     started = time.perf_counter()
@@ -96,6 +100,9 @@ def offline_run(
         # what the host costs the device: the wall time in which it ran no step of the model
         "device_idle_s": wall_s - model_s,
         "device_idle_share": 1 - model_s / wall_s,
+        # of it, between steps: waiting for the host to submit the next (None on a CPU); the
+        # rest is before the first step and after the last
+        "device_idle_between_steps_s": runner.device_idle_between_steps_s if device == "cuda" else None,
         "decode_only_steps": len(decode_only),
         "decode_only_s": sum(s.duration_s for s in decode_only),
         "mean_decodes_per_step": sum(s.shape.num_decodes for s in summaries) / max(1, len(summaries)),
