@@ -69,7 +69,8 @@ def test_the_gpu_benchmark_rehearses_on_the_cpu(tmp_path: Path):
 
 
 def test_parts_run_alone_keep_the_files_other_parts(tmp_path: Path, monkeypatch):
-    """A device call runs for 10 minutes at most: the parts go in two calls, into one file."""
+    """A device call runs for 10 minutes at most: the parts go in two calls, into one file, and a
+    part cut short keeps the figures it had."""
     output = tmp_path / "gpu.json"
     first = {"checkpoint": "stand-in: the first call's", **{kind: [] for kind in gpu.EXACTNESS_KINDS}}
     monkeypatch.setattr(gpu, "exactness", lambda plan, work_dir: first)
@@ -81,6 +82,16 @@ def test_parts_run_alone_keep_the_files_other_parts(tmp_path: Path, monkeypatch)
     assert result["parts"] == {"exactness": first, "steps": {"error": "stand-in: the second call's"}}
     assert result["measured_at"]["exactness"] == first_measured_at  # a kept part keeps its date
     assert set(result["measured_at"]) == {"exactness", "steps"}
+
+    def cut_short(plan, dry_run):  # the device call's time limit, mid-part
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gpu, "steps", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        gpu.main(["--dry-run", "--output", str(output), "--parts", "exactness,steps"])
+    cut = json.loads(output.read_text())  # exactness ran again; steps keeps the second call's
+    assert cut["parts"]["steps"] == result["parts"]["steps"]
+    assert cut["measured_at"]["steps"] == result["measured_at"]["steps"]
     with pytest.raises(SystemExit):
         gpu.main(["--dry-run", "--output", str(output), "--parts", "steps,nonsense"])
 
