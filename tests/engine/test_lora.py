@@ -190,6 +190,7 @@ def test_bad_adapters_are_refused_naming_model(lora_llm, exact_llm, adapters, tm
     assert not lora_llm.engine.has_unfinished_requests()
 
 
+@pytest.mark.usefixtures("unpriced_drafts")
 def test_speculation_keeps_each_adapters_greedy_tokens(lora_llm, adapters):
     """Drafts verified through the request's own adapter: base and adapter requests in one batch,
     with suffix decoding, answer the tokens they answer without it."""

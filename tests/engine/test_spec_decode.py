@@ -18,6 +18,7 @@ from replica_engine.metrics import EngineMetrics, PrometheusSink
 from replica_engine.spec_decode.ngram_proposer import propose_ngram
 from replica_engine.spec_decode.rejection_sampler import verify_draft
 
+pytestmark = pytest.mark.usefixtures("unpriced_drafts")  # tests/engine/conftest.py: why
 VOCAB = 6
 CHI2_DF5_P001 = 20.515  # chi-square critical value, 5 degrees of freedom, p = 0.001
 
