@@ -162,11 +162,16 @@ def test_a_buffered_sink_carries_every_count_and_observation_and_each_gauges_lat
 def test_stats_count_requests_and_step_work_for_the_autoscaler():
     """The running totals a replica turns into rates for its autoscaling report (LoadMeter)."""
     engine, _ = run_engine({}, PROMPTS, max_tokens=6)
+    # Then a long prompt's step, slower than the fastest decode step before it however loaded the
+    # host (the decodes' times alone may each fall below the last: no step beyond the fastest).
+    engine.add_request(" ".join(["word"] * 300), SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
     request_id = engine.add_request("Aborted before it ran", SamplingParams(max_tokens=4))
     engine.abort_request(request_id)  # an abort finishes it too
     engine.abort_request("never-added")  # not in flight: nothing counted
     stats = engine.stats()
-    num_requests = len(PROMPTS) + 1
+    num_requests = len(PROMPTS) + 2
     assert (stats.num_requests_added, stats.num_requests_finished) == (num_requests, num_requests)
     load = engine.core.step_load
     # Every step beyond the fastest counted, the fastest itself not: work is less than all steps.
