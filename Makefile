@@ -29,7 +29,7 @@ $(STAMP): $(SERVE_STAMP)
 # first use; otherwise the tests that need them skip, saying so): apt-get install prometheus redis-server
 test: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir .site
-	PY=$(PY) bash tests/run_suite.sh
+	$(PY) -m pytest -q
 
 # The suite with two CPU-bound processes beside it: what a busy laptop or CI runner sees.
 test-busy: setup
