@@ -50,13 +50,13 @@ class ModelRunner:
         self.device = config.torch_device
         self.schedules_ahead = bool(config.async_scheduling)
         self.pipeline_depth = 2 if self.schedules_ahead else 1
-        self._pending: deque[PendingOutput] = deque()  # submitted, not yet collected
+        # Submitted, not yet collected: each step's output, and on a GPU the events around the
+        # device's idle time before it (the previous step's end, its own start)
+        self._pending: deque[tuple[PendingOutput, tuple[torch.cuda.Event, torch.cuda.Event] | None]] = deque()
         # On a GPU: the device's idle time between steps, summed (the wall time it waited for the
-        # host to submit the next step: from one step's end to the next's start, both events);
-        # the last submitted step's end, and each pending step's (previous end, start)
+        # host to submit the next step); and the last submitted step's end
         self.device_idle_between_steps_s = 0.0
         self._last_end: torch.cuda.Event | None = None
-        self._gaps: deque[tuple[torch.cuda.Event, torch.cuda.Event] | None] = deque()
         attention = model.model.layers[0].self_attn
         self.kv_shape = (config.block_size, attention.num_kv_heads, attention.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -208,8 +208,8 @@ class ModelRunner:
             step = self.forward(batch, events[0] if events else None)
         finally:  # the matchers are free again before anything (a rerun) touches them
             self.sampler.settle(bitmasks)
-        self._pending.append(self.sampler.finish(batch, step, bitmasks, events))
-        self._gaps.append((self._last_end, events[0]) if events and self._last_end else None)
+        gap = (self._last_end, events[0]) if events and self._last_end else None
+        self._pending.append((self.sampler.finish(batch, step, bitmasks, events), gap))
         self._last_end = events[1] if events else None
 
     def count_device_idle_afresh(self) -> None:
@@ -220,8 +220,8 @@ class ModelRunner:
 
     def collect(self) -> RunnerOutput:
         """The oldest submitted step's output, once its tokens are on the host."""
-        gap = self._gaps.popleft()
-        output = self._pending.popleft().result()
+        pending, gap = self._pending.popleft()
+        output = pending.result()
         if gap is not None:  # both events have run: the step's end was waited for
             self.device_idle_between_steps_s += gap[0].elapsed_time(gap[1]) / 1000
         return output
