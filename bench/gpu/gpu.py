@@ -370,7 +370,7 @@ def print_table(parts: dict) -> None:
               f"{o['wall_s']:.1f} s: {o['output_tok_per_s']:.0f} output tok/s "
               f"(anchor: vLLM 6,582.87 on an H100); {o['steps']} steps, model {o['model_s']:.1f} s, "
               f"steps' host side {o['overhead_s']:.1f} s, device idle {o['device_idle_s']:.1f} s "
-              f"({o['device_idle_share']:.0%}), "
+              f"({o['device_idle_share']:.0%}), garbage collector {o['gc_pause_s']:.2f} s, "
               f"{o['decode_only_steps']} decode-only steps {o['decode_only_s']:.1f} s, "
               f"{o['mean_decodes_per_step']:.0f} decodes a step")  # fmt: skip
     served = parts.get("served", {})

@@ -5,9 +5,12 @@ tokenizer)."""
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from bench.driver import Arrival
 from common.model_shapes import dummy_config_dict
@@ -78,7 +81,8 @@ def offline_run(
     summaries: list[StepSummary] = []
     llm.engine.step_listeners.append(summaries.append)
     started = time.perf_counter()
-    outputs = llm.generate([a.prompt for a in arrivals], params)
+    with collector_pauses() as gc_pauses:
+        outputs = llm.generate([a.prompt for a in arrivals], params)
     wall_s = time.perf_counter() - started
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert output_tokens == sum(a.max_tokens for a in arrivals), "a request stopped short"
@@ -103,7 +107,29 @@ def offline_run(
         # of it, between steps: waiting for the host to submit the next (None on a CPU); the
         # rest is before the first step and after the last
         "device_idle_between_steps_s": runner.device_idle_between_steps_s if device == "cuda" else None,
+        # of the host's time, in the garbage collector (the whole process's: it stops the step loop)
+        "gc_pause_s": sum(gc_pauses),
         "decode_only_steps": len(decode_only),
         "decode_only_s": sum(s.duration_s for s in decode_only),
         "mean_decodes_per_step": sum(s.shape.num_decodes for s in summaries) / max(1, len(summaries)),
     }
+
+
+@contextmanager
+def collector_pauses() -> Iterator[list[float]]:
+    """The garbage collector's pauses while the block runs, each in seconds."""
+    pauses: list[float] = []
+    started = 0.0
+
+    def timed(phase: str, _info: dict) -> None:
+        nonlocal started
+        if phase == "start":
+            started = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - started)
+
+    gc.callbacks.append(timed)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(timed)

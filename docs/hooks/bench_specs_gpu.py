@@ -263,6 +263,7 @@ def _rehearsal_spec() -> BenchSpec:
                 " around the model, and the wall time less the model's is the host's share:",
                 None,
                 Col("host share", "device_idle_share", "pct"),
+                Col("garbage collector", "gc_pause_s", "s"),
                 Col("requests", "requests", "int"),
                 Col("budget / at once", ("budget", "max_num_seqs"), ("int", "int")),
                 name="rehearsal_offline",
