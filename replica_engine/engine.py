@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import functools
 import gc
+import math
 from typing import TYPE_CHECKING, Any
 
 from transformers import PretrainedConfig
@@ -114,6 +115,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, metrics: EngineMetrics | None = None) -> None:
         self.core, self.inputs = build_engine(config or EngineConfig(), metrics)
+        # No router reads this engine's prefix-cache keys: taken once it is idle, not every step
+        # (a tuple as long as the cached blocks, a GPU pool's tens of thousands).
+        self.core.cached_hashes_every_s = math.inf
         self._states: dict[str, RequestState] = {}
 
     @property

@@ -188,17 +188,21 @@ class KVCacheManager:
         """Grow the request's block table to hold `num_new_tokens` more tokens, after first
         taking `cached_block_ids` (prefix-cache hits for a request holding nothing yet, whose
         tokens then count as computed). False, changing nothing, if the pool is short."""
-        hits = [self.blocks[block_id] for block_id in cached_block_ids]
-        num_hit_tokens = len(hits) * self.block_size
-        num_new = self.num_new_blocks(request, num_hit_tokens + num_new_tokens) - len(hits)
-        if num_new > len(self._free) - sum(block.ref_count == 0 for block in hits):
+        num_hit_tokens = len(cached_block_ids) * self.block_size
+        num_new = self.num_new_blocks(request, num_hit_tokens + num_new_tokens) - len(cached_block_ids)
+        if cached_block_ids:
+            hits = [self.blocks[block_id] for block_id in cached_block_ids]
+            if num_new > len(self._free) - sum(block.ref_count == 0 for block in hits):
+                return False
+            for block in hits:
+                self._take_cached(block)
+                request.block_ids.append(block.block_id)
+            request.num_computed_tokens += num_hit_tokens
+            request.num_hashed_blocks += len(hits)
+        elif num_new > len(self._free):
             return False
-        for block in hits:
-            self._take_cached(block)
-            request.block_ids.append(block.block_id)
-        request.num_computed_tokens += num_hit_tokens
-        request.num_hashed_blocks += len(hits)
-        request.block_ids.extend(self._take_free_block() for _ in range(num_new))
+        if num_new > 0:  # most steps' rows fit in the blocks they hold: nothing to take
+            request.block_ids.extend([self._take_free_block() for _ in range(num_new)])
         return True
 
     def _take_cached(self, block: Block) -> None:

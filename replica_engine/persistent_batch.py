@@ -77,14 +77,13 @@ class PersistentBatch:
             if not self._free_slots:
                 raise RuntimeError(f"no free row for request {row.request_id}: more than max_num_seqs")
             slot = self._slots[row.request_id] = self._free_slots.pop()
-        table = self.block_table[slot]
         if row.block_offset == 0:
-            table.fill_(NULL_BLOCK_ID)
+            self.block_table[slot].fill_(NULL_BLOCK_ID)
             if row.history is not None:
                 self._set_history(row.request_id, row.history)
-        end = row.block_offset + len(row.new_block_ids)
-        if row.new_block_ids:
-            table[row.block_offset : end] = torch.tensor(row.new_block_ids, dtype=torch.int32)
+        if row.new_block_ids:  # most decodes have none: their row is touched only then
+            new = torch.tensor(row.new_block_ids, dtype=torch.int32)
+            self.block_table[slot, row.block_offset : row.block_offset + len(new)] = new
 
     def _set_history(self, request_id: str, history: TokenHistory) -> None:
         counts = torch.zeros(self.vocab_size, device=self.device)
