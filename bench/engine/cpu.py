@@ -29,7 +29,6 @@ minutes in all."""
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -40,6 +39,7 @@ from bench.engine.floors import amx_over_kernel, measure_floors
 from bench.engine.step_timing import (
     ModelTime,
     StepResult,
+    StepTiming,
     step_result,
     step_work,
     time_decode_steps,
@@ -106,7 +106,7 @@ def measure_steps(variant: Variant, floors: dict, decode_steps: int) -> list[Ste
     for i in range(3):  # one prompt at a time: each step computes exactly 512 prompt tokens
         engine.add_request([500 + (11 * i + j) % 20000 for j in range(PREFILL_TOKENS)], prefill_params)
         timings.append(timed_steps(engine, model_time, 1))
-    timing = (statistics.median(t[0] for t in timings), statistics.median(t[1] for t in timings))
+    timing = StepTiming.median_of(timings)
     work = step_work(engine, [(PREFILL_TOKENS, PREFILL_TOKENS)], num_sampled=1)
     case = f"prefill-{PREFILL_TOKENS}"
     results.append(step_result(dtype, case, timing, work, rates, False, GOAL_RATIO))

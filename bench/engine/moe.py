@@ -85,7 +85,7 @@ def measure(variant: Variant, floors: dict, num_steps: int) -> list[MoeStep]:
                 touched.step_ms,
                 touched.model_ms,
                 experts_s * 1e3,
-                experts_s / timing[0],
+                experts_s / timing.step_s,
                 read,
                 held,
                 touched.floor_ms,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.engine.host_phases import PHASES, host_phases
 from replica_engine import LLMEngine, SamplingParams
 from replica_engine.kernels.cpu import TiledWeight
 from replica_engine.kernels.quantized_weight import QuantizedWeight
@@ -99,20 +100,21 @@ class StepResult:
     floor_kind: str  # memory or compute
     ratio: float  # step / floor
     goal_met: bool
+    host_ms: dict[str, float]  # a step's time in each host phase (host_phases.py), their mean
 
 
 def step_result(
     dtype: str,
     case: str,
-    timing: tuple[float, float],
+    timing: StepTiming,
     work: StepWork,
     rates: tuple[float, float],
     memory_bound: bool,
     goal_ratio: float,
 ) -> StepResult:
-    """`timing`: (step, model) seconds; `rates`: (bytes/s, FLOP/s) of the machine. The floor of a
-    memory-bound step is the larger of its read and compute times; of the rest, its compute time."""
-    step_s, model_s = timing
+    """`rates`: (bytes/s, FLOP/s) of the machine. The floor of a memory-bound step is the larger
+    of its read and compute times; of the rest, its compute time."""
+    step_s, model_s = timing.step_s, timing.model_s
     bytes_per_s, flops_per_s = rates
     memory_s, compute_s = work.bytes_read / bytes_per_s, work.flops / flops_per_s
     floor_s = max(memory_s, compute_s) if memory_bound else compute_s
@@ -122,6 +124,7 @@ def step_result(
     return StepResult(
         dtype, case, step_s * 1e3, model_s * 1e3, overhead_s * 1e3, overhead_s / step_s,
         floor_s * 1e3, kind, ratio, ratio <= goal_ratio,
+        {phase: seconds * 1e3 for phase, seconds in timing.host_s.items()},
     )  # fmt: skip
 
 
@@ -167,15 +170,33 @@ class ModelTime:
         self.last_s = summary.model_s
 
 
-def timed_steps(engine: LLMEngine, model_time: ModelTime, count: int) -> tuple[float, float]:
-    """Median (step, model) seconds over `count` steps."""
+@dataclass(frozen=True)
+class StepTiming:
+    step_s: float  # median over the steps timed
+    model_s: float  # median
+    host_s: dict[str, float]  # each host phase's seconds a step, their mean (host_phases.py)
+
+    @staticmethod
+    def median_of(timings: list[StepTiming]) -> StepTiming:
+        return StepTiming(
+            statistics.median(t.step_s for t in timings),
+            statistics.median(t.model_s for t in timings),
+            {phase: statistics.median(t.host_s[phase] for t in timings) for phase in PHASES},
+        )
+
+
+def timed_steps(engine: LLMEngine, model_time: ModelTime, count: int) -> StepTiming:
+    """`count` steps: their median step and model seconds, and where the host's time went."""
     steps, model = [], []
-    for _ in range(count):
-        started = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - started)
-        model.append(model_time.last_s)
-    return statistics.median(steps), statistics.median(model)
+    with host_phases(engine) as host:
+        for _ in range(count):
+            started = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - started)
+            model.append(model_time.last_s)
+    return StepTiming(
+        statistics.median(steps), statistics.median(model), {p: host[p] / count for p in PHASES}
+    )
 
 
 def add_decoders(engine: LLMEngine, count: int, context: int, params: SamplingParams) -> list[str]:
@@ -201,7 +222,7 @@ def time_decode_steps(
     context: int,
     num_steps: int,
     expert_use: ExpertUse | None = None,
-) -> tuple[tuple[float, float], StepWork]:
+) -> tuple[StepTiming, StepWork]:
     """Steps that decode `batch` requests ~`context` tokens in (prompts computed first, over as
     many steps as the engine's budget needs). Leaves the engine empty. A mixture of experts'
     steps read the experts `expert_use` saw them pick."""
@@ -220,7 +241,7 @@ def time_decode_steps(
 
 def time_mixed_steps(
     engine: LLMEngine, model_time: ModelTime, decodes: int, chunk: int, context: int, num_steps: int
-) -> tuple[tuple[float, float], StepWork]:
+) -> tuple[StepTiming, StepWork]:
     """Steps of `decodes` requests decoding (each ~`context` tokens in) beside a long prompt's
     `chunk`-token chunk, as the stall-free scheduler makes them when its budget is decodes +
     chunk (the engine's). Checks every timed step had that shape; leaves the engine empty. The

@@ -362,7 +362,8 @@ def print_table(parts: dict) -> None:
         print(f"{'case':16}{'step ms':>10}{'model ms':>10}{'floor ms':>10}  {'bound':8}{'ratio':>7}")
         for s in parts["steps"]["steps"]:
             print(f"{s['case']:16}{s['step_ms']:>10.2f}{s['model_ms']:>10.2f}{s['floor_ms']:>10.3f}  "
-                  f"{s['floor_kind']:8}{s['ratio']:>6.2f}x")  # fmt: skip
+                  f"{s['floor_kind']:8}{s['ratio']:>6.2f}x  host ms: "
+                  + ", ".join(f"{phase} {ms:.2f}" for phase, ms in s["host_ms"].items()))  # fmt: skip
     if "error" not in parts.get("moe", {"error": "not run"}):
         gpu_moe.print_table(parts["moe"])
     for mode, o in parts["offline"].items() if "error" not in parts.get("offline", {"error": 1}) else ():
@@ -372,7 +373,8 @@ def print_table(parts: dict) -> None:
               f"steps' host side {o['overhead_s']:.1f} s, device idle {o['device_idle_s']:.1f} s "
               f"({o['device_idle_share']:.0%}), garbage collector {o['gc_pause_s']:.2f} s, "
               f"{o['decode_only_steps']} decode-only steps {o['decode_only_s']:.1f} s, "
-              f"{o['mean_decodes_per_step']:.0f} decodes a step")  # fmt: skip
+              f"{o['mean_decodes_per_step']:.0f} decodes a step; the step thread's seconds: "
+              + ", ".join(f"{phase} {s:.2f}" for phase, s in o["host_phases_s"].items()))  # fmt: skip
     served = parts.get("served", {})
     for system in ("engine_alone", "served"):
         for run, figures in served.get(system, {}).items():

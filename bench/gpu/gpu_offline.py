@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from bench.driver import Arrival
+from bench.engine.host_phases import PHASES, host_phases
 from common.model_shapes import dummy_config_dict
 from replica_engine import LLM, SamplingParams
 from replica_engine.model_runner import ModelRunner
@@ -81,7 +82,7 @@ def offline_run(
     summaries: list[StepSummary] = []
     llm.engine.step_listeners.append(summaries.append)
     started = time.perf_counter()
-    with collector_pauses() as gc_pauses:
+    with collector_pauses() as gc_pauses, host_phases(llm.engine) as host:
         outputs = llm.generate([a.prompt for a in arrivals], params)
     wall_s = time.perf_counter() - started
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -109,6 +110,8 @@ def offline_run(
         "device_idle_between_steps_s": runner.device_idle_between_steps_s if device == "cuda" else None,
         # of the host's time, in the garbage collector (the whole process's: it stops the step loop)
         "gc_pause_s": sum(gc_pauses),
+        # the step thread's seconds in each phase of the steps (bench/engine/host_phases.py)
+        "host_phases_s": {phase: host[phase] for phase in PHASES},
         "decode_only_steps": len(decode_only),
         "decode_only_s": sum(s.duration_s for s in decode_only),
         "mean_decodes_per_step": sum(s.shape.num_decodes for s in summaries) / max(1, len(summaries)),
