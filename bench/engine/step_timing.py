@@ -14,6 +14,7 @@ from bench.engine.host_phases import PHASES, host_phases
 from replica_engine import LLMEngine, SamplingParams
 from replica_engine.kernels.cpu import TiledWeight
 from replica_engine.kernels.quantized_weight import QuantizedWeight
+from replica_engine.model_runner import ModelRunner
 from replica_engine.models.moe import Experts, SparseMoeBlock
 from replica_engine.scheduler.plan import StepSummary
 
@@ -101,6 +102,7 @@ class StepResult:
     ratio: float  # step / floor
     goal_met: bool
     host_ms: dict[str, float]  # a step's time in each host phase (host_phases.py), their mean
+    device_idle_ms: float | None  # on a GPU: the device's wait before each step, their mean
 
 
 def step_result(
@@ -125,6 +127,7 @@ def step_result(
         dtype, case, step_s * 1e3, model_s * 1e3, overhead_s * 1e3, overhead_s / step_s,
         floor_s * 1e3, kind, ratio, ratio <= goal_ratio,
         {phase: seconds * 1e3 for phase, seconds in timing.host_s.items()},
+        None if timing.device_idle_s is None else timing.device_idle_s * 1e3,
     )  # fmt: skip
 
 
@@ -175,18 +178,26 @@ class StepTiming:
     step_s: float  # median over the steps timed
     model_s: float  # median
     host_s: dict[str, float]  # each host phase's seconds a step, their mean (host_phases.py)
+    # On a GPU, the device's idle time before each step (from the last one's end), their mean
+    device_idle_s: float | None = None
 
     @staticmethod
     def median_of(timings: list[StepTiming]) -> StepTiming:
+        idle = [t.device_idle_s for t in timings if t.device_idle_s is not None]
         return StepTiming(
             statistics.median(t.step_s for t in timings),
             statistics.median(t.model_s for t in timings),
             {phase: statistics.median(t.host_s[phase] for t in timings) for phase in PHASES},
+            statistics.median(idle) if idle else None,
         )
 
 
 def timed_steps(engine: LLMEngine, model_time: ModelTime, count: int) -> StepTiming:
-    """`count` steps: their median step and model seconds, and where the host's time went."""
+    """`count` steps: their median step and model seconds, where the host's time went, and on a
+    GPU how long the device waited for each."""
+    runner = engine.core.runner
+    gaps = isinstance(runner, ModelRunner) and runner.device.type == "cuda"
+    idle_before = runner.device_idle_between_steps_s if gaps else 0.0
     steps, model = [], []
     with host_phases(engine) as host:
         for _ in range(count):
@@ -194,9 +205,9 @@ def timed_steps(engine: LLMEngine, model_time: ModelTime, count: int) -> StepTim
             engine.step()
             steps.append(time.perf_counter() - started)
             model.append(model_time.last_s)
-    return StepTiming(
-        statistics.median(steps), statistics.median(model), {p: host[p] / count for p in PHASES}
-    )
+    idle = (runner.device_idle_between_steps_s - idle_before) / count if gaps else None
+    host_s = {phase: host[phase] / count for phase in PHASES}
+    return StepTiming(statistics.median(steps), statistics.median(model), host_s, idle)
 
 
 def add_decoders(engine: LLMEngine, count: int, context: int, params: SamplingParams) -> list[str]:

@@ -361,9 +361,10 @@ def print_table(parts: dict) -> None:
               f"{rates['measured_bf16_flops_per_s'] / 1e12:.1f} TFLOP/s")  # fmt: skip
         print(f"{'case':16}{'step ms':>10}{'model ms':>10}{'floor ms':>10}  {'bound':8}{'ratio':>7}")
         for s in parts["steps"]["steps"]:
+            host = ", ".join(f"{phase} {ms:.2f}" for phase, ms in s["host_ms"].items())
+            idle = "" if s["device_idle_ms"] is None else f"; device idle {s['device_idle_ms']:.2f} ms"
             print(f"{s['case']:16}{s['step_ms']:>10.2f}{s['model_ms']:>10.2f}{s['floor_ms']:>10.3f}  "
-                  f"{s['floor_kind']:8}{s['ratio']:>6.2f}x  host ms: "
-                  + ", ".join(f"{phase} {ms:.2f}" for phase, ms in s["host_ms"].items()))  # fmt: skip
+                  f"{s['floor_kind']:8}{s['ratio']:>6.2f}x  host ms: {host}{idle}")  # fmt: skip
     if "error" not in parts.get("moe", {"error": "not run"}):
         gpu_moe.print_table(parts["moe"])
     for mode, o in parts["offline"].items() if "error" not in parts.get("offline", {"error": 1}) else ():
