@@ -27,6 +27,7 @@ from common.errors import InvalidRequestError
 from common.finish_reason import FinishReason
 from common.lora import LoRARequest
 from common.messages import ChoiceDelta, Embeddings, GenerateRequest
+from common.startup_heap import freeze_startup_heap
 from deployments import embeddings_api, replica_calls, tokenize_api
 from deployments.auth import check_api_key, load_api_keys
 from deployments.disaggregated_engine import PrefillDecode
@@ -113,6 +114,7 @@ class Ingress:
         self.request_timeout_s = settings.request_timeout_s
         self.api_keys = load_api_keys(settings.api_key_env, settings.api_key_file)
         self.created = int(time.time())
+        freeze_startup_heap()  # its event loop streams every token: no collection walks Ray's heap
 
     async def check_health(self) -> None:
         """Serve's periodic check: an Ingress with its own engine is as healthy as that engine."""

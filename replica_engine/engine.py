@@ -4,9 +4,7 @@ parts and runs the core apart (a process of its own, or a thread: core_client.py
 
 from __future__ import annotations
 
-import atexit
 import functools
-import gc
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +16,7 @@ from common.kv_transfer import KvBlocks
 from common.model_source import ModelSource, resolve_model
 from common.prompts import Prompt, PromptProcessor
 from common.sampling_params import SamplingParams
+from common.startup_heap import freeze_startup_heap
 from common.tokenizer import Message
 from replica_engine.config import EngineConfig
 from replica_engine.engine_core import EngineCore
@@ -94,19 +93,6 @@ def build_engine(config: EngineConfig, metrics: EngineMetrics | None) -> tuple[E
     inputs = build_inputs(config, core.kv_cache_manager.num_blocks)
     freeze_startup_heap()
     return core, inputs
-
-
-def freeze_startup_heap() -> None:
-    """Take what the process holds once the engine is up (the model, torch, the tokenizer:
-    hundreds of thousands of objects) out of the garbage collector's view. Each collection of
-    the oldest generation walks every object it sees, and one that lands mid-run otherwise stalls
-    the step loop for a fifth of a second on this CPU (a TBT spike; a GPU left idle). Garbage
-    made later is still collected; what is frozen is still freed when nothing refers to it, and
-    thawed at exit for the interpreter's last collection (extensions report what it leaves)."""
-    gc.collect()
-    gc.freeze()
-    atexit.unregister(gc.unfreeze)  # once, however many engines a process builds
-    atexit.register(gc.unfreeze)
 
 
 class LLMEngine:
