@@ -164,21 +164,18 @@ class Scheduler:
         tokens kept, where any row had drafts) follow `batch.sampling_rows`. Returns the requests
         that got tokens, with how many (some may now be finished). A rejected draft token's K/V
         was computed but does not count: the next step writes over it."""
-        requests = self.requests
         for row in batch.rows:
-            request = requests[row.request_id]
-            request.num_in_flight_tokens -= len(row.token_ids)
-            request.num_computed_tokens += len(row.token_ids) - len(row.draft_token_ids)
+            request = self.requests[row.request_id]
+            request.num_in_flight_tokens -= row.num_tokens
+            request.num_computed_tokens += row.num_tokens - len(row.draft_token_ids)
         advanced, finished = [], []
         for index, (row, token_id) in enumerate(zip(batch.sampling_rows, sampled_token_ids, strict=True)):
-            request = requests[row.request_id]
+            request = self.requests[row.request_id]
             request.num_output_placeholders -= 1
-            kept: tuple[int, ...] = ()
-            if row.draft_token_ids:
-                kept = row.draft_token_ids[: num_accepted[index] if num_accepted else 0]
-                self.num_draft_tokens += len(row.draft_token_ids)
-                self.num_accepted_tokens += len(kept)
-                record_verification(request, len(row.draft_token_ids), len(kept))
+            kept = row.draft_token_ids[: num_accepted[index] if num_accepted else 0]
+            self.num_draft_tokens += len(row.draft_token_ids)
+            self.num_accepted_tokens += len(kept)
+            record_verification(request, len(row.draft_token_ids), len(kept))
             reason, num_new = None, 0
             for token in (*kept, token_id):
                 num_new += 1
@@ -189,9 +186,8 @@ class Scheduler:
                     finished.append((request, reason))
                     break
             advanced.append((request, num_new))
-        if self.kv_cache_manager.enable_prefix_caching:  # hashed once each draft token kept is in
-            for row in batch.rows:
-                self.kv_cache_manager.cache_computed_blocks(requests[row.request_id])
+        for row in batch.rows:  # hashed once each draft token kept is in the sequence
+            self.kv_cache_manager.cache_computed_blocks(self.requests[row.request_id])
         for request, reason in finished:
             self.finish_request(request, reason)
         return advanced

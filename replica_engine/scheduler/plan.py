@@ -247,26 +247,22 @@ def _row(request: Request, num_tokens: int, drafts: tuple[int, ...]) -> Schedule
     owed = num_tokens - len(drafts)
     samples = owed == request.num_owed_tokens and request.pooling is None  # embeddings: none
     offset = request.num_blocks_in_runner
-    block_ids = request.block_ids
     known = request.token_ids(start, start + owed)  # short of a placeholder, if one is owed
-    if len(known) < owed:
-        known += [PLACEHOLDER_TOKEN_ID] * (owed - len(known))
-    params = request.sampling_params
     row = ScheduledRow(
         request_id=request.request_id,
-        token_ids=(*known, *drafts),
+        token_ids=(*known, *[PLACEHOLDER_TOKEN_ID] * (owed - len(known)), *drafts),
         start_position=start,
-        new_block_ids=tuple(block_ids[offset:]) if offset < len(block_ids) else (),
-        is_decode=num_tokens == 1 and start >= len(request.prompt_token_ids),  # is_decode's test
+        new_block_ids=tuple(request.block_ids[offset:]),
+        is_decode=is_decode(request, num_tokens),
         sampling=_sampling_row(request) if samples else None,
         prompt_logprobs=_prompt_logprobs_slice(request, start, start + num_tokens),
         block_offset=offset,
         history=_token_history(request) if offset == 0 else None,
         pooling=request.pooling,
-        lora=params.lora,
+        lora=request.sampling_params.lora,
         draft_token_ids=drafts,
     )
-    request.num_blocks_in_runner = len(block_ids)
+    request.num_blocks_in_runner = len(request.block_ids)
     request.num_in_flight_tokens += num_tokens
     request.num_output_placeholders += samples
     return row
