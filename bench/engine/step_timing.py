@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -226,6 +228,22 @@ def _prefill_all(engine: LLMEngine) -> None:
         engine.step()
 
 
+@contextmanager
+def decoding(engine: LLMEngine, batch: int, context: int, num_steps: int) -> Iterator[None]:
+    """`batch` requests decoding ~`context` tokens in (prompts computed first, over as many steps
+    as the engine's budget needs), with `num_steps` steps of theirs left to run; the engine left
+    empty after."""
+    warm_up_steps = -(-batch * context // engine.config.max_num_batched_tokens) + 1
+    params = SamplingParams(max_tokens=warm_up_steps + num_steps + 2, temperature=0, ignore_eos=True)
+    ids = add_decoders(engine, batch, context, params)
+    _prefill_all(engine)
+    try:
+        yield
+    finally:
+        for request_id in ids:
+            engine.abort_request(request_id)
+
+
 def time_decode_steps(
     engine: LLMEngine,
     model_time: ModelTime,
@@ -234,19 +252,13 @@ def time_decode_steps(
     num_steps: int,
     expert_use: ExpertUse | None = None,
 ) -> tuple[StepTiming, StepWork]:
-    """Steps that decode `batch` requests ~`context` tokens in (prompts computed first, over as
-    many steps as the engine's budget needs). Leaves the engine empty. A mixture of experts'
+    """Steps that decode `batch` requests ~`context` tokens in (`decoding`). A mixture of experts'
     steps read the experts `expert_use` saw them pick."""
-    warm_up_steps = -(-batch * context // engine.config.max_num_batched_tokens) + 1
-    params = SamplingParams(max_tokens=warm_up_steps + num_steps + 2, temperature=0, ignore_eos=True)
-    ids = add_decoders(engine, batch, context, params)
-    _prefill_all(engine)
-    contexts = [r.num_tokens + num_steps // 2 for r in engine.core.scheduler.running]
-    timing = timed_steps(engine, model_time, num_steps)
+    with decoding(engine, batch, context, num_steps):
+        contexts = [r.num_tokens + num_steps // 2 for r in engine.core.scheduler.running]
+        timing = timed_steps(engine, model_time, num_steps)
     experts_read = expert_use.median(num_steps)[0] if expert_use is not None else 0.0
     work = step_work(engine, [(1, ctx) for ctx in contexts], num_sampled=batch, experts_read=experts_read)
-    for request_id in ids:
-        engine.abort_request(request_id)
     return timing, work
 
 

@@ -20,6 +20,9 @@
 (f) A mixture of experts (bench/gpu/gpu_moe.py, issue 61): a Qwen3-30B-A3B-shaped model's decode
     steps against the HBM floor of the experts they touch, and its offline throughput on (c)'s
     workload beside the dense model's.
+(g) Kernels (bench/gpu/gpu_kernels.py): the steps' model's matmuls alone at decode batches'
+    rows against the measured copy bandwidth, and profiles of decode steps (eager and graphs):
+    each kernel's device time, by what it does.
 Writes bench/results/gpu_<device>.json with goals and goals_met and prints a table. `--parts`
 runs some parts and keeps the file's others, each part stamped with when it was measured (a
 device call is at most 10 minutes: the parts go in several calls, bench/gpu/gpu_machine.sh).
@@ -53,7 +56,7 @@ from pathlib import Path
 import torch
 
 from bench.driver import Arrival, BenchmarkRun, print_verdicts
-from bench.gpu import gpu_checks, gpu_moe, gpu_offline, gpu_served, gpu_steps
+from bench.gpu import gpu_checks, gpu_kernels, gpu_moe, gpu_offline, gpu_report, gpu_served, gpu_steps
 from harness import serve_cluster
 from replica_engine.config import GPU_DEFAULTS
 
@@ -65,7 +68,7 @@ GOALS = {
     "moe_decode_b32_plus_vs_touched_expert_floor_max": gpu_moe.GOAL_RATIO,
     **gpu_served.GOALS,
 }
-PARTS = ("exactness", "steps", "offline", "served", "served_options", "moe")
+PARTS = ("exactness", "steps", "kernels", "offline", "served", "served_options", "moe")
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class Plan:
     oracle_stand_in: str | None  # a random checkpoint of this shape instead of SmolLM2
     attention_heads: dict[str, tuple[int, int, int]]  # name -> (heads, kv heads, head dim)
     steps: gpu_steps.StepPlan
+    kernels: gpu_kernels.KernelPlan  # on the steps' model
     model: str  # offline and served
     offline_requests: int
     max_len: int  # cap on each drawn prompt and output length
@@ -100,6 +104,9 @@ FULL = Plan(
         mixed=((32, 224), (64, 448), (128, 896), (256, 1792)),
         num_steps=20,
         kv_cache_bytes=None,
+    ),
+    kernels=gpu_kernels.KernelPlan(
+        matmul_rows=(1, 8, 32, 64, 128, 256), profiled_batches=(1, 32, 256), num_steps=5, matmul_calls=50
     ),
     model="dummy:llama3-8b",
     offline_requests=1000,
@@ -138,6 +145,7 @@ DRY_RUN = Plan(
         num_steps=3,
         kv_cache_bytes=16 << 20,
     ),
+    kernels=gpu_kernels.KernelPlan(matmul_rows=(1, 4), profiled_batches=(1, 4), num_steps=2, matmul_calls=3),
     model="dummy:tiny-llama",
     offline_requests=4,  # each token of both runs goes through the interpreted Triton attention
     max_len=24,
@@ -255,6 +263,11 @@ def steps(plan: Plan, dry_run: bool) -> dict:
     return gpu_steps.summary(rates, gpu_steps.measure(plan.steps, plan.device, rates))
 
 
+def kernels(plan: Plan, dry_run: bool) -> dict:
+    rates = gpu_steps.device_rates(torch.device(plan.device), dry_run)
+    return gpu_kernels.measure(plan.kernels, plan.steps, plan.device, rates)
+
+
 def moe(plan: Plan, dry_run: bool) -> dict:
     rates = gpu_steps.device_rates(torch.device(plan.device), dry_run)
     steps = gpu_moe.measure(plan.moe, plan.device, rates)
@@ -328,70 +341,6 @@ def goals_met(result: dict, dry_run: bool, rehearse: bool = False) -> dict[str, 
     return met | gpu_served.goals_met(comparison)
 
 
-def print_table(parts: dict) -> None:
-    for name, part in parts.items():
-        if "error" in part:
-            print(f"{name}: FAILED: {part['error']}")
-    if "error" not in parts.get("exactness", {"error": "not run"}):
-        exactness = parts["exactness"]
-        for against, check in [("transformers", c) for c in exactness["against_transformers"]] + [
-            ("sync steps", c) for c in exactness.get("async_against_sync", [])
-        ]:
-            verdict = "ok" if check["passed"] else "FAIL"
-            gaps = ", ".join(f"{d['top2_gap']:.2g}" for d in check["divergences"]) or "-"
-            name = check["dtype"] + (" graphs" if check["cuda_graphs"] else "")
-            name += " async" if check.get("async_scheduling") else ""
-            waited = check.get("submissions_that_waited")
-            waits = f", submissions that waited: {waited}" if waited is not None else ""
-            print(f"exactness {name:22} vs {against:12} {check['identical']}/{check['prompts']} "
-                  f"identical, gaps at divergences {gaps} (tolerance {check['tie_tolerance']}){waits}: "
-                  f"{verdict}")  # fmt: skip
-        for check in exactness["triton_attention"]:
-            worst = max(check["max_abs_error"].values())
-            verdict = "ok" if check["passed"] else "FAIL"
-            tolerance = check["tolerance"]
-            print(
-                f"triton attention {check['dtype']:9} max abs error {worst:.2e} (tol {tolerance}): {verdict}"
-            )
-    if "error" not in parts.get("steps", {"error": "not run"}):
-        rates = parts["steps"]["device"]
-        print(f"device {rates['name']}: floors {rates['bytes_per_s'] / 1e12:.3f} TB/s, "
-              f"{rates['flops_per_s'] / 1e12:.1f} TFLOP/s ({rates['source']}); measured copy "
-              f"{rates['measured_bytes_per_s'] / 1e12:.3f} TB/s, bf16 matmul "
-              f"{rates['measured_bf16_flops_per_s'] / 1e12:.1f} TFLOP/s")  # fmt: skip
-        print(f"{'case':16}{'step ms':>10}{'model ms':>10}{'floor ms':>10}  {'bound':8}{'ratio':>7}")
-        for s in parts["steps"]["steps"]:
-            host = ", ".join(f"{phase} {ms:.2f}" for phase, ms in s["host_ms"].items())
-            idle = "" if s["device_idle_ms"] is None else f"; device idle {s['device_idle_ms']:.2f} ms"
-            print(f"{s['case']:16}{s['step_ms']:>10.2f}{s['model_ms']:>10.2f}{s['floor_ms']:>10.3f}  "
-                  f"{s['floor_kind']:8}{s['ratio']:>6.2f}x  host ms: {host}{idle}")  # fmt: skip
-    if "error" not in parts.get("moe", {"error": "not run"}):
-        gpu_moe.print_table(parts["moe"])
-    for mode, o in parts["offline"].items() if "error" not in parts.get("offline", {"error": 1}) else ():
-        print(f"offline {mode}: {o['requests']} requests, {o['output_tokens']} output tokens in "
-              f"{o['wall_s']:.1f} s: {o['output_tok_per_s']:.0f} output tok/s "
-              f"(anchor: vLLM 6,582.87 on an H100); {o['steps']} steps, model {o['model_s']:.1f} s, "
-              f"steps' host side {o['overhead_s']:.1f} s, device idle {o['device_idle_s']:.1f} s "
-              f"({o['device_idle_share']:.0%}), garbage collector {o['gc_pause_s']:.2f} s, "
-              f"{o['decode_only_steps']} decode-only steps {o['decode_only_s']:.1f} s, "
-              f"{o['mean_decodes_per_step']:.0f} decodes a step; the step thread's seconds: "
-              + ", ".join(f"{phase} {s:.2f}" for phase, s in o["host_phases_s"].items()))  # fmt: skip
-    served = parts.get("served", {})
-    for system in ("engine_alone", "served"):
-        for run, figures in served.get(system, {}).items():
-            shown = figures.get("median", figures)
-            keys = ("output_tok_per_s", "ttft_p50_s", "ttft_p99_s", "tbt_p50_s", "tbt_p99_s")
-            print(f"{system} {run}: " + ", ".join(f"{k} {shown[k]:.4g}" for k in keys if k in shown)
-                  + f", failed {figures['failed']}")  # fmt: skip
-    if "served_vs_alone" in served:
-        print("served over the engine alone:", json.dumps(served["served_vs_alone"]))
-    for name, option in parts.get("served_options", {}).items():
-        if isinstance(option, dict) and "vs_alone" in option:
-            print(f"served option {name} over the engine alone:", json.dumps(option["vs_alone"]))
-    if "skipped" in served:
-        print("served:", served["skipped"])
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="on this CPU: Triton interpreted, tiny shapes")
@@ -437,6 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     parts = {
         "exactness": lambda: exactness(plan, work_dir),
         "steps": lambda: steps(plan, args.dry_run),
+        "kernels": lambda: kernels(plan, args.dry_run),
         "offline": lambda: gpu_offline.offline(
             plan.model, plan.device, plan.offline_requests, plan.max_len, plan.offline_engine
         ),
@@ -450,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         body["measured_at"][part_name] = now
         run.write(body, {})  # so far: a run cut short still leaves its parts
     body["parts"] = {name: body["parts"][name] for name in PARTS if name in body["parts"]}
-    print_table(body["parts"])
+    gpu_report.print_table(body["parts"])
     met = goals_met(body, args.dry_run, args.rehearse)
     print_verdicts(met)
     run.write(body, met)

@@ -12,6 +12,7 @@
 #   run --parts served                      then copy the result file back into bench/results/
 #   run --parts served_options              (each call keeps the file's other parts)
 #   run --parts exactness,steps,offline
+#   run --parts kernels                     (the profiler last: a crash in it costs no other part)
 # Ray's wheel (79 MB) goes without ray/jars (Java) and the dashboard's web client (44.6 MB). The
 # image's grpcio is 1.84.0, so grpcio-reflection is pinned to it; `zipfile -e` drops exec bits,
 # hence the chmod; --upgrade so a second call on a warm machine replaces what the first installed.

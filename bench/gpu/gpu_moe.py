@@ -19,8 +19,7 @@ from bench.engine.step_timing import (
     step_result,
     time_decode_steps,
 )
-from bench.gpu.gpu_steps import DeviceRates, free_device_memory
-from replica_engine import EngineConfig, LLMEngine
+from bench.gpu.gpu_steps import DeviceRates, decode_engine, free_device_memory
 
 GOAL_RATIO = 2.0  # decode steps at batch >= GOAL_MIN_BATCH, against the touched-expert floor
 GOAL_MIN_BATCH = 32
@@ -41,17 +40,7 @@ def measure(plan: MoePlan, device: str, rates: DeviceRates) -> list[dict]:
     results: list[dict] = []
     read_by_batch: dict[int, float] = {}
     for graphs in (False, True):
-        config = EngineConfig(
-            model=plan.model,
-            dtype="bfloat16",
-            device=device,
-            attention_backend="triton",
-            kv_cache_bytes=plan.kv_cache_bytes,
-            max_num_batched_tokens=max(plan.decode_batches) * 64,
-            max_num_seqs=max(plan.decode_batches),
-            cuda_graphs=graphs,
-        )
-        engine = LLMEngine(config)
+        engine = decode_engine(plan.model, device, max(plan.decode_batches), plan.kv_cache_bytes, graphs)
         model_time = ModelTime(engine)
         use = None if graphs else ExpertUse(engine)  # a hook would sync inside a graph's capture
         for batch in plan.decode_batches:

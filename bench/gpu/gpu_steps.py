@@ -87,12 +87,8 @@ def measure(plan: StepPlan, device: str, rates: DeviceRates) -> list[StepResult]
         kv_cache_bytes=plan.kv_cache_bytes,
     )
     results = []
-    budget = max(plan.decode_batches) * 64  # prompts computed in a few steps, not one huge one
     for graphs in (False, True):
-        config = EngineConfig(
-            **common, max_num_batched_tokens=budget, max_num_seqs=max(plan.decode_batches), cuda_graphs=graphs
-        )
-        engine = LLMEngine(config)
+        engine = decode_engine(plan.model, device, max(plan.decode_batches), plan.kv_cache_bytes, graphs)
         model_time = ModelTime(engine)
         for batch in plan.decode_batches:
             timing, work = time_decode_steps(engine, model_time, batch, plan.context, plan.num_steps)
@@ -116,6 +112,23 @@ def measure(plan: StepPlan, device: str, rates: DeviceRates) -> list[StepResult]
         del engine
         free_device_memory()
     return results
+
+
+def decode_engine(
+    model: str, device: str, max_batch: int, kv_cache_bytes: int | None, graphs: bool
+) -> LLMEngine:
+    """An engine for decode steps at batches up to `max_batch`, in bfloat16 on the Triton attention."""
+    config = EngineConfig(
+        model=model,
+        dtype="bfloat16",
+        device=device,
+        attention_backend="triton",
+        kv_cache_bytes=kv_cache_bytes,
+        max_num_batched_tokens=max_batch * 64,  # prompts computed in a few steps, not one huge one
+        max_num_seqs=max_batch,
+        cuda_graphs=graphs,
+    )
+    return LLMEngine(config)
 
 
 def free_device_memory() -> None:

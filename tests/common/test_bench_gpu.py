@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu import gpu, gpu_checks, gpu_served
+from bench.gpu import gpu, gpu_checks, gpu_kernels, gpu_served
 from common.errors import InvalidRequestError
 from replica_engine import LLM, SamplingParams
 
@@ -47,6 +47,14 @@ def test_the_gpu_benchmark_rehearses_on_the_cpu(tmp_path: Path):
     assert [s["case"] for s in steps] == cases
     assert all(s["step_ms"] > 0 and s["floor_ms"] > 0 for s in steps)
     assert parts["steps"]["device"]["source"] == "measured here"
+    kernels = parts["kernels"]
+    assert [s["rows"] for s in kernels["matmuls"]["step"]] == [1, 4]
+    matmuls = {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "logits"}
+    assert {m["matmul"] for m in kernels["matmuls"]["alone"]} == matmuls
+    for mode in ("eager", "graphs"):
+        profiles = kernels[f"profile_{mode}"]
+        assert set(profiles) == {"decode-b1", "decode-b4"}
+        assert all(p["kernels_ms_per_step"] > 0 and p["top"] for p in profiles.values()), profiles
     assert set(parts["offline"]) == {"eager", "graphs", "graphs_sync"}
     assert all(run["output_tokens"] > 0 and run["steps"] > 0 for run in parts["offline"].values())
     # The mixture: both layers' experts counted (2 picks of 8 a token), eager and graphs alike.
@@ -136,3 +144,24 @@ def test_served_options_serve_each_options_app_args(tmp_path: Path, monkeypatch)
     assert versus["high_concurrency_tok_per_s_ratio"] == 0.5
     assert versus["c1_ttft_p50_extra_s"] == pytest.approx(0.01)
     assert gpu.served_options(gpu.DRY_RUN, tmp_path) == {"skipped": "no served options in this plan"}
+
+
+@pytest.mark.parametrize(
+    ("kernel", "kind"),
+    [  # names of the forms a CUDA profile gives (nvjet: cuBLAS's Hopper GEMMs), and ours
+        ("nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT", "matmul"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1", "matmul"),
+        ("void flash::flash_fwd_splitkv_kernel<Flash_fwd_traits<128, cutlass::bfloat16_t>>", "attention"),
+        ("_paged_attention_kernel", "attention"),
+        ("_rms_norm_kernel", "fused pointwise"),
+        ("_silu_mul_kernel", "fused pointwise"),
+        ("Memcpy HtoD (Pinned -> Device)", "copies"),
+        ("void at::native::reduce_kernel<512, 1, ReduceOp<float, ArgMaxOps<float>>>", "torch elementwise"),
+        ("void at::native::vectorized_elementwise_kernel<4, FillFunctor<int>>", "torch elementwise"),
+        ("aten::addmm", "matmul"),
+        ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "communication"),
+        ("triton_poi_fused_add_0", "other"),
+    ],
+)
+def test_a_profiles_kernels_are_grouped_by_what_they_do(kernel: str, kind: str):
+    assert gpu_kernels.category(kernel) == kind
