@@ -8,9 +8,10 @@ goal's MISS (issue 56) says what to fix. Two views of the steps part's model, in
   the weights' HBM floor: how close the matmul library comes to the floor before anything else
   of a step is added.
 - A profile: decode steps at a few batches, eagerly and replayed from CUDA graphs, under
-  torch.profiler: the device time of every kernel a step runs, grouped by what it does, and the
-  kernels that take the most. On a CPU (the dry run) the profiler's operators stand in for
-  kernels, and the engine's own C++ matmuls do not show."""
+  torch.profiler: the device time of every kernel a step runs, grouped by what it does, the
+  kernels that take the most, and the bytes per second the matmuls (the weights) and the
+  attention (the KV cache it attends over) read in their kernels' time. On a CPU (the dry run)
+  the profiler's operators stand in for kernels, and the engine's own C++ matmuls do not show."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from bench.engine.floors import best_time
-from bench.engine.step_timing import decoding
+from bench.engine.step_timing import decoding, step_work
 from bench.gpu.gpu_steps import DeviceRates, StepPlan, decode_engine, free_device_memory
 from replica_engine import LLMEngine
 
@@ -142,17 +143,28 @@ def _kernel(name: str, calls: int, micros: float, num_steps: int, total: float) 
 
 
 def profile_decode(engine: LLMEngine, batch: int, context: int, num_steps: int) -> dict:
-    """`num_steps` decode steps at `batch` under the profiler (after one unprofiled step)."""
+    """`num_steps` decode steps at `batch` under the profiler (after one unprofiled step), and
+    what the matmuls and the attention read per second of their kernels' time: the weights, and
+    the KV cache of every request's context."""
     on_gpu = engine.core.runner.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with decoding(engine, batch, context, num_steps + 1):
         engine.step()
+        contexts = [r.num_tokens + num_steps // 2 for r in engine.core.scheduler.running]
         with profile(activities=activities) as prof:
             for _ in range(num_steps):
                 engine.step()
             if on_gpu:
                 torch.cuda.synchronize()
-    return kernel_times(prof, num_steps, on_gpu)
+    kernels = kernel_times(prof, num_steps, on_gpu)
+    weight_bytes = step_work(engine, [(1, 0)] * batch, batch).bytes_read
+    kv_bytes = step_work(engine, [(1, ctx) for ctx in contexts], batch).bytes_read - weight_bytes
+    by_category = kernels["by_category_ms"]
+    read = {"matmul": weight_bytes, "attention": kv_bytes}
+    kernels["bytes_per_s"] = {  # a category no kernel showed in (a CPU's C++ matmuls): left out
+        kind: num_bytes * 1e3 / by_category[kind] for kind, num_bytes in read.items() if by_category[kind]
+    }
+    return kernels
 
 
 def measure(plan: KernelPlan, steps: StepPlan, device: str, rates: DeviceRates) -> dict:
@@ -184,6 +196,8 @@ def print_table(part: dict) -> None:
     for mode in ("eager", "graphs"):
         for case, kernels in part[f"profile_{mode}"].items():
             shares = ", ".join(f"{kind} {ms:.3f}" for kind, ms in kernels["by_category_ms"].items() if ms)
-            print(f"{case} {mode}: kernels {kernels['kernels_ms_per_step']:.3f} ms a step ({shares})")
+            read = ", ".join(f"{kind} {rate / 1e12:.3f}" for kind, rate in kernels["bytes_per_s"].items())
+            total = kernels["kernels_ms_per_step"]
+            print(f"{case} {mode}: kernels {total:.3f} ms a step ({shares}); TB/s read: {read}")
             for k in kernels["top"][:5]:
                 print(f"    {k['us_per_call']:9.1f} us x {k['calls_per_step']:5.0f}  {k['kernel'][:90]}")
