@@ -36,12 +36,31 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Rotate q [T, H, d] and k [T, KVH, d] in place by cos and sin ([T, 1, d]) where a kernel
-    applies; False (nothing done) where none does."""
+    """Rotate q [T, H, d] and k [T, KVH, d] in place by cos and sin ([T, 1, d]) where the CPU's
+    kernel applies; False (nothing done) where it does not (a GPU's rotation is rotary_store_'s)."""
+    return cpu_kernels.rotary_(q, k, cos, sin)
+
+
+def rotary_store_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """On a GPU: q rotated in place, k rotated into its tokens' cache slots and v stored beside
+    it, in one launch; False (nothing done) where the kernel does not apply (a CPU: rotary_,
+    then the backend's write_kv)."""
     half = q.shape[-1] // 2
-    if q.is_cuda and q.stride(-1) == k.stride(-1) == 1 and half & (half - 1) == 0 and cos.is_contiguous():
+    applies = (
+        q.is_cuda
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        and half & (half - 1) == 0
+        and all(t.is_contiguous() for t in (*cos_sin, *kv_cache))
+    )
+    if applies:
         from replica_engine.kernels import triton_pointwise
 
-        triton_pointwise.rotary_(q, k, cos, sin)
-        return True
-    return cpu_kernels.rotary_(q, k, cos, sin)
+        triton_pointwise.rotary_store_(q, k, v, *cos_sin, *kv_cache, slot_mapping)
+    return applies

@@ -1,8 +1,8 @@
 """Triton kernels for a GPU step's pointwise work, one launch each where torch's ops take
-several: the residual add fused into RMSNorm, SiLU(gate) * up, and q and k rotated in place in
-one launch. The H200 showed ~24 small kernels per layer around the 4 matmuls and the attention;
-in a decode step (and a CUDA graph of one) those launches are much of the time left after the
-weights are read.
+several: the residual add fused into RMSNorm, SiLU(gate) * up, and q and k rotated with the
+step's K and V written into the paged cache. The H200 showed ~24 small kernels per layer around
+the 4 matmuls and the attention; in a decode step (and a CUDA graph of one) those launches are
+much of the time left after the weights are read.
 
 Each rounds where torch's own ops round (to the model's dtype after every op that torch runs
 in it), so the results are the torch fallback's, which is Hugging Face's arithmetic. On CPU the
@@ -73,36 +73,61 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotary_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
-    num_q_heads, HALF: tl.constexpr,
+def _rotary_store_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_slot,
+    num_q_heads, num_kv_heads, HALF: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
-    head = tl.program_id(1)  # q's heads, then k's
-    if head < num_q_heads:
-        base = q_ptr + token * stride_qt + head * stride_qh
-    else:
-        base = k_ptr + token * stride_kt + (head - num_q_heads) * stride_kh
+    head = tl.program_id(1)  # q's heads, then k's, then v's
     cols = tl.arange(0, HALF)
-    x1 = tl.load(base + cols)
-    x2 = tl.load(base + HALF + cols)
-    dtype = x1.dtype
-    cos1 = tl.load(cos_ptr + token * stride_ct + cols).to(tl.float32)
-    cos2 = tl.load(cos_ptr + token * stride_ct + HALF + cols).to(tl.float32)
-    sin1 = tl.load(sin_ptr + token * stride_ct + cols).to(tl.float32)
-    sin2 = tl.load(sin_ptr + token * stride_ct + HALF + cols).to(tl.float32)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    # x * cos + rotate_half(x) * sin, each product rounded as torch rounds it
-    first = (a * cos1).to(dtype).to(tl.float32) + (-b * sin1).to(dtype).to(tl.float32)
-    second = (b * cos2).to(dtype).to(tl.float32) + (a * sin2).to(dtype).to(tl.float32)
-    tl.store(base + cols, first.to(dtype))
-    tl.store(base + HALF + cols, second.to(dtype))
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if head >= num_q_heads + num_kv_heads:  # a value: into its slot as it is
+        kv_head = head - num_q_heads - num_kv_heads
+        source = v_ptr + token * stride_vt + kv_head * stride_vh
+        target = v_cache_ptr + slot * stride_slot + kv_head * (2 * HALF)
+        tl.store(target + cols, tl.load(source + cols))
+        tl.store(target + HALF + cols, tl.load(source + HALF + cols))
+    else:  # a query (rotated in place) or a key (rotated into its slot)
+        if head < num_q_heads:
+            source = q_ptr + token * stride_qt + head * stride_qh
+            target = source
+        else:
+            source = k_ptr + token * stride_kt + (head - num_q_heads) * stride_kh
+            target = k_cache_ptr + slot * stride_slot + (head - num_q_heads) * (2 * HALF)
+        x1 = tl.load(source + cols)
+        x2 = tl.load(source + HALF + cols)
+        dtype = x1.dtype
+        cos1 = tl.load(cos_ptr + token * stride_ct + cols).to(tl.float32)
+        cos2 = tl.load(cos_ptr + token * stride_ct + HALF + cols).to(tl.float32)
+        sin1 = tl.load(sin_ptr + token * stride_ct + cols).to(tl.float32)
+        sin2 = tl.load(sin_ptr + token * stride_ct + HALF + cols).to(tl.float32)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        # x * cos + rotate_half(x) * sin, each product rounded as torch rounds it
+        first = (a * cos1).to(dtype).to(tl.float32) + (-b * sin1).to(dtype).to(tl.float32)
+        second = (b * cos2).to(dtype).to(tl.float32) + (a * sin2).to(dtype).to(tl.float32)
+        tl.store(target + cols, first.to(dtype))
+        tl.store(target + HALF + cols, second.to(dtype))
 
 
-def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate q [T, H, d] and k [T, KVH, d] in place by cos and sin ([T, 1, d], contiguous)."""
+def rotary_store_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rotate q [T, H, d] in place and k [T, KVH, d] into the cache, and store v there, by cos
+    and sin ([T, 1, d], contiguous): each token's K/V at its slot of the contiguous caches
+    ([num_blocks, block_size, KVH, d]). One launch where rotating, then writing K and V,
+    took three; k itself is left as it was."""
     num_tokens, num_q_heads, head_dim = q.shape
-    _rotary_kernel[(num_tokens, num_q_heads + k.shape[1])](
-        q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        num_q_heads, HALF=head_dim // 2,
+    num_kv_heads = k.shape[1]
+    _rotary_store_kernel[(num_tokens, num_q_heads + 2 * num_kv_heads)](
+        q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        k_cache.stride(1), num_q_heads, num_kv_heads, HALF=head_dim // 2,
     )  # fmt: skip

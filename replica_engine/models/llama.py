@@ -14,6 +14,7 @@ from torch import nn
 
 from replica_engine.attention.base import AttentionBackend, AttentionMetadata
 from replica_engine.kernels import cpu as cpu_kernels
+from replica_engine.kernels import pointwise
 from replica_engine.kernels.quantized_weight import QuantizedWeight, dequantize_rows
 from replica_engine.models.layers import MLP, Embedding, Linear, MergedLinear, RMSNorm
 from replica_engine.models.moe import MOE_MODEL_TYPES, Experts, MoeShape, SparseMoeBlock
@@ -57,8 +58,10 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos_sin)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        if not pointwise.rotary_store_(q, k, v, cos_sin, kv_cache, metadata.slot_mapping):
+            q, k = apply_rotary(q, k, cos_sin)
+            self.backend.write_kv(k, v, *kv_cache, metadata.slot_mapping)
+        out = self.backend.attend(q, *kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

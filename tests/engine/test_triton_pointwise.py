@@ -53,13 +53,14 @@ def test_silu_mul(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 128)])
-def test_rotary_rotates_q_and_k_in_place_as_transformers_does(dtype, heads, kv_heads, head_dim):
-    tokens = 6
+def test_rotary_store_rotates_q_in_place_and_k_into_the_cache_beside_v(dtype, heads, kv_heads, head_dim):
+    tokens, block_size, num_blocks = 6, 4, 5
     gen = torch.Generator().manual_seed(heads)
-    # q and k as the model has them: views of one fused projection's output
+    # q, k and v as the model has them: views of one fused projection's output
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype).to(DEVICE)
-    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    v = v.view(tokens, kv_heads, head_dim)
     angles = torch.rand(tokens, head_dim // 2, generator=gen) * 100
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype).to(DEVICE), emb.sin().to(dtype).to(DEVICE)
@@ -67,10 +68,23 @@ def test_rotary_rotates_q_and_k_in_place_as_transformers_does(dtype, heads, kv_h
     expected_q, expected_k = apply_rotary_pos_emb(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None]
     )
-    untouched_v = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    k_cache, v_cache = (
+        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv"
+    )
+    k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    slots = torch.tensor([4, 5, 6, 13, 19, 8], device=DEVICE)  # blocks 1, 3, 4 and 2, out of order
+    untouched = [s for s in range(num_blocks * block_size) if s not in slots.tolist()]
+    before_k, before_v, before_kv = k_cache.clone(), v_cache.clone(), qkv[:, heads * head_dim :].clone()
 
-    triton_pointwise.rotary_(q, k, cos[:, None, :], sin[:, None, :])
+    triton_pointwise.rotary_store_(q, k, v, cos[:, None, :], sin[:, None, :], k_cache, v_cache, slots)
 
     close(q, expected_q[0].transpose(0, 1))
-    close(k, expected_k[0].transpose(0, 1))
-    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], untouched_v)
+    close(k_cache.view(-1, kv_heads, head_dim)[slots], expected_k[0].transpose(0, 1))
+    assert torch.equal(
+        v_cache.view(-1, kv_heads, head_dim)[slots], before_kv[:, kv_heads * head_dim :].view(v.shape)
+    )
+    for cache, before in ((k_cache, before_k), (v_cache, before_v)):
+        assert torch.equal(
+            cache.view(-1, kv_heads, head_dim)[untouched], before.view(-1, kv_heads, head_dim)[untouched]
+        )
+    assert torch.equal(qkv[:, heads * head_dim :], before_kv)  # k and v themselves as they were
