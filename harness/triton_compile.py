@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -62,25 +63,29 @@ def _signature(jit, launch: dict) -> tuple[dict[str, str], dict[str, object]]:
     return signature, constexprs
 
 
-def compile_launches(launches: list[dict]) -> dict[str, str]:
-    """Each launch's kernel compiled for SM90 with its arguments' types; the failures' errors."""
+def _compile(launch: dict) -> str | None:
+    """The launch's kernel compiled for SM90 with its arguments' types: None, or why not."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    failures = {}
-    for launch in launches:
-        kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
-        jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
-        signature, constexprs = _signature(jit, launch)
-        try:
-            compiled = triton.compile(ASTSource(jit, signature, constexprs), target=GPUTarget(*SM90))
-            if not compiled.asm.get("cubin"):
-                failures[launch["case"]] = "no cubin"
-        except Exception as error:  # reported by case: the test lists every kernel that failed
-            failures[launch["case"]] = f"{type(error).__name__}: {error}"
-    return failures
+    kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+    jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
+    signature, constexprs = _signature(jit, launch)
+    try:
+        compiled = triton.compile(ASTSource(jit, signature, constexprs), target=GPUTarget(*SM90))
+    except Exception as error:  # reported by case: the test lists every kernel that failed
+        return f"{type(error).__name__}: {error}"
+    return None if compiled.asm.get("cubin") else "no cubin"
+
+
+def compile_launches(launches: list[dict]) -> dict[str, str]:
+    """Each launch compiled (two at a time: ptxas and Triton's passes take a core each); the
+    failures' errors by case."""
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        errors = list(pool.map(_compile, launches))
+    return {launch["case"]: error for launch, error in zip(launches, errors, strict=True) if error}
 
 
 if __name__ == "__main__":
