@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.autograd import DeviceType
@@ -68,9 +70,15 @@ def linear_shapes(engine: LLMEngine) -> dict[str, tuple[int, int, int]]:
 
 
 def _matmul_seconds(
-    rows: int, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device, calls: int
+    rows: int,
+    weight_shape: tuple[int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    calls: int,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> float:
     """One matmul's seconds, timed over `calls` calls that cycle through copies of the weight."""
+    out_features, in_features = weight_shape
     weight_bytes = in_features * out_features * dtype.itemsize
     copies = max(1, math.ceil(COLD_BYTES / weight_bytes)) if device.type == "cuda" else 1
     weights = [torch.randn(out_features, in_features, device=device, dtype=dtype) for _ in range(copies)]
@@ -78,31 +86,64 @@ def _matmul_seconds(
 
     def run() -> None:
         for call in range(calls):
-            torch.nn.functional.linear(x, weights[call % copies])
+            linear(x, weights[call % copies])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
     return best_time(run, 3) / calls
 
 
+def _split_k_figures(
+    rows: int, weight_shape: tuple[int, int], dtype: torch.dtype, device: torch.device, plan: KernelPlan
+) -> dict:
+    """The split-K candidate at its best config, and how far its output is from the library's."""
+    from bench.gpu.split_k_matmul import CONFIGS, split_k_linear
+
+    timed = {
+        config: _matmul_seconds(
+            rows, weight_shape, dtype, device, plan.matmul_calls, partial(split_k_linear, config=config)
+        )
+        for config in CONFIGS
+    }
+    best = min(timed, key=timed.__getitem__)
+    x = torch.randn(rows, weight_shape[1], device=device, dtype=dtype)
+    weight = torch.randn(weight_shape, device=device, dtype=dtype)
+    expected = torch.nn.functional.linear(x, weight).float()
+    error = (split_k_linear(x, weight, best).float() - expected).abs().max() / expected.abs().max()
+    return {
+        "split_k_us": timed[best] * 1e6,
+        "split_k_config": best.name,
+        "split_k_relative_error": float(error),
+    }
+
+
 def matmuls(engine: LLMEngine, plan: KernelPlan, rates: DeviceRates) -> dict:
-    """Each of a step's matmuls alone at each row count, and a step's matmuls summed against the
-    weights' floor (the floors' bandwidth: the spec sheet's where the device is known)."""
+    """Each of a step's matmuls alone at each row count (and, at up to 64 rows, the split-K
+    candidate's best), and a step's matmuls summed against the weights' floor (the floors'
+    bandwidth: the spec sheet's where the device is known)."""
+    from bench.gpu import split_k_matmul  # imports Triton: not before a dry run sets TRITON_INTERPRET
+
     dtype, device = engine.config.torch_dtype, engine.core.runner.device
     shapes = linear_shapes(engine)
     alone, steps = [], []
     for rows in plan.matmul_rows:
         step_s = weight_bytes = 0.0
         for name, (in_features, out_features, per_step) in shapes.items():
-            seconds = _matmul_seconds(rows, in_features, out_features, dtype, device, plan.matmul_calls)
+            shape = (out_features, in_features)
+            seconds = _matmul_seconds(
+                rows, shape, dtype, device, plan.matmul_calls, torch.nn.functional.linear
+            )
             read = in_features * out_features * dtype.itemsize
-            alone.append({
+            figures = {
                 "matmul": name, "in": in_features, "out": out_features, "rows": rows,
                 "us": seconds * 1e6,
                 "weight_bytes_per_s": read / seconds,
                 "of_measured_copy": read / seconds / rates.measured_bytes_per_s,
                 "flops_per_s": 2 * rows * in_features * out_features / seconds,
-            })  # fmt: skip
+            }  # fmt: skip
+            if rows <= split_k_matmul.MAX_ROWS:
+                figures |= _split_k_figures(rows, shape, dtype, device, plan)
+            alone.append(figures)
             step_s += per_step * seconds
             weight_bytes += per_step * read
         floor_s = weight_bytes / rates.bytes_per_s
@@ -186,10 +227,13 @@ def measure(plan: KernelPlan, steps: StepPlan, device: str, rates: DeviceRates) 
 
 
 def print_table(part: dict) -> None:
-    print(f"{'matmuls alone':24}{'rows':>6}{'us':>10}{'TB/s':>8}{'of copy':>9}{'TFLOP/s':>9}")
+    print(
+        f"{'matmuls alone':24}{'rows':>6}{'us':>10}{'TB/s':>8}{'of copy':>9}{'TFLOP/s':>9}  split-K candidate"
+    )
     for m in part["matmuls"]["alone"]:
+        split_k = f"  {m['split_k_us']:.1f} us ({m['split_k_config']})" if "split_k_us" in m else ""
         print(f"{m['matmul']:24}{m['rows']:>6}{m['us']:>10.1f}{m['weight_bytes_per_s'] / 1e12:>8.3f}"
-              f"{m['of_measured_copy']:>9.2f}{m['flops_per_s'] / 1e12:>9.1f}")  # fmt: skip
+              f"{m['of_measured_copy']:>9.2f}{m['flops_per_s'] / 1e12:>9.1f}{split_k}")  # fmt: skip
     for s in part["matmuls"]["step"]:
         print(f"a step's matmuls at {s['rows']} rows: {s['matmuls_ms']:.3f} ms, the weights' floor "
               f"{s['weights_floor_ms']:.3f} ms: {s['ratio']:.2f}x")  # fmt: skip

@@ -1,11 +1,12 @@
-"""Every Triton kernel of the engine compiles for the GPUs bench.gpu runs on (sm_90: H100 and
-H200), here, without one: Triton lowers a kernel to a cubin with its own ptxas, and no device is
-needed for that. The other Triton tests run the kernels in Triton's interpreter, which executes
-their Python and never compiles them, so a kernel can pass there and fail to compile (a branch
-whose types differ, a constexpr used as a tensor): this catches it before a lent GPU's minutes
-are spent on it. Each kernel is compiled with the arguments its wrapper launches it with
-(recorded at the launch, not run), as a GPU would get them (the interpreter's float32 dots off),
-in a process without the interpreter (harness/triton_compile.py)."""
+"""Every Triton kernel of the engine (and bench.gpu's split-K candidate) compiles for the GPUs
+bench.gpu runs on (sm_90: H100 and H200), here, without one: Triton lowers a kernel to a cubin
+with its own ptxas, and no device is needed for that. The other Triton tests run the kernels in
+Triton's interpreter, which executes their Python and never compiles them, so a kernel can pass
+there and fail to compile (a branch whose types differ, a constexpr used as a tensor): this
+catches it before a lent GPU's minutes are spent on it. Each kernel is compiled with the
+arguments its wrapper launches it with (recorded at the launch, not run), as a GPU would get them
+(the interpreter's float32 dots off), in a process without the interpreter
+(harness/triton_compile.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (it is in the dev extra)")
 
+from bench.gpu import split_k_matmul
 from harness.paged_batches import paged_batch
 from harness.triton_compile import launch_record
 from replica_engine.attention import triton_paged
@@ -49,11 +51,13 @@ class Launches:
 def test_every_triton_kernel_compiles_for_sm90(monkeypatch):
     monkeypatch.setattr(triton_paged, "_INTERPRETED", False)  # bf16 dots as a GPU runs them
     monkeypatch.setattr(triton_moe, "_INTERPRETED", False)
+    monkeypatch.setattr(split_k_matmul, "_INTERPRETED", False)
     launches = Launches(monkeypatch)
     record_pointwise(launches)  # in bfloat16: float32 takes no other branch in them
     for name, dtype in DTYPES.items():  # float32: the dots at full precision, another branch
         record_attention(launches, name, dtype)
         record_moe(launches, name, dtype)
+        record_split_k(launches, name, dtype)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
         [sys.executable, "-m", "harness.triton_compile"],
@@ -70,7 +74,7 @@ def test_every_triton_kernel_compiles_for_sm90(monkeypatch):
     kernels = {record["kernel"] for record in launches.records}
     assert kernels == {
         "_rms_norm_kernel", "_silu_mul_kernel", "_rotary_store_kernel", "_paged_attention_kernel",
-        "_grouped_gemm_kernel",
+        "_grouped_gemm_kernel", "_split_k_kernel",
     }  # fmt: skip
 
 
@@ -122,3 +126,16 @@ def record_moe(launches: Launches, name: str, dtype: torch.dtype) -> None:
         launch = partial(triton_moe.fused_moe, x, gate_up, down, ids, weights)
         # two launches: gate|up, then down with the routing weights
         launches.record(f"grouped_gemm {name} {num_tokens} tokens", triton_moe._grouped_gemm_kernel, launch)
+
+
+def record_split_k(launches: Launches, name: str, dtype: torch.dtype) -> None:
+    """bench.gpu's split-K candidate (bench/gpu/split_k_matmul.py) at the row counts it takes."""
+    weight = torch.zeros(256, 512, dtype=dtype)
+    for rows in (1, 32, 64):
+        launch = partial(
+            split_k_matmul.split_k_linear,
+            torch.zeros(rows, 512, dtype=dtype),
+            weight,
+            split_k_matmul.CONFIGS[-1],
+        )
+        launches.record(f"split_k {name} {rows} rows", split_k_matmul._split_k_kernel, launch)
