@@ -11,6 +11,7 @@ import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from bench.driver import Arrival
 from bench.engine.host_phases import PHASES, host_phases
@@ -63,6 +64,34 @@ def offline(model: str, device: str, num_requests: int, max_len: int, settings: 
     }
 
 
+@dataclass(frozen=True)
+class WorkloadRun:
+    """The ShareGPT-like workload through an LLM, timed: what the offline figures are made of."""
+
+    arrivals: list[Arrival]
+    summaries: list[StepSummary]  # every step's
+    wall_s: float
+    output_tokens: int
+    gc_pause_s: float  # the garbage collector's time during the run (the whole process's)
+    host_phases_s: dict[str, float]  # the step thread's seconds in each phase (host_phases.py)
+
+
+def run_workload(llm: LLM, model: str, num_requests: int, max_len: int) -> WorkloadRun:
+    """Every request at once through `llm.generate`; checks each got all its tokens."""
+    arrivals = sharegpt_like(num_requests, max_len, vocab_size(model))
+    params = [SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True) for a in arrivals]
+    summaries: list[StepSummary] = []
+    llm.engine.step_listeners.append(summaries.append)
+    started = time.perf_counter()
+    with collector_pauses() as gc_pauses, host_phases(llm.engine) as host:
+        outputs = llm.generate([a.prompt for a in arrivals], params)
+    wall_s = time.perf_counter() - started
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert output_tokens == sum(a.max_tokens for a in arrivals), "a request stopped short"
+    phases = {phase: host[phase] for phase in PHASES}
+    return WorkloadRun(arrivals, summaries, wall_s, output_tokens, sum(gc_pauses), phases)
+
+
 def offline_run(
     model: str,
     device: str,
@@ -74,27 +103,19 @@ def offline_run(
 ) -> dict:
     engine = {**ENGINE, "cuda_graphs": cuda_graphs, "async_scheduling": async_scheduling, **(settings or {})}
     llm = LLM(model=model, device=device, **engine)
-    arrivals = sharegpt_like(num_requests, max_len, vocab_size(model))
-    params = [SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True) for a in arrivals]
     runner = llm.engine.core.runner
     assert isinstance(runner, ModelRunner)  # one process, no parallel workers
     runner.count_device_idle_afresh()
-    summaries: list[StepSummary] = []
-    llm.engine.step_listeners.append(summaries.append)
-    started = time.perf_counter()
-    with collector_pauses() as gc_pauses, host_phases(llm.engine) as host:
-        outputs = llm.generate([a.prompt for a in arrivals], params)
-    wall_s = time.perf_counter() - started
-    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert output_tokens == sum(a.max_tokens for a in arrivals), "a request stopped short"
+    run = run_workload(llm, model, num_requests, max_len)
+    summaries, wall_s = run.summaries, run.wall_s
     decode_only = [s for s in summaries if s.shape.num_prefill_tokens == 0]
     model_s = sum(s.model_s for s in summaries)
     return {
-        "requests": len(arrivals),
-        "prompt_tokens": sum(len(a.prompt) for a in arrivals),
-        "output_tokens": output_tokens,
+        "requests": len(run.arrivals),
+        "prompt_tokens": sum(len(a.prompt) for a in run.arrivals),
+        "output_tokens": run.output_tokens,
         "wall_s": wall_s,
-        "output_tok_per_s": output_tokens / wall_s,
+        "output_tok_per_s": run.output_tokens / wall_s,
         "budget": llm.engine.config.max_num_batched_tokens,
         "max_num_seqs": llm.engine.config.max_num_seqs,
         # where the time went: steps, the model's share, decode-only steps (the ones graphs replay)
@@ -109,9 +130,9 @@ def offline_run(
         # rest is before the first step and after the last
         "device_idle_between_steps_s": runner.device_idle_between_steps_s if device == "cuda" else None,
         # of the host's time, in the garbage collector (the whole process's: it stops the step loop)
-        "gc_pause_s": sum(gc_pauses),
+        "gc_pause_s": run.gc_pause_s,
         # the step thread's seconds in each phase of the steps (bench/engine/host_phases.py)
-        "host_phases_s": {phase: host[phase] for phase in PHASES},
+        "host_phases_s": run.host_phases_s,
         "decode_only_steps": len(decode_only),
         "decode_only_s": sum(s.duration_s for s in decode_only),
         "mean_decodes_per_step": sum(s.shape.num_decodes for s in summaries) / max(1, len(summaries)),

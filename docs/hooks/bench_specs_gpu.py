@@ -253,7 +253,7 @@ def _rehearsal_spec() -> BenchSpec:
                 "When each part was measured:",
                 tuple(
                     Col(part, f"measured_at/{part}", "str")
-                    for part in ("offline", "served", "served_options")
+                    for part in ("offline", "overlap", "served", "served_options")
                 ),
             ),
             _offline(
@@ -267,6 +267,25 @@ def _rehearsal_spec() -> BenchSpec:
                 Col("requests", "requests", "int"),
                 Col("budget / at once", ("budget", "max_num_seqs"), ("int", "int")),
                 name="rehearsal_offline",
+            ),
+            Rows(
+                "rehearsal_overlap",
+                "The GPU plan's offline workload (1000 requests, lengths capped at 1024) over a stand-in"
+                " device: a thread that sleeps each step's time on an H100 (the simulator's roofline for"
+                " Llama-3-8B, its per-step overhead left out), steps in the order submitted; the host's"
+                " side is all the engine's own. `async` with async scheduling, `sync` without:",
+                "parts/overlap",
+                ("run",),
+                (
+                    Col("device idle", "device_idle_share", "pct"),
+                    Col("of it between steps", "device_idle_between_steps_s", "s"),
+                    Col("wall", "wall_s", "s"),
+                    Col("device busy", "device_busy_s", "s"),
+                    Col("steps", "steps", "int"),
+                    Col("steps in flight, at most", "most_steps_in_flight", "int"),
+                    Col("decodes a step", "mean_decodes_per_step"),
+                    Col("garbage collector", "gc_pause_s", "s"),
+                ),
             ),
             Rows(
                 "rehearsal_closed",

@@ -30,7 +30,9 @@ TILE_N = 64  # keys per loop step: several KV blocks in flight at once
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+# Triton compiles a kernel again for each new "divisible by 16" (or "is 1") of an int argument: the
+# block tables' width changes from step to step, and a compile mid-run stalls the step loop.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     query_ptr,  # [T, heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, kv_heads, head_dim]

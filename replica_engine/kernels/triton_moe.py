@@ -32,7 +32,7 @@ BLOCK_K = 64
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # a step's rows: no compile per new "divisible by 16"
 def _grouped_gemm_kernel(
     a_ptr,  # [rows of A, K]: the tokens (pass 1, each row once per slot) or [T*k, K] (pass 2)
     w_ptr,  # [E, N, K]

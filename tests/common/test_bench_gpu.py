@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu import gpu, gpu_checks, gpu_kernels, gpu_served
+from bench.gpu import gpu, gpu_checks, gpu_kernels, gpu_overlap, gpu_served
 from common.errors import InvalidRequestError
 from replica_engine import LLM, SamplingParams
 
@@ -167,3 +167,15 @@ def test_served_options_serve_each_options_app_args(tmp_path: Path, monkeypatch)
 )
 def test_a_profiles_kernels_are_grouped_by_what_they_do(kernel: str, kind: str):
     assert gpu_kernels.category(kernel) == kind
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_the_stand_in_device_runs_the_engines_own_loop(ahead: bool):
+    """bench.gpu --rehearse's overlap part: the real engine over a stand-in device (a thread
+    sleeping an H100 roofline's step times). With async scheduling the core submits a step
+    before collecting the one in flight; in synchronous steps never."""
+    engine = {"attention_backend": "auto", "max_num_batched_tokens": 256, "max_num_seqs": 8}
+    run = gpu_overlap.overlap_run("dummy:tiny-llama", 12, 40, engine, ahead)
+    assert run["requests"] == 12 and run["steps"] > 0  # every token came back (checked inside)
+    assert run["most_steps_in_flight"] == (2 if ahead else 1)
+    assert 0 < run["device_busy_s"] <= run["wall_s"]
