@@ -95,6 +95,43 @@ def test_decode_steps_through_the_padded_static_batch_give_the_same_tokens(tmp_p
     assert not llm.engine.core.runner.decode_graphs.graphs  # nothing captured on a CPU
 
 
+def test_the_fused_rotary_and_kv_write_answer_as_the_rotation_and_the_backends_write(tmp_path, monkeypatch):
+    """On a GPU one Triton launch a layer rotates q and k and writes the step's K and V into their
+    cache slots (pointwise.rotary_store_). Here it is made to apply on the CPU (the kernel
+    interpreted), in steps that mix prompt chunks and decodes: the model must answer as with the
+    CPU's rotation and the backend's write_kv, the same greedy tokens with the same logprobs."""
+    from bench.gpu.gpu_checks import random_checkpoint, random_prompts
+    from replica_engine import LLM, SamplingParams
+    from replica_engine.kernels import pointwise, triton_pointwise
+
+    checkpoint = random_checkpoint(tmp_path, "tiny-llama")
+    prompts = random_prompts((7, 19, 30), vocab_size=512)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0) for n in (3, 6, 9)]
+    settings = dict(
+        model=str(checkpoint), dtype="float32", attention_backend="triton", kv_cache_bytes=4 << 20,
+        max_num_batched_tokens=24,  # the 30-token prompt in two chunks, beside the others' decodes
+    )  # fmt: skip
+
+    def answers(llm: LLM) -> list[tuple[list[int], list[float]]]:
+        outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outputs]
+
+    expected = answers(LLM(**settings))
+    fused_rows: list[int] = []
+
+    def on_the_cpu(q, k, v, cos_sin, kv_cache, slot_mapping) -> bool:
+        triton_pointwise.rotary_store_(q, k, v, *cos_sin, *kv_cache, slot_mapping)
+        fused_rows.append(q.shape[0])
+        return True
+
+    monkeypatch.setattr(pointwise, "rotary_store_", on_the_cpu)
+    answered = answers(LLM(**settings))
+    assert fused_rows and max(fused_rows) > 1  # the fused path ran, prompt chunks included
+    assert [tokens for tokens, _ in answered] == [tokens for tokens, _ in expected]
+    for (_, logprobs), (_, expected_logprobs) in zip(answered, expected, strict=True):
+        assert logprobs == pytest.approx(expected_logprobs, abs=1e-5)
+
+
 def test_cuda_graphs_need_the_triton_backend():
     from replica_engine import LLM
 
