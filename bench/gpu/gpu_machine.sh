@@ -10,9 +10,10 @@
 # A device call carries 64 MiB: the repo (~5 MB), .whl and .rw (~50 MB) fit, named in its `carry`.
 # A call runs 10 minutes at most: split bench.gpu's parts over calls on the warm machine, e.g.
 #   run --parts exactness,steps,offline,kernels   then copy the result file back into bench/results/
-#   run --parts served,served_options             (each call keeps the file's other parts)
-# (on an H200 exactness, steps and offline took about 2 minutes together; kernels goes last: a
-# crash in its profiler costs no other part)
+#   run --parts served_options                    (each call keeps the file's other parts)
+#   run --parts served
+# (on an H200 exactness, steps and offline took about 2 minutes together and served about 400 s;
+# kernels goes last: a crash in its profiler costs no other part)
 # Ray's wheel (79 MB) goes without ray/jars (Java) and the dashboard's web client (44.6 MB). The
 # image's grpcio is 1.84.0, so grpcio-reflection is pinned to it; `zipfile -e` drops exec bits,
 # hence the chmod; --upgrade so a second call on a warm machine replaces what the first installed.
