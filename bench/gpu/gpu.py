@@ -226,8 +226,9 @@ def goals_met(result: dict, dry_run: bool, rehearse: bool = False) -> dict[str, 
     met[decode_goal] = "steps" in ran and all(
         ratio <= gpu_steps.GOAL_RATIO for batch, ratio in best.items() if batch >= gpu_steps.GOAL_MIN_BATCH
     )
-    runs = parts["offline"].values() if "offline" in ran else []
-    met["offline >= 6,600 output tok/s (the best of its runs)"] = any(
+    # at the default sizes: graphs_1024 (vLLM's sizes) says what they would give, not what we do
+    runs = [parts["offline"][name] for name in ("eager", "graphs")] if "offline" in ran else []
+    met["offline >= 6,600 output tok/s (eager or graphs at the default sizes, the better)"] = any(
         run["output_tok_per_s"] >= GOALS["offline_output_tok_per_s_min"] for run in runs
     )
     share = GOALS["offline_device_idle_share_max"]

@@ -125,9 +125,10 @@ def _gpu_served_spec(device: str) -> BenchSpec:
             ),
             *_GPU_STEPS,
             _offline(
-                _OFFLINE_CAPTION + " `graphs` runs async scheduling, `graphs_sync` synchronous steps;"
-                " the device idle is the wall time less the model's:",
-                "offline >= 6,600 output tok/s (the best of its runs)",
+                _OFFLINE_CAPTION + " `graphs` runs async scheduling, `graphs_sync` synchronous steps,"
+                " `graphs_1024` vLLM's sizes on an H100 (1,024 requests at once, a 16,384-token budget;"
+                " a run that has it); the device idle is the wall time less the model's:",
+                None,  # the goal's verdict is in the goals table: its name changed after this file's run
                 Col("device idle", "device_idle_share", "pct", goal=_IDLE_GOAL, goal_row="graphs"),
             ),
             Rows(

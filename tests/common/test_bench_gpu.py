@@ -57,7 +57,8 @@ def test_the_gpu_benchmark_rehearses_on_the_cpu(tmp_path: Path):
         profiles = kernels[f"profile_{mode}"]
         assert set(profiles) == {"decode-b1", "decode-b4"}
         assert all(p["kernels_ms_per_step"] > 0 and p["top"] for p in profiles.values()), profiles
-    assert set(parts["offline"]) == {"eager", "graphs", "graphs_sync"}
+    assert set(parts["offline"]) == {"eager", "graphs", "graphs_sync", "graphs_1024"}
+    assert parts["offline"]["graphs_1024"]["max_num_seqs"] == 1024
     assert all(run["output_tokens"] > 0 and run["steps"] > 0 for run in parts["offline"].values())
     # The mixture: both layers' experts counted (2 picks of 8 a token), eager and graphs alike.
     moe = parts["moe"]
