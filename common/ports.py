@@ -32,6 +32,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports, each free on `host` now (`""`: on every address, as a server that
+    binds 0.0.0.0 needs: a port held on any one of them would fail its bind). Distinct: ports
+    drawn one by one could repeat, and two servers would then race for one."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port(host)
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def _ephemeral_start() -> int:
     try:
         return int(_EPHEMERAL_RANGE.read_text().split()[0])

@@ -26,7 +26,7 @@ import httpx
 import yaml
 from ray._common.utils import get_ray_address_file
 
-from common.ports import free_port
+from common.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -175,12 +175,14 @@ def start(
     """A one-node cluster serving `config_path`; `cluster_env` (the tests', or BENCH_CLUSTER_ENV)
     and `env` on top of this process's for every process of the cluster (Serve's and Ray's
     settings read from the environment)."""
-    gcs_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    # free on every address, and distinct: HAProxy binds its stats port on 0.0.0.0, which a port
+    # held on any address fails (a run of make test saw "Address already in use" there)
+    gcs_port, http_port, metrics_port, *haproxy_ports = free_ports(5, host="")
     os.environ["RAY_AUTH_MODE"] = cluster_env["RAY_AUTH_MODE"]  # for this process's own driver, too
     env = {**os.environ, **cluster_env, **(env or {})}
     if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":  # its stats and metrics ports are fixed ones
-        haproxy_ports = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
-        env |= {name: str(free_port()) for name in haproxy_ports}
+        names = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+        env |= {name: str(port) for name, port in zip(names, haproxy_ports, strict=True)}
     with ray_address_file_kept():
         ray_start = subprocess.Popen(
             [
