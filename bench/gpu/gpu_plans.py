@@ -86,7 +86,7 @@ DRY_RUN = Plan(
         num_steps=3,
         kv_cache_bytes=16 << 20,
     ),
-    kernels=gpu_kernels.KernelPlan(matmul_rows=(1, 4), profiled_batches=(1, 4), num_steps=2, matmul_calls=3),
+    kernels=gpu_kernels.KernelPlan(matmul_rows=(4,), profiled_batches=(1, 4), num_steps=2, matmul_calls=1),
     model="dummy:tiny-llama",
     offline_requests=4,  # each token of both runs goes through the interpreted Triton attention
     max_len=24,
