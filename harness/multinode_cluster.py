@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from common.ports import free_port
+from common.ports import free_ports
 from harness.serve_cluster import (
     BIN,
     REPO,
@@ -129,15 +129,17 @@ def start(
     # Serve's own proxy on every node: HAProxy's stats and metrics ports are one per machine, and
     # these nodes share one.
     os.environ.update({**TEST_CLUSTER_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "0"})
-    head_port, metrics_port = free_port(), free_port()
-    head_args = {"num_cpus": node_cpus, "metrics_export_port": metrics_port, "dashboard_port": free_port()}
+    # every port the cluster's servers take, distinct (drawn one by one, two could repeat)
+    ports = free_ports(4 + 2 * len(worker_resources))
+    head_port, metrics_port, dashboard_port, gcs_port, *worker_ports = ports
+    head_args = {"num_cpus": node_cpus, "metrics_export_port": metrics_port, "dashboard_port": dashboard_port}
     if redis_address is not None:  # a restarted GCS must come back where every raylet looks for it
-        head_args.update(external_addresses=[redis_address], gcs_server_port=free_port())
+        head_args.update(external_addresses=[redis_address], gcs_server_port=gcs_port)
     cluster = Cluster(initialize_head=True, head_node_args=head_args)
     head = ClusterNode("head", cluster.head_node, _local(head_port), _local(metrics_port, "/metrics"))
     workers = []
     for i, resources in enumerate(worker_resources, start=1):
-        http_port, metrics_port = free_port(), free_port()
+        http_port, metrics_port = worker_ports[2 * i - 2 : 2 * i]
         with _environment({"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(http_port)}):
             node = cluster.add_node(num_cpus=node_cpus, resources=resources, metrics_export_port=metrics_port)
         workers.append(ClusterNode(f"worker-{i}", node, _local(http_port), _local(metrics_port, "/metrics")))

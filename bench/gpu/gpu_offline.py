@@ -86,6 +86,15 @@ class WorkloadRun:
     gc_pause_s: float  # the garbage collector's time during the run (the whole process's)
     host_phases_s: dict[str, float]  # the step thread's seconds in each phase (host_phases.py)
 
+    @property
+    def model_s(self) -> float:
+        """The steps' model (device) time, summed."""
+        return sum(s.model_s for s in self.summaries)
+
+    @property
+    def mean_decodes_per_step(self) -> float:
+        return sum(s.shape.num_decodes for s in self.summaries) / max(1, len(self.summaries))
+
 
 def run_workload(llm: LLM, model: str, num_requests: int, max_len: int) -> WorkloadRun:
     """Every request at once through `llm.generate`; checks each got all its tokens."""
@@ -120,7 +129,7 @@ def offline_run(
     run = run_workload(llm, model, num_requests, max_len)
     summaries, wall_s = run.summaries, run.wall_s
     decode_only = [s for s in summaries if s.shape.num_prefill_tokens == 0]
-    model_s = sum(s.model_s for s in summaries)
+    model_s = run.model_s
     return {
         "requests": len(run.arrivals),
         "prompt_tokens": sum(len(a.prompt) for a in run.arrivals),
@@ -146,7 +155,7 @@ def offline_run(
         "host_phases_s": run.host_phases_s,
         "decode_only_steps": len(decode_only),
         "decode_only_s": sum(s.duration_s for s in decode_only),
-        "mean_decodes_per_step": sum(s.shape.num_decodes for s in summaries) / max(1, len(summaries)),
+        "mean_decodes_per_step": run.mean_decodes_per_step,
     }
 
 

@@ -119,7 +119,7 @@ def overlap_run(model: str, num_requests: int, max_len: int, engine: dict, ahead
     llm.engine.core = core
     run = run_workload(llm, model, num_requests, max_len)
     device.close()
-    busy_s = sum(s.model_s for s in run.summaries)
+    busy_s = run.model_s
     return {
         "device": f"{DEVICE} roofline, {DEVICE_MODEL}",
         "requests": len(run.arrivals),
@@ -129,7 +129,7 @@ def overlap_run(model: str, num_requests: int, max_len: int, engine: dict, ahead
         "device_idle_share": 1 - busy_s / run.wall_s,
         "device_idle_between_steps_s": device.idle_between_steps_s,
         "most_steps_in_flight": device.most_in_flight,
-        "mean_decodes_per_step": sum(s.shape.num_decodes for s in run.summaries) / max(1, len(run.summaries)),
+        "mean_decodes_per_step": run.mean_decodes_per_step,
         "gc_pause_s": run.gc_pause_s,
         "host_phases_s": run.host_phases_s,
         # what the roofline device would give with this host: not a GPU's measurement
