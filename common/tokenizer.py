@@ -64,6 +64,9 @@ class PromptTokenizer:
     tokenizer: Tokenizer
     chat_template: jinja2.Template | None
     special_tokens: dict[str, str]  # bos_token, eos_token, ... as the template names them
+    # tokenizer_config as vLLM's /tokenizer_info shows it: tokens as text, no file paths, and the
+    # chat template in effect (what lm-eval's remote tokenizer reads)
+    settings: dict[str, Any]
     # What renders tools and tool calls: the chat template when it mentions tools, else ours for a
     # ChatML model (CHATML_TOOLS_TEMPLATE), else None (requests with tools are refused).
     tools_template: jinja2.Template | None = None
@@ -80,14 +83,14 @@ class PromptTokenizer:
             source = next((t["template"] for t in source if t.get("name") == "default"), None)
         if chat_template is not None:
             source = template_source(chat_template)
-        special = {name: _token_text(config[name]) for name in _SPECIAL_TOKENS if config.get(name)}
+        special = {name: _as_text(config[name]) for name in _SPECIAL_TOKENS if config.get(name)}
         environment = _template_environment()
         template = environment.from_string(source) if source else None
         tools_template = template if source and _MENTIONS_TOOLS.search(source) else None
         if source and tools_template is None and "<|im_start|>" in source:
             tools_template = environment.from_string(CHATML_TOOLS_TEMPLATE.read_text())
         tokenizer = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-        return cls(tokenizer, template, special, tools_template)
+        return cls(tokenizer, template, special, _settings(config, source), tools_template)
 
     @property
     def vocab_size(self) -> int:
@@ -161,6 +164,19 @@ class PromptTokenizer:
         return text[:cut] if text.startswith(_CONTINUE_MARKER, cut) else text[:cut].rstrip()
 
 
-def _token_text(token: str | dict[str, Any]) -> str:
-    """tokenizer_config writes a special token as its text or as an AddedToken dict."""
-    return token if isinstance(token, str) else token["content"]
+def _settings(config: dict[str, Any], chat_template: str | None) -> dict[str, Any]:
+    """What transformers' tokenizer was made with, as vLLM's /tokenizer_info answers it."""
+    unlisted = {"vocab_file", "merges_file", "tokenizer_file", "chat_template", "added_tokens_decoder"}
+    settings = {name: _as_text(value) for name, value in config.items() if name not in unlisted}
+    settings.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    if chat_template is not None:
+        settings["chat_template"] = chat_template
+    return settings
+
+
+def _as_text(value: Any) -> Any:
+    """A config value with each AddedToken dict in it (in lists and dicts too) as its text:
+    tokenizer_config writes a token as its text or as such a dict."""
+    if isinstance(value, dict):
+        return value["content"] if "content" in value else {k: _as_text(v) for k, v in value.items()}
+    return [_as_text(item) for item in value] if isinstance(value, list) else value

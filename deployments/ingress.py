@@ -2,7 +2,7 @@
 
 It parses and checks requests, tokenizes them (the chat template applied), decides max_tokens,
 asks a replica through a streaming DeploymentHandle with token ids, and writes OpenAI bodies or
-Server-Sent Events; vLLM's /tokenize and /detokenize answer from its tokenizer alone
+Server-Sent Events; vLLM's /tokenize, /detokenize and /tokenizer_info answer from its tokenizer alone
 (deployments/tokenize_api.py); /v1/embeddings asks a replica for pooled vectors
 (deployments/embeddings_api.py); LoRA adapters are named by `model` (deployments/lora_registry.py).
 It imports no torch (tests/common/test_common.py checks): the
@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -208,6 +208,12 @@ class Ingress:
         body = parse_body(tokenize_api.DetokenizeRequest, await self._read_body(request))
         served, _ = self._served(request, body.model)
         return tokenize_api.detokenize(served.prompts, body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(self, request: Request, model: str | None = None) -> dict[str, Any]:
+        check_api_key(request.headers.get("authorization"), self.api_keys)
+        served, _ = self._served(request, model)
+        return tokenize_api.tokenizer_info(served.prompts)
 
     @app.post("/v1/embeddings")
     async def embeddings(self, request: Request) -> embeddings_api.EmbeddingResponse:

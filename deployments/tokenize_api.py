@@ -1,6 +1,6 @@
-"""vLLM's /tokenize and /detokenize: the request and response bodies in vLLM's shapes, and their
-answers from the Ingress's PromptProcessor, so a prompt or chat tokenizes to exactly the ids the
-completion and chat endpoints send to the engine. Torch-free, like the Ingress."""
+"""vLLM's /tokenize, /detokenize and /tokenizer_info: the request and response bodies in vLLM's
+shapes, and their answers from the Ingress's PromptProcessor, so a prompt or chat tokenizes to
+exactly the ids the completion and chat endpoints send to the engine. Torch-free, like the Ingress."""
 
 from __future__ import annotations
 
@@ -99,6 +99,12 @@ def detokenize(prompts: PromptProcessor, request: DetokenizeRequest) -> Detokeni
             400, f"tokens: {unknown[:8]} are not in the vocabulary [0, {vocab_size})", param="tokens"
         )
     return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
+
+
+def tokenizer_info(prompts: PromptProcessor) -> dict[str, Any]:
+    """The tokenizer's config (its special tokens, chat template, class): lm-eval's remote
+    tokenizer reads it, with /tokenize and /detokenize, in place of a local copy of the tokenizer."""
+    return _tokenizer(prompts).settings
 
 
 def _tokenizer(prompts: PromptProcessor) -> PromptTokenizer:

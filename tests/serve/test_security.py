@@ -31,14 +31,13 @@ def secured(serve_cluster: ServeCluster, tmp_path_factory: pytest.TempPathFactor
 @pytest.mark.parametrize("authorization", [None, "Bearer wrong-key", f"Basic {KEY}", KEY])
 def test_requests_without_a_valid_key_get_401(secured: str, authorization: str | None):
     headers = {"Authorization": authorization} if authorization else {}
-    for method, path in (
-        ("POST", "/v1/completions"),
-        ("GET", "/v1/models"),
-        ("POST", "/v1/chat/completions"),
-        ("POST", "/v1/embeddings"),
-        ("POST", "/v1/load_lora_adapter"),
-        ("POST", "/v1/unload_lora_adapter"),
-    ):
+    # every route the app serves (its OpenAPI schema lists them), so a new one cannot skip the keys
+    schema = httpx.get(f"{secured}/openapi.json", timeout=30).json()
+    routes = [(method.upper(), path) for path, ops in schema["paths"].items() for method in ops]
+    assert ("GET", "/tokenizer_info") in routes and ("POST", "/v1/completions") in routes
+    for method, path in routes:
+        if path == "/health":
+            continue
         response = httpx.request(
             method, f"{secured}{path}", json={"prompt": "hi"}, headers=headers, timeout=30
         )
@@ -50,6 +49,8 @@ def test_a_valid_key_is_served_and_health_stays_open(secured: str):
     client = openai.OpenAI(base_url=f"{secured}/v1", api_key=KEY, max_retries=0)
     completion = client.completions.create(model="smollm2-135m-instruct", prompt="Hello", max_tokens=2)
     assert completion.usage.completion_tokens == 2
+    info = httpx.get(f"{secured}/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert info.status_code == 200 and info.json()["eos_token"] == "<|im_end|>"
     assert httpx.get(f"{secured}/health", timeout=30).status_code == 200
 
 

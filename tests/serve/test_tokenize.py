@@ -1,6 +1,7 @@
-"""vLLM's /tokenize and /detokenize: the answers straight from deployments.tokenize_api with the
-Ingress's PromptProcessor (no Ray), then over HTTP on the session's shared app, where the counts
-must equal what the completion and chat endpoints report as prompt_tokens."""
+"""vLLM's /tokenize, /detokenize and /tokenizer_info: the answers straight from
+deployments.tokenize_api with the Ingress's PromptProcessor (no Ray), then over HTTP on the
+session's shared app, where the counts must equal what the completion and chat endpoints report as
+prompt_tokens."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jinja2
 import pytest
 from transformers import AutoTokenizer
 
@@ -103,9 +105,36 @@ def test_chat_options_render_as_transformers_does(
     assert detokenize(prompts, answer.tokens) == expected
 
 
+def test_tokenizer_info_is_what_transformers_loads(model_dir: Path, tmp_path: Path):
+    theirs = AutoTokenizer.from_pretrained(model_dir)
+    info = tokenize_api.tokenizer_info(PromptProcessor.load(resolve_model(DEFAULT_MODEL)))
+    assert info["tokenizer_class"] == type(theirs).__name__
+    assert info["chat_template"] == theirs.chat_template
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        assert info[name] == getattr(theirs, name), name
+    assert not {"vocab_file", "merges_file", "tokenizer_file"} & set(info)
+    json.dumps(info)  # every value as JSON writes it (AddedToken dicts as their text)
+    # a served chat_template (the model setting) is the one reported
+    served = PromptTokenizer.load(model_dir, chat_template=TRIMMING_TEMPLATE)
+    assert served.settings["chat_template"] == TRIMMING_TEMPLATE
+    # tokens written as AddedToken dicts, as some models' tokenizer_config writes them, as text
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["eos_token"] = {"content": "<|im_end|>", "special": True, "lstrip": False}
+    config["additional_special_tokens"] = [{"content": "<|im_start|>", "special": True}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").symlink_to(model_dir / "tokenizer.json")
+    settings = PromptTokenizer.load(tmp_path).settings
+    assert (settings["eos_token"], settings["additional_special_tokens"]) == ("<|im_end|>", ["<|im_start|>"])
+
+
 def test_a_model_without_a_tokenizer_gets_400(prompts: PromptProcessor):
     dummy = PromptProcessor.load(resolve_model("dummy:tiny-llama"))
-    for call in (lambda: tokenize(dummy, {"prompt": "hi"}), lambda: detokenize(dummy, [1, 2])):
+    calls = (
+        lambda: tokenize(dummy, {"prompt": "hi"}),
+        lambda: detokenize(dummy, [1, 2]),
+        lambda: tokenize_api.tokenizer_info(dummy),
+    )
+    for call in calls:
         with pytest.raises(ApiError) as error:
             call()
         assert error.value.status == 400 and error.value.body["error"]["param"] == "model"
@@ -151,6 +180,30 @@ def test_tokenize_counts_what_the_endpoints_count(serve_cluster: ServeCluster, p
     text = TEXTS[1]
     tokens = httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=30).json()["tokens"]
     assert httpx.post(f"{url}/detokenize", json={"tokens": tokens}, timeout=30).json() == {"prompt": text}
+
+
+def test_tokenizer_info_serves_what_a_remote_tokenizer_needs(
+    serve_cluster: ServeCluster, prompts: PromptProcessor, model_dir: Path
+):
+    """lm-eval's remote tokenizer (tokenizer_backend=remote, which it picks on its own where the
+    server answers /tokenizer_info with an eos_token): the end-of-text id it reads is the first id
+    /tokenize gives that token, and --apply_chat_template renders the served template with jinja2."""
+    url = serve_cluster.base_url
+    answer = httpx.get(f"{url}/tokenizer_info", timeout=30)
+    assert answer.status_code == 200, answer.text
+    info = answer.json()
+    assert info == tokenize_api.tokenizer_info(prompts)
+    eos = httpx.post(f"{url}/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False})
+    assert eos.json()["tokens"][0] == AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    rendered = (
+        jinja2.Environment()
+        .from_string(info["chat_template"])
+        .render(messages=QUESTION, add_generation_prompt=True)
+    )
+    assert rendered == prompts.chat_prompt(QUESTION)[0]
+    assert httpx.get(f"{url}/tokenizer_info", params={"model": DEFAULT_MODEL}, timeout=30).json() == info
+    missing = httpx.get(f"{url}/tokenizer_info", params={"model": "gpt-4"}, timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 
 
 def test_bad_tokenize_requests_get_openai_errors(serve_cluster: ServeCluster):
