@@ -54,6 +54,8 @@ from deployments.responses import (
     Usage,
     sse_event,
 )
+from deployments.responses_api import ResponsesRequest, renamed_params
+from deployments.responses_output import ResponseShape, ResponseStream
 from deployments.served_model import ENGINE_CALL_TIMEOUT_S, ModelSettings, ServedModel
 
 if TYPE_CHECKING:  # the engine's types: this process runs no engine (unless colocated)
@@ -172,6 +174,19 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await self._read_body(request))
+        return await self._chat(request, body)
+
+    @app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API: answered as the chat completion it amounts to
+        (deployments/responses_api.py), written back in its own shapes (responses_output.py)."""
+        body = parse_body(ResponsesRequest, await self._read_body(request))
+        with renamed_params():
+            return await self._chat(request, body.chat_request(), body)
+
+    async def _chat(
+        self, request: Request, body: ChatCompletionRequest, responses: ResponsesRequest | None = None
+    ) -> Response:
         served, lora = self._served(request, body.model)
         conversation, tools = body.conversation(), body.template_tools()
         sampling = body.sampling(served.sampling_defaults, served.tool_call_parser, served.reasoning_parser)
@@ -195,6 +210,7 @@ class Ingress:
             reasoning_parser=served.reasoning_parser,
             include_reasoning=body.include_reasoning,
             model_name=body.model,
+            responses=responses,
         )
 
     @app.post("/tokenize")
@@ -280,6 +296,7 @@ class Ingress:
         reasoning_parser: str | None = None,
         include_reasoning: bool = True,
         model_name: str | None = None,
+        responses: ResponsesRequest | None = None,
     ) -> Response:
         deadline = self._deadline()
         # The router hop: this handle's `.remote` asks the deployment's RequestRouter (router/,
@@ -294,10 +311,12 @@ class Ingress:
         except BaseException:
             replica_calls.cancel(replica_call)
             raise
+        model_name = model_name or served.model_name  # as the client named it: an adapter answers as itself
+        shape = None if responses is None else ResponseShape(responses, generate.request_id, model_name)
         writer = ResponseWriter(
             endpoint,
             generate.request_id,
-            model_name or served.model_name,  # as the client named it: an adapter answers as itself
+            model_name,
             Usage(generate.n),
             body.include_usage,
             body.return_token_ids,
@@ -309,10 +328,11 @@ class Ingress:
             include_reasoning,
         )
         if body.stream:
-            events = self._events(writer, first, replies, replica_call)
+            events = self._events(writer, first, replies, replica_call, shape)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            return JSONResponse(await writer.whole(replica_calls.prepend(first, replies)))
+            whole = await writer.whole(replica_calls.prepend(first, replies))
+            return JSONResponse(whole if shape is None else shape.whole(whole))
         finally:  # a no-op once finished; aborts the request if it failed or was cancelled
             replica_calls.cancel(replica_call)
 
@@ -322,14 +342,21 @@ class Ingress:
         first: list[ChoiceDelta],
         replies: AsyncIterator[list[ChoiceDelta]],
         replica_call: DeploymentResponseGenerator,
+        shape: ResponseShape | None,
     ) -> AsyncIterator[str]:
+        batches = replica_calls.prepend(first, replies)
+        stream = None if shape is None else ResponseStream(shape)
+        events = writer.events(batches) if stream is None else stream.events(writer.chunks(batches))
         try:
-            async for event in writer.events(replica_calls.prepend(first, replies)):
+            async for event in events:
                 yield event
         except Exception as error:  # headers are sent: the failure goes in the stream
             if not isinstance(error, ApiError):
                 logger.exception("stream failed")
                 error = ApiError(500, f"internal error: {error}", error_type="server_error")
+            if stream is not None:
+                yield stream.error(error)
+                return
             yield sse_event(error.body)
             yield "data: [DONE]\n\n"
         finally:  # the client went away (CancelledError) or we are done: free the KV blocks

@@ -256,6 +256,13 @@ class ResponseWriter:
         return body
 
     async def events(self, batches: AsyncIterator[list[ChoiceDelta]]) -> AsyncIterator[str]:
+        """The chunks as Server-Sent Events, ending in [DONE]."""
+        async for chunk in self.chunks(batches):
+            yield sse_event(chunk)
+        yield "data: [DONE]\n\n"
+
+    async def chunks(self, batches: AsyncIterator[list[ChoiceDelta]]) -> AsyncIterator[dict[str, object]]:
+        """A streamed answer's chunks; with include_usage, a last one with the usage alone."""
         started: set[int] = set()
         streams: dict[int, StreamedMessage] = {}
         thoughts: dict[int, StreamedReasoning] = {}
@@ -289,22 +296,19 @@ class ResponseWriter:
                     )
                     started.add(delta.index)
             if choices:
-                yield self._event(choices)
+                yield self._chunk(choices)
         if self.include_usage:
-            yield sse_event(
-                {
-                    **self._envelope(self.endpoint.chunk_object_name),
-                    "choices": [],
-                    "usage": self.usage.as_dict(),
-                }
-            )
-        yield "data: [DONE]\n\n"
+            yield {
+                **self._envelope(self.endpoint.chunk_object_name),
+                "choices": [],
+                "usage": self.usage.as_dict(),
+            }
 
-    def _event(self, choices: Iterable[dict[str, object]]) -> str:
+    def _chunk(self, choices: Iterable[dict[str, object]]) -> dict[str, object]:
         chunk = {**self._envelope(self.endpoint.chunk_object_name), "choices": list(choices)}
         if self.include_usage:  # OpenAI: with include_usage, every other chunk says usage: null
             chunk["usage"] = None
-        return sse_event(chunk)
+        return chunk
 
 
 def sse_event(body: dict[str, object]) -> str:

@@ -205,6 +205,74 @@ def test_fuzzed_embeddings_never_get_a_5xx(fuzz_app: str, body: object):
     check(post(f"{fuzz_app}/v1/embeddings", json.dumps(body).encode()))
 
 
+response_items = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant", "developer", "robot"]),
+            "content": st.text(max_size=30),
+        },
+    )
+    | st.fixed_dictionaries(
+        {
+            "type": st.sampled_from(["function_call", "function_call_output", "reasoning", "message"]),
+            "call_id": st.sampled_from(["call_1", "call_2"]),
+        },
+        optional={
+            "name": st.sampled_from(["f", "bad name"]),
+            "arguments": st.sampled_from(["{}", "{", "3"]),
+            "output": st.text(max_size=10) | json_values,
+        },
+    )
+    | json_values,
+    max_size=4,
+)
+responses_fields = {
+    "instructions": st.text(max_size=20) | json_values,
+    "max_output_tokens": st.integers(-2, 40),
+    "temperature": st.floats(-1, 3),
+    "top_p": st.floats(-0.5, 1.5),
+    "top_logprobs": st.integers(-2, 25),
+    "include": st.lists(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content"])),
+    "stream": st.booleans(),
+    "tools": st.lists(
+        st.fixed_dictionaries(
+            {
+                "type": st.sampled_from(["function", "web_search"]),
+                "name": st.sampled_from(["f", "g", "bad name"]),
+            },
+            optional={
+                "parameters": st.sampled_from([{"type": "object"}, {"type": "frobnicate"}]) | json_values
+            },
+        ),
+        max_size=3,
+    ),
+    "tool_choice": st.sampled_from(["none", "auto", "required", "always"])
+    | st.fixed_dictionaries({"type": st.just("function"), "name": st.text(max_size=3)}),
+    "text": st.fixed_dictionaries(
+        {
+            "format": st.sampled_from([{"type": "json_object"}, {"type": "json_schema", "name": "x"}])
+            | json_values
+        }
+    ),
+    "previous_response_id": st.text(max_size=5),
+}
+responses_bodies = st.one_of(
+    st.fixed_dictionaries({"input": st.text(max_size=60) | response_items}, optional=responses_fields),
+    st.dictionaries(st.sampled_from(["input", *responses_fields]), json_values, max_size=6),
+    json_values,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(body=responses_bodies)
+def test_fuzzed_responses_never_get_a_5xx(fuzz_app: str, body: object):
+    response = post(f"{fuzz_app}/v1/responses", json.dumps(body).encode())
+    check(response)
+    if response.status_code == 200 and "text/event-stream" in response.headers["content-type"]:
+        last = response.text.strip().rsplit("\n\n", 1)[-1]  # a stream ends in its answer, not an error
+        assert last.split("\n", 1)[0] in ("event: response.completed", "event: response.incomplete"), last
+
+
 def test_the_app_serves_normally_after_the_fuzzing(fuzz_app: str):
     response = httpx.post(f"{fuzz_app}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
