@@ -13,7 +13,7 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router i
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
-from deployments.app_args import AppArgs
+from deployments.app_args import AppArgs, Disaggregation
 from deployments.disaggregated_engine import PrefillDecode
 from deployments.engine_replica import EngineReplica
 from deployments.in_process_engine import ColocatedReplica
@@ -142,11 +142,14 @@ def _replica_options(args: AppArgs, config: EngineConfig) -> dict[str, Any]:
     }
 
 
-def _engine_replicas(args: AppArgs, name: str, kv_connector: str | None = None) -> Application:
+def _engine_replicas(args: AppArgs, name: str, disaggregation: Disaggregation | None = None) -> Application:
     """A deployment of EngineReplica for one model (or one role of it)."""
     config = args.engine_config()
     replica = EngineReplica.options(name=name, **_replica_options(args, config), **_routing(args))
-    return replica.bind(config, args.served_name(), args.cpu_threads, kv_connector)
+    if disaggregation is None:
+        return replica.bind(config, args.served_name(), args.cpu_threads)
+    connector = (disaggregation.kv_connector, disaggregation.kv_ttl_s)
+    return replica.bind(config, args.served_name(), args.cpu_threads, *connector)
 
 
 def build_app(args: AppArgs) -> Application:
@@ -166,9 +169,8 @@ def build_app(args: AppArgs) -> Application:
         if model.disaggregation is None:
             engines.append((_engine_replicas(model, f"EngineReplica{suffix}"), model_settings(model, config)))
             continue
-        connector = model.disaggregation.kv_connector
         prefill, decode = (
-            _engine_replicas(model.role(role), f"{role.title()}Replica{suffix}", connector)
+            _engine_replicas(model.role(role), f"{role.title()}Replica{suffix}", model.disaggregation)
             for role in ("prefill", "decode")
         )
         pair = PrefillDecode(prefill, decode, model.disaggregation.prefill_timeout_s)

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from common.model_source import resolve_model, served_model_name
 from common.tokenizer import template_source
+from deployments.kv_connectors import DEFAULT_TTL_S
 from deployments.llm_config import args_from_llm_config
 from deployments.lora_registry import LoraSettings, check_lora_settings, parse_lora_modules
 from replica_engine import DEFAULT_MODEL, EngineConfig, SamplingParams
@@ -76,6 +77,7 @@ class Disaggregation(BaseModel):
 
     kv_connector: Literal["auto", "shared_memory", "tcp", "object_store"] = "auto"
     prefill_timeout_s: float = Field(default=30.0, gt=0)
+    kv_ttl_s: float = Field(default=DEFAULT_TTL_S, gt=0)
     prefill: dict[str, Any] = Field(default_factory=dict)
     decode: dict[str, Any] = Field(default_factory=dict)
 
@@ -300,7 +302,9 @@ class AppArgs(BaseModel):
         "model's own `request_router` does not apply to them) and "
         "autoscaling targets over the ones here. A prefill that fails, or has not answered within "
         "`prefill_timeout_s` (30), is computed by the decode replica instead, and requests skip "
-        "prefill for 5 s. Not with parallel workers",
+        "prefill for 5 s. Blocks published for a request cancelled before a decode replica fetched "
+        "them are dropped after `kv_ttl_s` (60; as vLLM's NIXL abort timeout). Not with parallel "
+        "workers",
     )
     lora_modules: dict[str, str] = Field(
         default_factory=dict,

@@ -23,7 +23,7 @@ from common.kv_transfer import KvBlocks, KvHandle, KvTransferError
 from common.messages import ChoiceDelta, Embeddings, EmbedRequest, GenerateError, GenerateRequest
 from common.routing_stats import RoutingReporter
 from common.sampling_params import SamplingParams
-from deployments.kv_connectors import make_connector
+from deployments.kv_connectors import DEFAULT_TTL_S, make_connector
 from replica_engine import (
     AsyncEngine,
     EngineConfig,
@@ -202,9 +202,11 @@ class EngineReplica:
         model_name: str,
         cpu_threads: int | None = None,
         kv_connector: str | None = None,
+        kv_ttl_s: float = DEFAULT_TTL_S,
     ) -> None:
         """`kv_connector`: prefill/decode disaggregation's (deployments/kv_connectors.py), for a
-        replica of either role; None outside it."""
+        replica of either role; None outside it. `kv_ttl_s`: how long its published blocks wait
+        for their reader."""
         # Ray sets OMP_NUM_THREADS to the actor's CPU count (often 1); the CPU engine wants its cores.
         if cpu_threads or not torch.cuda.is_available():
             torch.set_num_threads(cpu_threads or len(os.sched_getaffinity(0)))
@@ -222,7 +224,7 @@ class EngineReplica:
         if kv_connector is not None:
             node_ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
             node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else node_ip
-            self.connector = make_connector(kv_connector, node_id, node_ip)
+            self.connector = make_connector(kv_connector, node_id, node_ip, kv_ttl_s)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[list[ChoiceDelta] | GenerateError]:
         """Stream the choices' deltas; a refused request yields one GenerateError and nothing else,

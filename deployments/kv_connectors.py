@@ -8,10 +8,11 @@
 - `object_store`: Ray's object store (`ray.put`; Ray moves it between nodes); freed when the last
   handle is dropped, lost with its owner, the prefill replica's process.
 
-Published blocks wait at most `ttl_s` for their reader (a cancelled request never fetches them),
-then are dropped. Every failure to fetch is a KvTransferError: the decode replica then computes
-the prompt itself (a colocated prefill), so a lost prefill replica or node loses no request.
-Blocking calls: the replica runs them on a worker thread."""
+Published blocks wait at most `ttl_s` (the app's `disaggregation.kv_ttl_s`) for their reader (a
+cancelled request never fetches them), then are dropped. Every failure to fetch is a
+KvTransferError: the decode replica then computes the prompt itself (a colocated prefill), so a
+lost prefill replica or node loses no request. Blocking calls: the replica runs them on a worker
+thread."""
 
 from __future__ import annotations
 

@@ -232,10 +232,10 @@ def post_concurrently(url: str, body: dict, count: int) -> list[httpx.Response]:
     return asyncio.run(post_all())
 
 
-def wait_for(condition: Callable[[], bool], what: str, within_s: float = REPORT_WAIT_S) -> None:
-    deadline = time.monotonic() + within_s
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + REPORT_WAIT_S
     while not condition():
-        assert time.monotonic() < deadline, f"not within {within_s} s: {what}"
+        assert time.monotonic() < deadline, f"not within {REPORT_WAIT_S} s: {what}"
         time.sleep(0.5)
 
 

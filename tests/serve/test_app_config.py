@@ -251,6 +251,7 @@ def test_disaggregation_builds_a_prefill_and_a_decode_deployment_each_with_its_o
         num_replicas="auto",
         disaggregation={
             "kv_connector": "tcp",
+            "kv_ttl_s": 120,
             "prefill": {"num_replicas": 2, "engine": {"max_num_batched_tokens": 2048}},
             "decode": {
                 "autoscaling_config": {"min_replicas": 1, "max_replicas": 6},
@@ -265,7 +266,7 @@ def test_disaggregation_builds_a_prefill_and_a_decode_deployment_each_with_its_o
     assert (
         prefill._deployment_config.num_replicas == 2 and prefill.init_args[0].max_num_batched_tokens == 2048
     )
-    assert prefill.init_args[3] == decode.init_args[3] == "tcp"  # the connector
+    assert prefill.init_args[3:] == decode.init_args[3:] == ("tcp", 120)  # the connector, its TTL
     scaling = decode._deployment_config.autoscaling_config
     assert scaling.max_replicas == 6 and scaling.policy.policy_kwargs["target_kv_cache_usage"] == 0.8
     routers = [d._deployment_config.request_router_config.request_router_class for d in (prefill, decode)]
