@@ -106,3 +106,30 @@ def test_a_required_tool_call_and_a_schema_hold_after_the_thinking(client: opena
     }
     reasoning, content, _, finish = streamed(client, temperature=0, max_tokens=200, response_format=schema)
     assert (reasoning, json.loads(content), finish) == (THOUGHT, {"city": "Paris"}, "stop")
+
+
+def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(client: openai.OpenAI):
+    """Whole and streamed: a reasoning item with the thought, then the answer (a message, or the
+    required call), each item closed before the next opens."""
+    tool = {"type": "function", **WEATHER["function"]}
+    for fields, kinds in (
+        ({}, ["reasoning", "message"]),
+        ({"tools": [tool], "tool_choice": "required"}, ["reasoning", "function_call"]),
+    ):
+        request = {"model": model_name(client), "input": ASK, "temperature": 0, "max_output_tokens": 200}
+        whole = client.responses.create(**request, **fields)
+        events = list(client.responses.create(**request, **fields, stream=True))
+        final = events[-1].response
+        for response in (whole, final):
+            assert [item.type for item in response.output] == kinds
+            assert response.output[0].content[0].text == THOUGHT and response.status == "completed"
+        if kinds[1] == "message":
+            assert whole.output_text == final.output_text == ANSWER
+        else:
+            assert (
+                json.loads(whole.output[1].arguments)
+                == {"city": "Paris"}
+                == json.loads(final.output[1].arguments)
+            )
+        thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert thought == THOUGHT
