@@ -99,7 +99,8 @@ class ServedModel:
     def cards(self, created: int) -> list[dict[str, object]]:
         """/v1/models' entries: the model, then its adapters."""
         card = {"id": self.model_name, "object": "model", "created": created, "owned_by": "stallfree"}
-        card |= {"root": self.model_root, "parent": None}  # vLLM's fields; adapters name this parent
+        # vLLM's fields (adapters name this parent); max_model_len: the context a request may fill
+        card |= {"root": self.model_root, "parent": None, "max_model_len": self.prompts.max_model_len}
         return [card, *self.lora.cards(created)]
 
     async def pool_tokens(self) -> int | None:

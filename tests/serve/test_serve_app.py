@@ -32,6 +32,8 @@ def client(serve_cluster: ServeCluster) -> openai.OpenAI:
 
 def test_models_and_health(serve_cluster: ServeCluster, client: openai.OpenAI):
     assert [m.id for m in client.models.list()] == [MODEL]
+    (card,) = httpx.get(f"{serve_cluster.base_url}/v1/models").json()["data"]
+    assert card["max_model_len"] == 8192  # vLLM's: SmolLM2's context (serve_config.yaml sets none)
     assert httpx.get(f"{serve_cluster.base_url}/health").status_code == 200
 
 
