@@ -169,7 +169,9 @@ class Ingress:
         if body.echo:
             pairs = zip(prompts, generate.prompt_token_ids, strict=True)
             echoed = [EchoedPrompt(p if isinstance(p, str) else served.decode(ids), ids) for p, ids in pairs]
-        return await self._respond(served, generate, body, COMPLETIONS, echoed, model_name=body.model)
+        return await self._respond(
+            served, generate, body, COMPLETIONS, echoed, echo_only=body.echo_only, model_name=body.model
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -292,6 +294,7 @@ class Ingress:
         body: SamplingRequest,
         endpoint: Endpoint,
         echoed: list[EchoedPrompt] | None = None,
+        echo_only: bool = False,
         tool_calls: ToolCallReading | None = None,
         reasoning_parser: str | None = None,
         include_reasoning: bool = True,
@@ -323,6 +326,7 @@ class Ingress:
             served.logprobs_format(endpoint, body.output_logprobs is not None),
             served.logprobs_format(endpoint, body.prompt_logprobs is not None),
             echoed,
+            echo_only,
             tool_calls,
             reasoning_parser,
             include_reasoning,

@@ -206,6 +206,9 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    # 0 only with echo: the prompt alone comes back (scored: its logprobs), as OpenAI's legacy
+    # API and vLLM answer it; evaluation harnesses score prompts so
+    max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = None  # top logprobs per token (0: the chosen token's only)
     echo: bool | None = None  # the prompt comes back before the completion (its logprobs too)
 
@@ -213,10 +216,19 @@ class CompletionRequest(SamplingRequest):
     def output_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt alone."""
+        return bool(self.echo) and self.max_tokens == 0
+
     def sampling(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens: must be at least 1 (0 only with echo)", param="max_tokens")
         sampling = super().sampling(defaults)
         if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
             sampling["prompt_logprobs"] = self.logprobs  # echoed tokens come with theirs
+        if self.echo_only:  # one token is computed (the prompt's last logits), and not sent
+            sampling["max_tokens"] = 1
         return sampling
 
     def prompts(self) -> list[str | list[int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -159,10 +160,16 @@ class ResponseWriter:
     logprobs: LogprobsFormat | None = None  # set when the request asked for logprobs
     prompt_logprobs: LogprobsFormat | None = None  # set when it asked for vLLM's prompt_logprobs
     echoed: list[EchoedPrompt] | None = None  # completions with echo: each prompt, sent back first
+    echo_only: bool = False  # echo with max_tokens 0: the prompts alone (what is generated is not sent)
     tool_calls: ToolCallReading | None = None  # chat with tools: how calls are read out
     reasoning_parser: str | None = None  # chat: how reasoning is read out (common.reasoning_parsers)
     include_reasoning: bool = True  # the request's: send the reasoning read out, or drop it
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def _shown(self, delta: ChoiceDelta) -> ChoiceDelta:
+        """The delta as the answer shows it: with echo_only, without what was generated (its
+        prompt's fields and finish reason stay)."""
+        return dataclasses.replace(delta, text="", token_ids=[], logprobs=[]) if self.echo_only else delta
 
     def _echoed(self, index: int) -> EchoedPrompt | None:
         return None if self.echoed is None else self.echoed[index // self.usage.n]
@@ -222,7 +229,7 @@ class ResponseWriter:
         logprobs: dict[int, list[TokenLogprob]] = {}
         prompt_logprobs: dict[int, list[TokenLogprob]] = {}
         async for batch in batches:
-            for delta in batch:
+            for delta in map(self._shown, batch):
                 self.usage.add(delta)
                 echoed = self._echoed(delta.index) if delta.index not in texts else None
                 texts[delta.index] = texts.get(delta.index, echoed.text if echoed else "") + delta.text
@@ -268,7 +275,7 @@ class ResponseWriter:
         thoughts: dict[int, StreamedReasoning] = {}
         async for batch in batches:
             choices = []
-            for delta in batch:
+            for delta in map(self._shown, batch):
                 self.usage.add(delta)
                 first = delta.index not in started
                 calls, text, reasoning = None, delta.text, ""

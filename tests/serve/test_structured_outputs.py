@@ -144,6 +144,30 @@ def test_completion_echo_with_logprobs_scores_the_prompt(serve_cluster: ServeClu
     assert scored == pytest.approx(logprobs.token_logprobs[1:num_prompt], abs=1e-3)
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(serve_cluster: ServeCluster, client: openai.OpenAI):
+    """As OpenAI's legacy API and vLLM: the prompt comes back with its logprobs, and nothing
+    generated (how evaluation harnesses score a text); the same numbers as echo with a token."""
+    prompts = ["The capital of France is", "Two plus two"]
+    scored = client.completions.create(model=MODEL, prompt=prompts, max_tokens=0, logprobs=1, echo=True)
+    one_more = client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, logprobs=1, echo=True)
+    assert scored.usage.completion_tokens == 0
+    assert scored.usage.prompt_tokens == one_more.usage.prompt_tokens
+    for prompt, choice, longer in zip(prompts, scored.choices, one_more.choices, strict=True):
+        assert choice.text == prompt and choice.finish_reason == "length"
+        assert choice.logprobs.tokens == longer.logprobs.tokens[:-1]
+        assert choice.logprobs.token_logprobs == pytest.approx(longer.logprobs.token_logprobs[:-1], abs=1e-3)
+    stream = client.completions.create(
+        model=MODEL, prompt=prompts[0], max_tokens=0, logprobs=1, echo=True, stream=True
+    )
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    assert "".join(c.text for c in chunks) == prompts[0] and chunks[-1].finish_reason == "length"
+    assert [t for c in chunks for t in c.logprobs.tokens] == scored.choices[0].logprobs.tokens
+    refused = httpx.post(
+        f"{serve_cluster.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 0}, timeout=60
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
 def test_penalties_change_the_output(client: openai.OpenAI):
     def complete(**fields) -> str:
         return (
