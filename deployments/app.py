@@ -119,6 +119,7 @@ def model_settings(args: AppArgs, config: EngineConfig) -> ModelSettings:
         args.lora_settings(),
         args.reasoning_parser,
         args.generation_config == "auto",
+        tuple(args.served_names()[1:]),
     )
 
 

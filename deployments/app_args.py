@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from common.model_source import resolve_model, served_model_name
+from common.model_source import DEFAULT_MODEL_HUB_ID, resolve_model, served_model_name
 from common.tokenizer import template_source
 from deployments.kv_connectors import DEFAULT_TTL_S
 from deployments.llm_config import args_from_llm_config
@@ -130,8 +130,11 @@ class AppArgs(BaseModel):
         "Hugging Face cache; fetched unless `HF_HUB_OFFLINE=1`), a local Hugging Face directory, a "
         "`.gguf` file, or `dummy:<shape>`",
     )
-    served_model_name: str | None = Field(
-        default=None, description="The `model` clients send. Default: derived from `model`"
+    served_model_name: str | list[str] | None = Field(
+        default=None,
+        description="The `model` clients send. A list: each is accepted, and answers carry the "
+        "first (vLLM's `--served-model-name a b`). Default: derived from `model`; the embedded "
+        f"default also answers to its hub id, `{DEFAULT_MODEL_HUB_ID}`",
     )
     engine: dict[str, Any] = Field(
         default_factory=dict,
@@ -331,6 +334,13 @@ class AppArgs(BaseModel):
     def _lora_modules(cls, modules: object) -> dict[str, str]:
         return parse_lora_modules(modules)  # raises InvalidRequestError naming lora_modules
 
+    @field_validator("served_model_name")
+    @classmethod
+    def _some_name(cls, names: str | list[str] | None) -> str | list[str] | None:
+        if names == []:
+            raise ValueError("an empty list names nothing")
+        return names
+
     @field_validator("num_gpus")
     @classmethod
     def _one_gpu_per_worker(cls, num_gpus: float) -> float:
@@ -427,7 +437,7 @@ class AppArgs(BaseModel):
         if self.models is not None:
             if self.ingress == "colocated":
                 raise ValueError("ingress: colocated serves one model; with models, an Ingress picks one")
-            names = [args.served_name() for args in self.per_model()]
+            names = [name for args in self.per_model() for name in args.served_names()]
             twice = sorted({name for name in names if names.count(name) > 1})
             if twice:
                 raise ValueError(f"models: {twice[0]} is served twice (set served_model_name)")
@@ -526,4 +536,14 @@ class AppArgs(BaseModel):
         return config
 
     def served_name(self) -> str:
-        return self.served_model_name or served_model_name(self.model)
+        """The model's name: what /v1/models lists and answers carry."""
+        return self.served_names()[0]
+
+    def served_names(self) -> list[str]:
+        """Every name a request's `model` may give the model, its name first."""
+        if isinstance(self.served_model_name, list):
+            return self.served_model_name
+        if self.served_model_name is not None:
+            return [self.served_model_name]
+        name = served_model_name(self.model)
+        return [name, DEFAULT_MODEL_HUB_ID] if self.model == DEFAULT_MODEL else [name]

@@ -43,6 +43,7 @@ class ModelSettings:
     lora: LoraSettings = field(default_factory=LoraSettings)  # the adapters `model` may name
     reasoning_parser: str | None = None  # how chat answers' reasoning is read (common.reasoning_parsers)
     model_generation_config: bool = True  # the model's generation_config.json under sampling_defaults
+    aliases: tuple[str, ...] = ()  # more names `model` may give it (not listed by /v1/models)
 
 
 def sampling_defaults(source: ModelSource, settings: ModelSettings) -> dict[str, Any]:
@@ -76,6 +77,7 @@ class ServedModel:
         self.tool_call_parser = settings.tool_call_parser
         self.reasoning_parser = settings.reasoning_parser
         self.model_name = settings.model_name
+        self.aliases = settings.aliases
         self.lora = LoraRegistry(settings.model_name, model_config, settings.lora)
         self.model_root = settings.model  # where the model came from, as vLLM's /v1/models says
         self.sampling_defaults = sampling_defaults(source, settings)
@@ -88,13 +90,13 @@ class ServedModel:
         return isinstance(self.engine, InProcessEngine)
 
     def serves(self, model: str) -> bool:
-        """Whether `model` names this model or one of its adapters."""
-        return self.lora.knows(model)
+        """Whether `model` names this model (by its name or an alias) or one of its adapters."""
+        return model in self.aliases or self.lora.knows(model)
 
     def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter `model` names (None: the base model); 404 model_not_found if this model
         serves no such name, 400 naming `model` if its adapter's files cannot run."""
-        return self.lora.resolve(model)
+        return None if model in self.aliases else self.lora.resolve(model)
 
     def cards(self, created: int) -> list[dict[str, object]]:
         """/v1/models' entries: the model, then its adapters."""

@@ -6,7 +6,8 @@ import pydantic
 import pytest
 import yaml
 
-from deployments.app import AppArgs, build_app, replica_placement
+from common.model_source import DEFAULT_MODEL, DEFAULT_MODEL_HUB_ID
+from deployments.app import AppArgs, build_app, model_settings, replica_placement
 from deployments.placement_fit import check_fits
 from harness.serve_cluster import REPO
 
@@ -300,3 +301,18 @@ def test_disaggregation_builds_a_prefill_and_a_decode_deployment_each_with_its_o
 def test_bad_disaggregation_settings_fail_the_deploy_by_name(disaggregation: dict, named: str):
     with pytest.raises(ValueError, match=named):
         AppArgs(disaggregation=disaggregation)
+
+
+def test_served_model_names_and_the_embedded_defaults_hub_id():
+    """One name or several (vLLM's --served-model-name a b: the first is the model's name); by
+    default the embedded SmolLM2 also answers to its hub id, a set name replaces both."""
+    default = model_settings(AppArgs(), AppArgs().engine_config())
+    assert (default.model_name, default.aliases) == (DEFAULT_MODEL, (DEFAULT_MODEL_HUB_ID,))
+    several = AppArgs(served_model_name=["mine", "theirs/model"])
+    assert (several.served_name(), several.served_names()) == ("mine", ["mine", "theirs/model"])
+    assert model_settings(several, several.engine_config()).aliases == ("theirs/model",)
+    assert AppArgs(served_model_name="mine").served_names() == ["mine"]
+    with pytest.raises(ValueError, match="served_model_name"):
+        AppArgs(served_model_name=[])
+    with pytest.raises(ValueError, match="served twice"):
+        AppArgs(models=[{"served_model_name": ["a", "b"]}, {"served_model_name": "b"}])

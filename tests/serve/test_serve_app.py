@@ -34,6 +34,9 @@ def test_models_and_health(serve_cluster: ServeCluster, client: openai.OpenAI):
     assert [m.id for m in client.models.list()] == [MODEL]
     (card,) = httpx.get(f"{serve_cluster.base_url}/v1/models").json()["data"]
     assert card["max_model_len"] == 8192  # vLLM's: SmolLM2's context (serve_config.yaml sets none)
+    # its hub id names it too (not listed): a client written for `vllm serve <hub id>` works as is
+    hub = client.completions.create(model="HuggingFaceTB/SmolLM2-135M-Instruct", prompt="Hi", max_tokens=1)
+    assert hub.model == "HuggingFaceTB/SmolLM2-135M-Instruct" and hub.usage.completion_tokens == 1
     assert httpx.get(f"{serve_cluster.base_url}/health").status_code == 200
 
 
