@@ -327,6 +327,7 @@ class Ingress:
             served.logprobs_format(endpoint, body.prompt_logprobs is not None),
             echoed,
             echo_only,
+            generate.prompt_token_ids if body.return_token_ids else None,
             tool_calls,
             reasoning_parser,
             include_reasoning,

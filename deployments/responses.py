@@ -161,6 +161,9 @@ class ResponseWriter:
     prompt_logprobs: LogprobsFormat | None = None  # set when it asked for vLLM's prompt_logprobs
     echoed: list[EchoedPrompt] | None = None  # completions with echo: each prompt, sent back first
     echo_only: bool = False  # echo with max_tokens 0: the prompts alone (what is generated is not sent)
+    # with return_token_ids: each prompt's ids, sent where vLLM sends them (a completion choice's,
+    # once per chat answer), in a stream's first chunk of each
+    prompt_token_ids: list[list[int]] | None = None
     tool_calls: ToolCallReading | None = None  # chat with tools: how calls are read out
     reasoning_parser: str | None = None  # chat: how reasoning is read out (common.reasoning_parsers)
     include_reasoning: bool = True  # the request's: send the reasoning read out, or drop it
@@ -251,6 +254,7 @@ class ResponseWriter:
             "choices": choices,
             "usage": self.usage.as_dict(),
         }
+        self._add_prompt_ids(body, choices)
         if self.prompt_logprobs is not None:  # where vLLM puts it: per choice; chat, once (one prompt)
             rendered = {
                 i: self.prompt_logprobs.vllm_prompt_logprobs(found) for i, found in prompt_logprobs.items()
@@ -271,6 +275,7 @@ class ResponseWriter:
     async def chunks(self, batches: AsyncIterator[list[ChoiceDelta]]) -> AsyncIterator[dict[str, object]]:
         """A streamed answer's chunks; with include_usage, a last one with the usage alone."""
         started: set[int] = set()
+        sent_any = False
         streams: dict[int, StreamedMessage] = {}
         thoughts: dict[int, StreamedReasoning] = {}
         async for batch in batches:
@@ -296,20 +301,36 @@ class ResponseWriter:
                     sends = self.endpoint.sends(delta, first)
                 if sends:
                     logprobs = self._logprobs(delta.index, delta.logprobs, delta.prompt_logprobs, first)
-                    choices.append(
-                        self.endpoint.chunk_choice(
-                            delta, text, first, self.return_token_ids, logprobs, calls, reasoning
-                        )
+                    choice = self.endpoint.chunk_choice(
+                        delta, text, first, self.return_token_ids, logprobs, calls, reasoning
                     )
+                    choices.append(choice)
+                    if first and not self.endpoint.is_chat:
+                        self._add_prompt_ids({}, [choice])
                     started.add(delta.index)
             if choices:
-                yield self._chunk(choices)
+                chunk = self._chunk(choices)
+                if not sent_any and self.endpoint.is_chat:
+                    self._add_prompt_ids(chunk, [])
+                sent_any = True
+                yield chunk
         if self.include_usage:
             yield {
                 **self._envelope(self.endpoint.chunk_object_name),
                 "choices": [],
                 "usage": self.usage.as_dict(),
             }
+
+    def _add_prompt_ids(self, body: dict[str, object], choices: list[dict[str, object]]) -> None:
+        """The prompt's ids (return_token_ids) where vLLM puts them: chat's once, beside the
+        choices; each completion choice its own prompt's."""
+        if self.prompt_token_ids is None:
+            return
+        if self.endpoint.is_chat:
+            body["prompt_token_ids"] = self.prompt_token_ids[0]
+            return
+        for choice in choices:
+            choice["prompt_token_ids"] = self.prompt_token_ids[int(choice["index"]) // self.usage.n]  # type: ignore[call-overload]
 
     def _chunk(self, choices: Iterable[dict[str, object]]) -> dict[str, object]:
         chunk = {**self._envelope(self.endpoint.chunk_object_name), "choices": list(choices)}

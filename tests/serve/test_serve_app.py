@@ -341,3 +341,55 @@ def test_a_repeated_chat_reuses_its_prompt_from_the_prefix_cache(serve_cluster: 
         ),
         "prefix cache hits counted",
     )
+
+
+def test_return_token_ids_gives_the_prompts_and_the_answers_ids_as_vllm_does(serve_cluster: ServeCluster):
+    """Completions: each choice its prompt's ids and its own; chat: the prompt's once, beside the
+    choices. Streamed, the prompt's come in the first chunk (of each choice), and the chunks' ids
+    join up to the whole answer's."""
+    url = serve_cluster.base_url
+
+    def ids_of(body: dict[str, object]) -> list[int]:
+        return httpx.post(f"{url}/tokenize", json=body, timeout=30).json()["tokens"]
+
+    def streamed(path: str, body: dict[str, object]) -> list[dict]:
+        with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=120) as reply:
+            lines = [line[6:] for line in reply.iter_lines() if line.startswith("data: {")]
+        return [json.loads(line) for line in lines]
+
+    prompts = ["The capital of France is", "One, two,"]
+    body = {
+        "model": MODEL,
+        "prompt": prompts,
+        "n": 2,
+        "max_tokens": 5,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    whole = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    for choice in whole["choices"]:
+        assert choice["prompt_token_ids"] == ids_of({"prompt": prompts[choice["index"] // 2]})
+        assert len(choice["token_ids"]) == 5
+    chunks = streamed("/v1/completions", body)
+    for choice in whole["choices"]:
+        mine = [c for chunk in chunks for c in chunk["choices"] if c["index"] == choice["index"]]
+        assert mine[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+        assert all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
+
+    chat_body = {
+        "model": MODEL,
+        "messages": QUESTION,
+        "max_tokens": 5,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    chat = httpx.post(f"{url}/v1/chat/completions", json=chat_body, timeout=120).json()
+    assert chat["prompt_token_ids"] == ids_of({"messages": QUESTION})
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    chunks = streamed("/v1/chat/completions", chat_body)
+    assert chunks[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert all("prompt_token_ids" not in chunk for chunk in chunks[1:])
+    assert [t for chunk in chunks for c in chunk["choices"] for t in c.get("token_ids", [])] == chat[
+        "choices"
+    ][0]["token_ids"]
