@@ -11,6 +11,7 @@ With `ingress: colocated` the Ingress builds its own engine replica (in_process_
 no router, no Ray hop."""
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +38,7 @@ from deployments.logprobs_format import EchoedPrompt
 from deployments.lora_registry import (
     LoadLoraAdapterRequest,
     UnloadLoraAdapterRequest,
+    model_not_found,
 )
 from deployments.protocol import (
     ApiError,
@@ -62,6 +64,7 @@ if TYPE_CHECKING:  # the engine's types: this process runs no engine (unless col
     from replica_engine.outputs import EngineStats
 
 logger = logging.getLogger("ray.serve")
+VERSION = importlib.metadata.version("stallfree")
 
 app = FastAPI(title="stallfree", description="OpenAI-compatible LLM serving")
 SERVED: dict[str, str] = {}  # the HTTP metrics' labels, set by the process's Ingress
@@ -147,6 +150,24 @@ class Ingress:
     async def models_list(self, request: Request) -> dict[str, object]:
         check_api_key(request.headers.get("authorization"), self.api_keys)
         return {"object": "list", "data": [card for m in self.models for card in m.cards(self.created)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model_card(self, request: Request, model: str) -> dict[str, object]:
+        """OpenAI's models.retrieve: the card /v1/models lists under that id (an alias: the
+        model's own card), else 404 model_not_found."""
+        check_api_key(request.headers.get("authorization"), self.api_keys)
+        served, lora = self._served(request, model)
+        cards = served.cards(self.created)
+        wanted = served.model_name if lora is None else lora.name
+        card = next((card for card in cards if card["id"] == wanted), None)
+        if card is None:
+            raise model_not_found(model)
+        return card
+
+    @app.get("/version")
+    async def version(self) -> dict[str, str]:
+        """vLLM's: the server's version (open, as /health is)."""
+        return {"version": VERSION}
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:

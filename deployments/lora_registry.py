@@ -101,7 +101,7 @@ class UnloadLoraAdapterRequest(BaseModel):
     lora_name: str
 
 
-def _not_found(model: str) -> ApiError:
+def model_not_found(model: str) -> ApiError:
     return ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
@@ -122,7 +122,7 @@ class LoraRegistry:
             return None
         lora = self._adapter(model)
         if lora is None:
-            raise _not_found(model)
+            raise model_not_found(model)
         self._check(lora, "model")
         return lora
 

@@ -146,6 +146,12 @@ def test_models_lists_each_adapter_under_its_parent(client: openai.OpenAI, adapt
     assert cards[BASE]["parent"] is None and cards[BASE]["root"] == BASE
     assert cards["a"]["parent"] == BASE and cards["a"]["root"] == str(adapters["a"])
     assert cards["b"]["root"] == str(adapters["root"] / "b")
+    # models.retrieve: the same card, by the adapter's name or as `<base>:name`
+    assert (
+        client.models.retrieve("a").model_dump()
+        == client.models.retrieve(f"{BASE}:a").model_dump()
+        == cards["a"]
+    )
 
 
 def test_an_adapter_loaded_at_runtime_serves_until_unloaded(

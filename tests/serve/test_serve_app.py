@@ -34,6 +34,12 @@ def test_models_and_health(serve_cluster: ServeCluster, client: openai.OpenAI):
     assert [m.id for m in client.models.list()] == [MODEL]
     (card,) = httpx.get(f"{serve_cluster.base_url}/v1/models").json()["data"]
     assert card["max_model_len"] == 8192  # vLLM's: SmolLM2's context (serve_config.yaml sets none)
+    assert client.models.retrieve(MODEL).model_dump() == client.models.list().data[0].model_dump()
+    assert client.models.retrieve("HuggingFaceTB/SmolLM2-135M-Instruct").id == MODEL  # an alias: its card
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    version = httpx.get(f"{serve_cluster.base_url}/version", timeout=30)
+    assert version.status_code == 200 and version.json() == {"version": "0.1.0"}
     # its hub id names it too (not listed): a client written for `vllm serve <hub id>` works as is
     hub = client.completions.create(model="HuggingFaceTB/SmolLM2-135M-Instruct", prompt="Hi", max_tokens=1)
     assert hub.model == "HuggingFaceTB/SmolLM2-135M-Instruct" and hub.usage.completion_tokens == 1
