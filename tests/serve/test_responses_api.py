@@ -319,6 +319,12 @@ def test_a_response_is_the_chat_answer_to_the_same_conversation(client: openai.O
     assert final.type in ("response.completed", "response.incomplete")
     assert deltas == final.response.output_text == response.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    scored = client.responses.create(
+        model=MODEL, input="Name a color.", top_logprobs=2, include=["message.output_text.logprobs"], **fields
+    )
+    logprobs = scored.output[0].content[0].logprobs
+    assert len(logprobs) == scored.usage.output_tokens and all(len(p.top_logprobs) == 2 for p in logprobs)
+    assert "".join(p.token for p in logprobs) == scored.output_text
 
 
 def test_an_agents_tool_loop_runs_on_responses(client: openai.OpenAI):
