@@ -305,9 +305,9 @@ class AppArgs(BaseModel):
         "model's own `request_router` does not apply to them) and "
         "autoscaling targets over the ones here. A prefill that fails, or has not answered within "
         "`prefill_timeout_s` (30), is computed by the decode replica instead, and requests skip "
-        "prefill for 5 s. Blocks published for a request cancelled before a decode replica fetched "
-        "them are dropped after `kv_ttl_s` (60; as vLLM's NIXL abort timeout). Not with parallel "
-        "workers",
+        "prefill for 5 s. Blocks published for a request that ends before its decode replica answered "
+        "are dropped then; any left unread, after `kv_ttl_s` (60; as vLLM's NIXL abort timeout). "
+        "Not with parallel workers",
     )
     lora_modules: dict[str, str] = Field(
         default_factory=dict,

@@ -8,7 +8,9 @@ deployment.
 A prefill that fails (a lost replica or node, a full queue) or refuses costs nothing but time:
 the decode replica computes the prompt itself (a refusal it then gives itself, as colocated
 serving would). Cancelling the call cancels the prefill call in flight (its blocks are freed
-there) or the decode call; blocks published and never fetched are dropped by their publisher."""
+there) or the decode call; blocks published for a call that ends before its decode replica
+answered are dropped then (kv_connectors.discard), and any a publisher still holds unread at its
+TTL (a prefill whose answer was lost with the call)."""
 
 from __future__ import annotations
 
@@ -19,12 +21,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import ray
 from ray.serve.handle import DeploymentHandle
 
 from common.kv_transfer import KvHandle
 from common.messages import ChoiceDelta, GenerateError, GenerateRequest
 from deployments import replica_calls
 from deployments.in_process_engine import LocalMethod
+from deployments.kv_connectors import discard
 
 logger = logging.getLogger("ray.serve")
 
@@ -64,6 +68,7 @@ class DisaggregatedEngine:
         self.decode: DeploymentHandle = pair.decode
         self.prefill_timeout_s = pair.prefill_timeout_s
         self._skip_prefill_until = 0.0  # loop time
+        self._node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
     def options(self, stream: bool = False) -> Any:
         return _Streaming(self) if stream else self.decode
@@ -78,11 +83,16 @@ class DisaggregatedEngine:
         handles = await self._prefill(request) if wanted else None
         decoded = dataclasses.replace(request, kv_handles=handles)
         call = self.decode.options(stream=True).generate.remote(decoded)
+        answered = False
         try:
             async for item in call:
+                answered = True
                 yield item
         finally:
             replica_calls.cancel(call)
+            if not answered and handles:  # the decode replica may never fetch them
+                published = [handle for handle in handles if handle is not None]
+                asyncio.get_running_loop().run_in_executor(None, _discard_all, published, self._node_id)
 
     async def _prefill(self, request: GenerateRequest) -> list[KvHandle | None] | None:
         """Where a prefill replica published each prompt's blocks; None if it could not."""
@@ -100,3 +110,8 @@ class DisaggregatedEngine:
             self._skip_prefill_until = asyncio.get_running_loop().time() + PREFILL_BACKOFF_S
             return None
         return None if isinstance(result, GenerateError) else result
+
+
+def _discard_all(handles: list[KvHandle], node_id: str) -> None:
+    for handle in handles:
+        discard(handle, node_id)

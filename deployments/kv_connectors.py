@@ -8,8 +8,9 @@
 - `object_store`: Ray's object store (`ray.put`; Ray moves it between nodes); freed when the last
   handle is dropped, lost with its owner, the prefill replica's process.
 
-Published blocks wait at most `ttl_s` (the app's `disaggregation.kv_ttl_s`) for their reader (a
-cancelled request never fetches them), then are dropped. Every failure to fetch is a
+Published blocks wait at most `ttl_s` (the app's `disaggregation.kv_ttl_s`) for their reader,
+then are dropped; the Ingress drops those of a request that ended before its decode replica
+answered at once (`discard`). Every failure to fetch is a
 KvTransferError: the decode replica then computes the prompt itself (a colocated prefill), so a
 lost prefill replica or node loses no request. Blocking calls: the replica runs them on a worker
 thread."""
@@ -39,6 +40,7 @@ DEFAULT_TTL_S = 60.0
 SWEEP_EVERY_S = 5.0
 _LENGTH = struct.Struct("!q")  # a reply's byte count; -1: no such key
 _KEY_BYTES = 32  # keys are uuid4 hex
+_FETCH, _DROP = b"f", b"d"  # a TCP request's first byte: send the key's bytes, or drop them
 
 
 class KvConnector(Protocol):
@@ -114,10 +116,17 @@ class FileConnector:
             threading.Thread(target=self._send, args=(conn,), daemon=True).start()
 
     def _send(self, conn: socket.socket) -> None:
-        """One request: a key in, its bytes out (then the file is gone), or -1."""
+        """One request: a key in, its bytes out (then the file is gone), or -1; or, asked to drop
+        the key, the file gone and 0 out."""
         with conn:
             try:
+                op = _recv_exactly(conn, 1)
                 key = _recv_exactly(conn, _KEY_BYTES).decode()
+                if op == _DROP:
+                    if key.isalnum():
+                        _unlink(os.path.join(self.directory, key))
+                    conn.sendall(_LENGTH.pack(0))
+                    return
                 data = self._take(key)
                 if data is None:
                     conn.sendall(_LENGTH.pack(-1))
@@ -147,8 +156,7 @@ class FileConnector:
             for key in expired:
                 del self._deadlines[key]
         for key in expired:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.directory, key))
+            _unlink(os.path.join(self.directory, key))
 
     @property
     def num_held(self) -> int:
@@ -197,6 +205,25 @@ def _remove_orphans(root: str) -> None:
             continue
 
 
+def discard(handle: KvHandle, node_id: str) -> None:
+    """Drop published blocks no reader will fetch (their request ended first), from any process
+    on node `node_id`: the file where it is on this node, else by asking the publisher. Blocking;
+    idempotent; a publisher out of reach leaves them to its TTL."""
+    if handle.connector == "object_store":  # freed with the last handle to the object
+        return
+    if handle.path is not None and handle.node_id == node_id and handle.connector != "tcp":
+        _unlink(handle.path)
+    elif handle.address is not None:
+        with contextlib.suppress(OSError), socket.create_connection(handle.address, timeout=5) as conn:
+            conn.sendall(_DROP + handle.key.encode())
+            _recv_exactly(conn, _LENGTH.size)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 def _map_and_unlink(path: str) -> np.ndarray | None:
     """The file's bytes, mapped (the mapping outlives the name), the file removed; None if gone."""
     try:
@@ -225,7 +252,7 @@ def _ask(address: tuple[str, int], key: str, timeout_s: float) -> np.ndarray:
     """A publisher's bytes for `key`, over TCP."""
     try:
         with socket.create_connection(address, timeout=timeout_s) as conn:
-            conn.sendall(key.encode())
+            conn.sendall(_FETCH + key.encode())
             (length,) = _LENGTH.unpack(_recv_exactly(conn, _LENGTH.size))
             if length < 0:
                 raise KvTransferError(f"KV blocks {key} are gone (expired, or read already)")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from common.kv_transfer import KvBlocks, KvLayout, KvTransferError
-from deployments.kv_connectors import FileConnector, make_connector
+from deployments.kv_connectors import FileConnector, discard, make_connector
 
 LAYOUT = KvLayout(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float32", dtype_bytes=4)
 
@@ -77,6 +77,22 @@ def test_blocks_whose_time_ran_out_or_whose_publisher_stopped_cannot_be_fetched(
     assert not os.path.exists(publisher.directory)
     with pytest.raises(KvTransferError, match="could not be fetched"):
         reader.fetch(orphan, timeout_s=10)
+
+
+@pytest.mark.parametrize(("name", "same_node"), [("auto", True), ("auto", False), ("tcp", True)])
+def test_blocks_no_reader_will_fetch_are_dropped_at_once(pair, name, same_node):
+    """What the Ingress does when a request ends before its decode replica answered: the file
+    goes where it is on the caller's node, else the publisher drops it when asked; again is a
+    no-op, and a reader then finds them gone (and computes the prompt)."""
+    publisher, reader = pair(name, same_node)
+    handles = [publisher.publish(_blocks(3, seed)) for seed in range(2)]
+    discard(handles[0], reader.node_id)
+    assert publisher.num_held == 1
+    discard(handles[0], reader.node_id)
+    with pytest.raises(KvTransferError, match="gone"):
+        reader.fetch(handles[0], timeout_s=10)
+    assert np.array_equal(np.asarray(reader.fetch(handles[1], timeout_s=10).data), _blocks(3, 1).data)
+    assert publisher.num_held == 0
 
 
 def test_an_unknown_connector_is_refused_by_name():
