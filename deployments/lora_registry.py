@@ -108,8 +108,15 @@ def model_not_found(model: str) -> ApiError:
 class LoraRegistry:
     """The adapters one Ingress replica serves, by name, and the model names that reach them."""
 
-    def __init__(self, base_name: str, model_config: Mapping[str, Any], settings: LoraSettings) -> None:
+    def __init__(
+        self,
+        base_name: str,
+        model_config: Mapping[str, Any],
+        settings: LoraSettings,
+        aliases: tuple[str, ...] = (),
+    ) -> None:
         self.base_name = base_name
+        self._base_names = {base_name, *aliases}  # what names the base model (aliases: not listed)
         self.settings = settings
         self._model_config = SimpleNamespace(**model_config)  # read_adapter reads attributes
         self._adapters: dict[str, str] = dict(settings.modules)  # listed, then loaded by the API
@@ -118,7 +125,7 @@ class LoraRegistry:
     def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model), its files checked; 404
         model_not_found for a name we do not serve, 400 naming `model` for a bad adapter."""
-        if model is None or model == self.base_name:
+        if model is None or model in self._base_names:
             return None
         lora = self._adapter(model)
         if lora is None:
@@ -128,7 +135,7 @@ class LoraRegistry:
 
     def knows(self, model: str) -> bool:
         """Whether `model` names the base model or an adapter it serves (files not checked)."""
-        return model == self.base_name or self._adapter(model) is not None
+        return model in self._base_names or self._adapter(model) is not None
 
     def _adapter(self, model: str) -> LoRARequest | None:
         """The adapter `model` names (`name` or `<base>:name`), if there is one."""

@@ -254,7 +254,11 @@ class ResponseWriter:
             "choices": choices,
             "usage": self.usage.as_dict(),
         }
-        self._add_prompt_ids(body, choices)
+        if self.endpoint.is_chat:
+            body |= self._prompt_ids(0)
+        else:
+            for choice in choices:
+                choice |= self._prompt_ids(int(choice["index"]) // self.usage.n)  # type: ignore[call-overload]
         if self.prompt_logprobs is not None:  # where vLLM puts it: per choice; chat, once (one prompt)
             rendered = {
                 i: self.prompt_logprobs.vllm_prompt_logprobs(found) for i, found in prompt_logprobs.items()
@@ -304,14 +308,14 @@ class ResponseWriter:
                     choice = self.endpoint.chunk_choice(
                         delta, text, first, self.return_token_ids, logprobs, calls, reasoning
                     )
-                    choices.append(choice)
                     if first and not self.endpoint.is_chat:
-                        self._add_prompt_ids({}, [choice])
+                        choice |= self._prompt_ids(delta.index // self.usage.n)
+                    choices.append(choice)
                     started.add(delta.index)
             if choices:
                 chunk = self._chunk(choices)
                 if not sent_any and self.endpoint.is_chat:
-                    self._add_prompt_ids(chunk, [])
+                    chunk |= self._prompt_ids(0)
                 sent_any = True
                 yield chunk
         if self.include_usage:
@@ -321,16 +325,12 @@ class ResponseWriter:
                 "usage": self.usage.as_dict(),
             }
 
-    def _add_prompt_ids(self, body: dict[str, object], choices: list[dict[str, object]]) -> None:
-        """The prompt's ids (return_token_ids) where vLLM puts them: chat's once, beside the
-        choices; each completion choice its own prompt's."""
-        if self.prompt_token_ids is None:
-            return
-        if self.endpoint.is_chat:
-            body["prompt_token_ids"] = self.prompt_token_ids[0]
-            return
-        for choice in choices:
-            choice["prompt_token_ids"] = self.prompt_token_ids[int(choice["index"]) // self.usage.n]  # type: ignore[call-overload]
+    def _prompt_ids(self, prompt_index: int) -> dict[str, object]:
+        """A prompt's ids, where the request asked for them (return_token_ids): vLLM puts them on
+        each completion choice, and once beside a chat answer's choices."""
+        return (
+            {} if self.prompt_token_ids is None else {"prompt_token_ids": self.prompt_token_ids[prompt_index]}
+        )
 
     def _chunk(self, choices: Iterable[dict[str, object]]) -> dict[str, object]:
         chunk = {**self._envelope(self.endpoint.chunk_object_name), "choices": list(choices)}

@@ -40,7 +40,7 @@ class MessageItem(BaseModel):
     content: str | list[ContentPart]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return _text(self.content)
 
 
 class FunctionCallItem(BaseModel):
@@ -145,8 +145,8 @@ class ResponsesRequest(BaseModel):
         return self.top_logprobs is not None or LOGPROBS in (self.include or ())
 
     def chat_request(self) -> ChatCompletionRequest:
-        """The chat completion request this is answered as (its checks then name this body's
-        fields: see `renamed_params`)."""
+        """The chat completion request this is answered as; its checks name the chat fields, which
+        `renamed_params` renames to this body's."""
         if self.previous_response_id is not None:
             raise ApiError(
                 400,
@@ -188,9 +188,8 @@ class ResponsesRequest(BaseModel):
         text_format = self.text.format if self.text else None
         if text_format is not None and text_format.type != "text":
             fields["response_format"] = _response_format(text_format)
-        with renamed_params():
-            body = json.dumps({k: v for k, v in fields.items() if v is not None}).encode()
-            return parse_body(ChatCompletionRequest, body)
+        body = json.dumps({k: v for k, v in fields.items() if v is not None}).encode()
+        return parse_body(ChatCompletionRequest, body)
 
     def _messages(self) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
@@ -212,10 +211,12 @@ class ResponsesRequest(BaseModel):
                     messages.append(last)
                 last.setdefault("tool_calls", []).append(call)
             elif isinstance(item, FunctionCallOutputItem):
-                output = item.output
-                text = output if isinstance(output, str) else "".join(p.text for p in output)
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": text})
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
         return messages
+
+
+def _text(content: str | list[ContentPart]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
 def _response_format(text_format: TextFormat) -> dict[str, Any]:

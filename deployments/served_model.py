@@ -77,8 +77,7 @@ class ServedModel:
         self.tool_call_parser = settings.tool_call_parser
         self.reasoning_parser = settings.reasoning_parser
         self.model_name = settings.model_name
-        self.aliases = settings.aliases
-        self.lora = LoraRegistry(settings.model_name, model_config, settings.lora)
+        self.lora = LoraRegistry(settings.model_name, model_config, settings.lora, settings.aliases)
         self.model_root = settings.model  # where the model came from, as vLLM's /v1/models says
         self.sampling_defaults = sampling_defaults(source, settings)
         self._kv_pool_tokens: int | None = None  # a replica's whole KV pool, asked once
@@ -91,12 +90,12 @@ class ServedModel:
 
     def serves(self, model: str) -> bool:
         """Whether `model` names this model (by its name or an alias) or one of its adapters."""
-        return model in self.aliases or self.lora.knows(model)
+        return self.lora.knows(model)
 
     def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter `model` names (None: the base model); 404 model_not_found if this model
         serves no such name, 400 naming `model` if its adapter's files cannot run."""
-        return None if model in self.aliases else self.lora.resolve(model)
+        return self.lora.resolve(model)
 
     def cards(self, created: int) -> list[dict[str, object]]:
         """/v1/models' entries: the model, then its adapters."""

@@ -105,6 +105,14 @@ def test_model_names_resolve_to_the_base_or_an_adapter(adapters: dict[str, Path]
         assert (error["status"], error["code"], error["param"]) == (404, "model_not_found", "model"), unknown
 
 
+def test_an_alias_names_the_base_model_and_is_not_listed(adapters: dict[str, Path]):
+    settings = LoraSettings((("a", str(adapters["a"])),), None, 16, False)
+    lora = LoraRegistry(BASE, MODEL, settings, aliases=("org/base",))
+    assert lora.knows("org/base") and lora.resolve("org/base") is None
+    assert [card["id"] for card in lora.cards(0)] == ["a"]
+    assert api_error(lora.resolve, "org/other")["code"] == "model_not_found"
+
+
 def test_a_bad_adapter_is_a_400_naming_model_before_any_replica(adapters: dict[str, Path]):
     write_adapter(adapters["root"] / "wide", rank=32)
     with pytest.raises(InvalidRequestError) as caught:
