@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from replica_engine.attention.base import AttentionMetadata, DecodeRows, NullBlockWriteError
+from replica_engine.kv_cache_manager import NULL_BLOCK_ID
 from replica_engine.scheduler.plan import ScheduledBatch
 
 
@@ -58,9 +59,11 @@ def build_flat_batch(
     query_lens: list[int] = []
     seq_lens_kv: list[int] = []
     logits_indices: list[int] = []
+    cached_kv: list[int] = []  # tokens whose K/V the cache holds already (prefix_hit_end)
     for index, row in enumerate(batch.rows):  # a row's figures read once: this runs every step
         start, num_tokens, drafts = row.start_position, len(row.token_ids), row.draft_token_ids
         end = start + num_tokens
+        cached_kv.extend(range(len(input_ids), len(input_ids) + row.num_cached_kv_tokens))
         input_ids.extend(row.token_ids)
         positions.extend(range(start, end))
         if drafts:
@@ -89,6 +92,8 @@ def build_flat_batch(
     # request's block) in every layer.
     if int(slot_mapping.min()) < block_size:
         raise NullBlockWriteError(f"slot {int(slot_mapping.min())} is in the null block")
+    if cached_kv:  # recomputed, not rewritten: other requests read that block
+        slot_mapping[torch.tensor(cached_kv)] = NULL_BLOCK_ID * block_size
     cu_seqlens_q = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     cu_seqlens_q[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
     seq_lens_kv_t = torch.tensor(seq_lens_kv, dtype=torch.int32)

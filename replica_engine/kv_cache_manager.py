@@ -9,16 +9,26 @@ blocks wait in one LRU queue, head first to be reused. A full block whose K/V ha
 gets its content hash (block_hash.py) and stays findable by it while free, until allocation
 takes it from the head and drops the hash. Identical blocks are never merged: a hash maps to one
 block, and a second block computed with the same content simply stays unhashed. No step ever
-writes into a hashed block: a request's new tokens always land past its full, cached ones."""
+writes into a hashed block: a request's new tokens always land past its full, cached ones.
+
+A cached block computed for a request asking for prompt logprobs keeps them (its tokens' logprobs
+given all before them), so a later request asking for them (an evaluation harness scoring the
+choices of one question) reads the block too. Such a hit recomputes its last token, for the
+logprob of the token after it; that token's K/V write goes to the null block (flat_batch.py).
+
+A request's prompt blocks still to compute are claimed by it, by hash, from its admission until
+they are cached: a waiting request whose next block is claimed waits for it (vLLM instead hashes
+blocks as they are scheduled; here a hash still never points at K/V not yet written)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from common.block_hash import BlockHash, adapter_root, chain_block_hashes, root_hash
 from common.errors import InvalidRequestError
+from common.logprobs import TokenLogprob
 from replica_engine.request import Request
 
 NULL_BLOCK_ID = 0
@@ -50,6 +60,10 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
+    # With its hash, when computed for a request asking for prompt logprobs: those of its tokens
+    # (the first block's from its second token on), with `logprobs_top` alternatives each.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    logprobs_top: int = 0
 
 
 class KVCacheManager:
@@ -72,6 +86,7 @@ class KVCacheManager:
         self._cached: dict[BlockHash, int] = {}  # hash -> the one block holding that content
         self.num_free_cached_blocks = 0  # free blocks that still hold a hash (evictable)
         self._cached_snapshot: tuple[BlockHash, ...] | None = ()  # None: _cached changed since
+        self._claimed: dict[BlockHash, Request] = {}  # hash -> the running request computing it
 
     def cached_hashes(self) -> tuple[BlockHash, ...]:
         """Every hash the pool holds (blocks in use or cached free), copied only when it changed."""
@@ -125,15 +140,70 @@ class KVCacheManager:
 
     def find_cached_blocks(self, request: Request) -> list[int]:
         """The longest run of the request's leading full blocks that the cache holds, leaving at
-        least its last token to compute (the step must produce logits). None for a request that
-        must compute its whole prompt (prompt logprobs, mean pooling)."""
+        least its last token to compute (the step must produce logits). For a request still owed
+        prompt logprobs, only blocks that kept them (as many alternatives or more); none for one
+        that must compute its whole prompt (mean pooling)."""
         if not self.enable_prefix_caching or request.computes_whole_prompt:
             return []
-        return self.cached_run(self.block_hashes(request, (request.num_tokens - 1) // self.block_size))
+        hits = self.cached_run(self.block_hashes(request, (request.num_tokens - 1) // self.block_size))
+        if request.wants_prompt_logprobs:
+            num_top = request.sampling_params.prompt_logprobs or 0
+            kept = [self.blocks[block_id] for block_id in hits]
+            usable = next((i for i, b in enumerate(kept) if not self._has_logprobs(b, num_top)), len(hits))
+            hits = hits[:usable]
+        return hits
+
+    def num_hit_tokens(self, request: Request, num_hit_blocks: int) -> int:
+        """The tokens a hit of `num_hit_blocks` counts as computed: all of them, but the last for
+        a request still owed prompt logprobs (it computes that token for the next one's)."""
+        num_tokens = num_hit_blocks * self.block_size
+        return num_tokens - 1 if num_tokens and request.wants_prompt_logprobs else num_tokens
+
+    @staticmethod
+    def _has_logprobs(block: Block, num_top: int) -> bool:
+        return block.prompt_logprobs is not None and block.logprobs_top >= num_top
+
+    def _hit_prompt_logprobs(self, hits: list[Block], num_top: int) -> list[TokenLogprob]:
+        """The prompt logprobs the hit blocks kept, with `num_top` alternatives each."""
+        entries = [entry for block in hits for entry in block.prompt_logprobs or ()]
+        if all(block.logprobs_top == num_top for block in hits):
+            return entries
+        return [replace(entry, top=entry.top[:num_top]) for entry in entries]
+
+    def claim_prefix(self, request: Request) -> None:
+        """The request, just admitted, computes its prompt's full blocks that are not cached: a
+        waiting request sharing them waits for them (`waits_for_prefix`) instead of computing
+        them again beside it."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.block_hashes(request, (request.num_prompt_tokens - 1) // self.block_size)
+        for block_hash in hashes[request.num_hashed_blocks :]:
+            self._claimed.setdefault(block_hash, request)
+
+    def waits_for_prefix(self, request: Request, hits: list[int]) -> bool:
+        """The block after its hit is claimed by a running request computing it (with the prompt
+        logprobs it wants, if it wants them): admitted a step or more later, it reads it."""
+        hashes = request.block_hashes
+        if len(hits) >= len(hashes):
+            return False
+        owner = self._claimed.get(hashes[len(hits)])
+        if owner is None or owner is request:
+            return False
+        if request.wants_prompt_logprobs:
+            wanted = request.sampling_params.prompt_logprobs or 0
+            return owner.wants_prompt_logprobs and (owner.sampling_params.prompt_logprobs or 0) >= wanted
+        return True
+
+    def _unclaim(self, request: Request, hashes: list[BlockHash]) -> None:
+        for block_hash in hashes:
+            if self._claimed.get(block_hash) is request:
+                del self._claimed[block_hash]
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Give every full block whose K/V the request has computed its hash, so later requests
-        can find it. Only computed blocks: a hash never points at K/V still to be written."""
+        can find it. Only computed blocks: a hash never points at K/V still to be written. The
+        block found by that hash keeps the request's prompt logprobs of its tokens, if it has
+        them and the block has none (or fewer alternatives)."""
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
@@ -146,7 +216,17 @@ class KVCacheManager:
                 block.block_hash = hashes[index]
                 self._cached[hashes[index]] = block.block_id
                 self._cached_snapshot = None
+            self._keep_prompt_logprobs(request, index, self.blocks[self._cached[hashes[index]]])
+        self._unclaim(request, hashes[request.num_hashed_blocks : num_full])
         request.num_hashed_blocks = num_full
+
+    def _keep_prompt_logprobs(self, request: Request, index: int, block: Block) -> None:
+        num_top = request.sampling_params.prompt_logprobs
+        end = (index + 1) * self.block_size - 1  # request.prompt_logprobs[i] is token i + 1's
+        if num_top is None or len(request.prompt_logprobs) < end or self._has_logprobs(block, num_top):
+            return
+        block.prompt_logprobs = tuple(request.prompt_logprobs[max(0, end - self.block_size) : end])
+        block.logprobs_top = num_top
 
     def hold_prefix(self, request: Request, num_blocks: int) -> list[tuple[int, int]]:
         """Adopt K/V computed elsewhere (a prefill replica's) for the request's first `num_blocks`
@@ -188,7 +268,7 @@ class KVCacheManager:
         """Grow the request's block table to hold `num_new_tokens` more tokens, after first
         taking `cached_block_ids` (prefix-cache hits for a request holding nothing yet, whose
         tokens then count as computed). False, changing nothing, if the pool is short."""
-        num_hit_tokens = len(cached_block_ids) * self.block_size
+        num_hit_tokens = self.num_hit_tokens(request, len(cached_block_ids))
         num_new = self.num_new_blocks(request, num_hit_tokens + num_new_tokens) - len(cached_block_ids)
         if cached_block_ids:
             hits = [self.blocks[block_id] for block_id in cached_block_ids]
@@ -197,8 +277,13 @@ class KVCacheManager:
             for block in hits:
                 self._take_cached(block)
                 request.block_ids.append(block.block_id)
+            if request.wants_prompt_logprobs:
+                kept = self._hit_prompt_logprobs(hits, request.sampling_params.prompt_logprobs or 0)
+                if len(kept) > len(request.prompt_logprobs):
+                    request.prompt_logprobs = kept
             request.num_computed_tokens += num_hit_tokens
             request.num_hashed_blocks += len(hits)
+            request.prefix_hit_end = len(hits) * self.block_size
         elif num_new > len(self._free):
             return False
         if num_new > 0:  # most steps' rows fit in the blocks they hold: nothing to take
@@ -219,6 +304,7 @@ class KVCacheManager:
             del self._cached[block.block_hash]
             self._cached_snapshot = None
             block.block_hash = None
+            block.prompt_logprobs = None
             self.num_free_cached_blocks -= 1
         block.ref_count = 1
         return block_id
@@ -228,8 +314,10 @@ class KVCacheManager:
         blocks are evicted first (a shared prefix outlives its suffixes); blocks without a hash
         hold nothing reusable and go to the head, to be reused before any cached one."""
         self._release(request.block_ids)
+        self._unclaim(request, request.block_hashes)
         request.block_ids = []
         request.num_hashed_blocks = 0
+        request.prefix_hit_end = 0
         self.release_hold(request)
 
     def _release(self, block_ids: list[int]) -> None:

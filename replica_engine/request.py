@@ -53,6 +53,9 @@ class Request:
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     block_hashes: list[BlockHash] = field(default_factory=list)  # keys of its first full blocks
     num_hashed_blocks: int = 0  # of its blocks, how many leading ones the prefix cache knows
+    # Where the K/V its prefix-cache hit read ends: one past its computed tokens when it recomputes
+    # the hit's last token (for the prompt logprob of the token after it), whose K/V is not written.
+    prefix_hit_end: int = 0
     num_cached_tokens: int = 0  # prompt tokens found cached when first admitted
     num_expected_cached_tokens: int = 0  # found cached when it last entered the waiting queue
     grammar: RequestGrammar | None = None  # structured outputs: where its output is in its grammar
@@ -115,9 +118,9 @@ class Request:
 
     @property
     def computes_whole_prompt(self) -> bool:
-        """Its prompt must be computed, not read from the prefix cache: it still wants prompt
-        logprobs, or it pools every token's hidden state (mean pooling)."""
-        return self.wants_prompt_logprobs or (self.pooling is not None and self.pooling.needs_every_token)
+        """Its prompt must be computed, not read from the prefix cache: it pools every token's
+        hidden state (mean pooling)."""
+        return self.pooling is not None and self.pooling.needs_every_token
 
     def append_output_token(self, token_id: int) -> FinishReason | None:
         """Record a sampled token; return why the request is done, if it is."""

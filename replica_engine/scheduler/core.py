@@ -72,9 +72,8 @@ class Scheduler:
 
     def _expect_cache_hit(self, request: Request) -> None:
         """What the prefix cache holds of it as it queues: load reports count only the rest."""
-        request.num_expected_cached_tokens = (
-            len(self.kv_cache_manager.find_cached_blocks(request)) * self.kv_cache_manager.block_size
-        )
+        kv = self.kv_cache_manager
+        request.num_expected_cached_tokens = kv.num_hit_tokens(request, len(kv.find_cached_blocks(request)))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -251,13 +250,17 @@ class Scheduler:
         """Admit waiting requests by (priority, arrival) while budget, width and blocks last. A request
         starts from its prompt's longest cached prefix: only the rest is charged to the budget
         and the pool. Nothing new is admitted in a step that had to preempt (or, ahead, would
-        have): the pool is short."""
+        have): the pool is short. Nor is one whose prompt's next block a running request is
+        computing: the queue waits for it, to read it from the cache, not compute it twice."""
         if plan.preempted or plan.blocked:
             return
+        kv = self.kv_cache_manager
         while self.waiting and len(self.running) < self.config.max_num_seqs and plan.budget_left > 0:
             request = self.waiting.first()
-            cached_block_ids = self.kv_cache_manager.find_cached_blocks(request)
-            owed = request.num_owed_tokens - len(cached_block_ids) * self.kv_cache_manager.block_size
+            cached_block_ids = kv.find_cached_blocks(request)
+            if kv.waits_for_prefix(request, cached_block_ids):
+                return
+            owed = request.num_owed_tokens - kv.num_hit_tokens(request, len(cached_block_ids))
             if chunked:
                 num_tokens = self._chunk(plan, request, owed)
                 if num_tokens <= 0:
@@ -267,14 +270,13 @@ class Scheduler:
                 num_tokens = owed
             else:
                 return
-            if not self._adapter_fits(request) or not self.kv_cache_manager.allocate(
-                request, num_tokens, cached_block_ids
-            ):
+            if not self._adapter_fits(request) or not kv.allocate(request, num_tokens, cached_block_ids):
                 if not self.running and self._release_holds():
                     continue  # adopted blocks held for waiting requests filled the idle pool
                 return
             self.waiting.pop_first()
-            self.kv_cache_manager.release_hold(request)  # it holds what it found of them itself
+            kv.release_hold(request)  # it holds what it found of them itself
+            kv.claim_prefix(request)
             self._touch_adapter(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:

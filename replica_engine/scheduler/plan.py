@@ -137,6 +137,9 @@ class ScheduledRow:
     # A decode's draft tokens (speculative decoding), after its last token in token_ids: the step
     # samples at the last token and at each of them, and keeps drafts while they verify.
     draft_token_ids: tuple[int, ...] = ()
+    # Leading tokens whose K/V its prefix-cache hit holds: recomputed for the prompt logprob of the
+    # token after them, their K/V written to the null block, never over a shared block.
+    num_cached_kv_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -261,6 +264,7 @@ def _row(request: Request, num_tokens: int, drafts: tuple[int, ...]) -> Schedule
         pooling=request.pooling,
         lora=request.sampling_params.lora,
         draft_token_ids=drafts,
+        num_cached_kv_tokens=max(0, min(num_tokens, request.prefix_hit_end - start)),
     )
     request.num_blocks_in_runner = len(request.block_ids)
     request.num_in_flight_tokens += num_tokens

@@ -84,6 +84,14 @@ def test_a_real_token_is_never_written_into_the_null_block():
         _flat(batch)
 
 
+def test_a_recomputed_cached_token_writes_its_kv_into_the_null_block():
+    # A prefix-cache hit recomputed from its last token (for the next token's prompt logprob):
+    # that token's K/V is in a block other requests read, so the step writes it to scratch.
+    row = dataclasses.replace(_row("hit", 5, (3, 1)), start_position=3, num_cached_kv_tokens=1)
+    flat = _flat(ScheduledBatch((row,)))
+    assert flat.attention.slot_mapping.tolist() == [NULL_BLOCK_ID * 4, 4, 5, 6, 7]
+
+
 # -- the real model, aborts from other threads --------------------------------------------------
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.block_hash import chain_block_hashes, root_hash
 from common.finish_reason import FinishReason
+from common.logprobs import TokenLogprob
 from common.sampling_params import SamplingParams
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.request import Request, RequestStatus
@@ -120,6 +122,86 @@ def test_with_caching_off_nothing_is_found():
     _compute_prompt(kv, _request("a", list(range(1, 14))))
     assert kv.find_cached_blocks(_request("b", list(range(1, 14)))) == []
     assert not any(block.block_hash for block in kv.blocks)
+
+
+# -- prompt logprobs from the cache, and a prefix being computed -------------------------------
+
+
+def _scoring(request_id: str, prompt: list[int], num_top: int = 1) -> Request:
+    """A request as an evaluation harness sends one: it wants its prompt's logprobs."""
+    return Request(request_id, list(prompt), SamplingParams(max_tokens=1, prompt_logprobs=num_top))
+
+
+def _scored(prompt: list[int], num_top: int) -> list[TokenLogprob]:
+    """Prompt logprobs as the runner returns them (entry i: token i + 1), made up."""
+    return [
+        TokenLogprob(token, -i / 8, 1, tuple((token + k, -i / 8 - k) for k in range(num_top)))
+        for i, token in enumerate(prompt[1:])
+    ]
+
+
+def test_blocks_keep_the_prompt_logprobs_they_were_computed_with_for_requests_asking_for_them():
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True)
+    prompt = list(range(1, 11))  # 2 full blocks
+    a = _scoring("a", prompt, num_top=2)
+    assert kv.allocate(a, a.num_tokens)
+    a.num_computed_tokens, a.prompt_logprobs = a.num_tokens, _scored(prompt, 2)
+    kv.cache_computed_blocks(a)
+    kv.free(a)
+    b = _scoring("b", [*prompt, 11], num_top=1)
+    hits = kv.find_cached_blocks(b)
+    assert len(hits) == 2 and kv.num_hit_tokens(b, 2) == 7  # the hit's last token is recomputed
+    assert kv.allocate(b, b.num_tokens - 7, hits)
+    assert (b.num_computed_tokens, b.prefix_hit_end) == (7, 8)
+    assert b.prompt_logprobs == [replace(entry, top=entry.top[:1]) for entry in _scored(prompt, 2)[:7]]
+    assert kv.find_cached_blocks(_scoring("c", prompt, num_top=3)) == []  # more than they kept
+    plain = _request("d", prompt)  # no logprobs wanted: the whole hit counts, nothing recomputed
+    assert len(kv.find_cached_blocks(plain)) == 2 and kv.num_hit_tokens(plain, 2) == 8
+    # Blocks a request computed without prompt logprobs hold none to give
+    other = [50 + i for i in range(10)]
+    _compute_prompt(kv, _request("e", other))
+    assert kv.find_cached_blocks(_scoring("f", other)) == []
+
+
+def _step(scheduler, record_logprobs: tuple[Request, ...] = ()) -> dict[str, tuple[int, int, int]]:
+    """One step; the engine's part for `record_logprobs`: it records their chunks' logprobs. Each
+    row's (start, tokens, tokens whose K/V is cached)."""
+    batch = scheduler.schedule()
+    for request in record_logprobs:
+        request.prompt_logprobs = _scored(request.prompt_token_ids, 1)[: request.num_planned_tokens]
+    scheduler.update(batch, [5] * len(batch.sampling_rows))
+    return {r.request_id: (r.start_position, r.num_tokens, r.num_cached_kv_tokens) for r in batch.rows}
+
+
+def test_a_waiting_request_waits_for_the_prefix_a_running_one_computes_then_reads_it():
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True)
+    scheduler = SCHEDULING_POLICIES["stall_free"](SchedulerConfig(64, 8), kv)
+    context = list(range(1, 11))
+    a, b = _scoring("a", [*context, 20]), _scoring("b", [*context, 30])
+    for request in (a, b):
+        scheduler.add_request(request)
+    assert _step(scheduler, (a,)) == {"a": (0, 11, 0)}  # b waits for a's blocks ...
+    assert _step(scheduler) == {"b": (7, 4, 1)}  # ... then reads them, recomputing token 7
+    assert b.prompt_logprobs[:7] == a.prompt_logprobs[:7]
+    # A request wanting prompt logprobs does not wait for blocks computed without them
+    c, d = _request("c", [*context, 40]), _scoring("d", [*context, 50])
+    other = [60 + i for i in range(10)]
+    c.prompt_token_ids = [*other, 40]
+    d.prompt_token_ids = [*other, 50]
+    for request in (c, d):
+        scheduler.add_request(request)
+    assert _step(scheduler) == {"c": (0, 11, 0), "d": (0, 11, 0)}
+
+
+def test_a_request_waiting_for_a_prefix_goes_on_when_its_computer_is_aborted():
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True)
+    scheduler = SCHEDULING_POLICIES["stall_free"](SchedulerConfig(8, 8), kv)  # 2 steps of prefill
+    a, b = _request("a", list(range(1, 14))), _request("b", [*range(1, 13), 99])
+    for request in (a, b):
+        scheduler.add_request(request)
+    assert _step(scheduler) == {"a": (0, 8, 0)}
+    scheduler.finish_request(a, FinishReason.ABORT)  # the blocks it computed stay cached
+    assert _step(scheduler) == {"b": (8, 5, 0)}
 
 
 # -- random operation sequences through the scheduler ------------------------------------------

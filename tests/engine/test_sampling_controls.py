@@ -66,11 +66,13 @@ def test_greedy_logprobs_equal_transformers_log_softmax(exact_llm: LLM, hf_model
 def test_prompt_logprobs_are_whole_through_chunks_the_prefix_cache_and_preemption():
     llm = LLM(dtype="float32", max_num_batched_tokens=16, num_kv_blocks=10)
     prompt = "Water boils at 100 degrees Celsius at sea level. At the top of a mountain it boils lower."
-    params = SamplingParams(max_tokens=40, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
+    params = SamplingParams(max_tokens=60, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
     first = llm.generate([prompt], params)[0]
-    # the same prompt again (its blocks are cached now) and two more to force preemption
+    # the same prompt again (its blocks are cached now, with their logprobs) and two more to
+    # force preemption
     again = llm.generate([prompt, prompt + " Why?", prompt + " How?"], params)
     assert llm.engine.core.scheduler.num_preemptions > 0
+    assert again[0].num_cached_tokens == 15  # its first block, read; the 16th token recomputed
     assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == len(first.prompt_token_ids) - 1
     # The same tokens, ranks and values; values up to float rounding: without the CPU kernels
     # (no AVX-512), torch's matmuls round differently for a different batch.
@@ -80,6 +82,31 @@ def test_prompt_logprobs_are_whole_through_chunks_the_prefix_cache_and_preemptio
         assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
         assert [t for t, _ in ours.top] == [t for t, _ in theirs.top]
     assert again[0].outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_choices_scored_together_read_their_shared_context_from_the_cache():
+    # An evaluation harness scores a question's choices as one request each, sent together, with
+    # prompt logprobs (echo + logprobs): the context is computed once, the same numbers come back.
+    context = (
+        "Question: The keeper of the lighthouse climbed one hundred and twelve steps every evening, "
+        "counting them as his father had taught him, and at the top he polished the great lens until "
+        "it shone like still water. Which of these did he do next?\nAnswer:"
+    )
+    prompts = [context + choice for choice in (" He lit the lamp.", " He slept.", " He sang.", " He left.")]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    ours = LLM(dtype="float32").generate(prompts, params)
+    theirs = LLM(dtype="float32", enable_prefix_caching=False).generate(prompts, params)
+    ids = [out.prompt_token_ids for out in ours]
+    shared = next(i for i, column in enumerate(zip(*ids, strict=False)) if len(set(column)) > 1)
+    num_context_blocks = shared // 16
+    assert num_context_blocks >= 2
+    assert [out.num_cached_tokens for out in ours] == [0] + [16 * num_context_blocks - 1] * 3
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert mine.prompt_logprobs is not None and reference.prompt_logprobs is not None
+        assert len(mine.prompt_logprobs) == len(mine.prompt_token_ids) - 1
+        for a, b in zip(mine.prompt_logprobs, reference.prompt_logprobs, strict=True):
+            assert (a.token_id, a.rank, [t for t, _ in a.top]) == (b.token_id, b.rank, [t for t, _ in b.top])
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
 
 def test_constrained_outputs_follow_their_grammar_through_chunks_and_preemption():
