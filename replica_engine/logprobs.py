@@ -12,6 +12,10 @@ import torch
 
 from common.logprobs import TokenLogprob
 
+# On the CPU, rows whose logprobs are computed together: 16 rows of a 49k vocabulary stay in the
+# cache through the softmax, the rank count and top-k (620 rows at once took 4.6x as long).
+CPU_ROWS_PER_PASS = 16
+
 
 @dataclass(frozen=True)
 class LogprobTensors:
@@ -25,6 +29,14 @@ class LogprobTensors:
     @classmethod
     def of(cls, logits: torch.Tensor, targets: torch.Tensor, most: int) -> LogprobTensors:
         """Of row i of `logits`: targets[i]'s logprob and rank, and the `most` likeliest tokens."""
+        rows = CPU_ROWS_PER_PASS
+        if logits.device.type == "cpu" and len(logits) > rows:
+            parts = [
+                cls.of(logits[i : i + rows], targets[i : i + rows], most) for i in range(0, len(logits), rows)
+            ]
+            return cls(
+                *(torch.cat(tensors) for tensors in zip(*(part.tensors() for part in parts), strict=True))
+            )
         logprobs = logits.log_softmax(dim=-1)
         chosen = logprobs.gather(-1, targets[:, None])[:, 0]
         ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1

@@ -38,7 +38,9 @@ from replica_engine.parallel.place import WHOLE_MODEL, WorkerPlace
 from replica_engine.persistent_batch import PersistentBatch
 from replica_engine.scheduler.plan import SamplingRow, ScheduledBatch, ScheduledRow
 
-PROMPT_LOGPROBS_SLICE = 512  # positions per logits pass: 512 x a 128k vocabulary is 256 MB of fp32
+# Positions per logits pass: their logits, 128 x a 128k vocabulary, are 64 MB of fp32. On the CPU a
+# 620-token prompt's logits and logprobs took 0.22 s in passes of 512, 0.09 s in passes of 128.
+PROMPT_LOGPROBS_SLICE = 128
 
 
 class ModelRunner:

@@ -348,6 +348,37 @@ SERVING_SPECS: dict[str, BenchSpec] = {
             ),
         ),
     ),
+    "eval_scoring": BenchSpec(
+        "benchmarks/eval_scoring.md",
+        "An evaluation harness scoring multiple-choice questions: stallfree and vLLM CPU",
+        (
+            Rows(
+                "servers",
+                "Requests per second (median of the rounds), by requests in flight (lm-eval's"
+                " `num_concurrent`):",
+                "servers",
+                ("server",),
+                (Col("c=1", "c=1", best="max"), Col("c=8", "c=8", best="max")),
+            ),
+            Rows(
+                "ratios",
+                "stallfree's requests per second over the others' (the median of the rounds' ratios,"
+                " and each round's), and whether sharing the prefix cache changed an answer (every"
+                " question's likeliest choice, shared against nothing shared; the largest difference"
+                " in a choice's logprob):",
+                "comparisons",
+                ("requests in flight",),
+                (
+                    Col("over nothing shared", "vs_unshared", "x", goal="requests_per_s_vs_unshared_min"),
+                    Col("each round", "vs_unshared_rounds", "x", agg="each"),
+                    Col("over vLLM CPU", "vs_vllm", "x", goal="requests_per_s_vs_vllm_min"),
+                    Col("each round", "vs_vllm_rounds", "x", agg="each"),
+                    Col("same choices", "same_choices", "met", goal="same_choices_with_and_without_sharing"),
+                    Col("largest logprob difference", "max_logprob_difference", "num"),
+                ),
+            ),
+        ),
+    ),
     "lora": BenchSpec(
         "benchmarks/lora.md",
         "Four LoRA adapters beside the base model on one replica, against the base model alone",

@@ -117,3 +117,36 @@ def test_benchmark_workloads_are_the_recorded_ones(monkeypatch: pytest.MonkeyPat
         "dtype_agreement": dtype_agreement_prompts(),
     }
     assert {name: digest(workload) for name, workload in made.items()} == RECORDED
+
+
+class CharTokenizer:
+    """A stand-in that encodes each character as its code: prompts whose pieces are recognisable."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def test_eval_scorings_requests_are_a_harness_scoring_shared_contexts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # lm-eval's shape: per subject one few-shot header; per question one context; per choice one
+    # request, the context then the choice; and the answer, each question's likeliest choice.
+    from bench.serving import eval_scoring
+
+    monkeypatch.setattr("bench.text_prompts.english_text", lambda: STAND_IN_TEXT)
+    requests = eval_scoring.workload(CharTokenizer())
+    subjects, questions, choices = eval_scoring.SUBJECTS, eval_scoring.QUESTIONS, eval_scoring.CHOICES
+    assert len(requests) == subjects * questions * len(choices)
+    for first in range(0, len(requests), len(choices)):
+        group = requests[first : first + len(choices)]
+        assert len({r.question for r in group}) == 1
+        assert all(r.prompt[: r.context_len] == group[0].prompt[: group[0].context_len] for r in group)
+        assert ["".join(map(chr, r.prompt[r.context_len :])) for r in group] == list(choices)
+    per_subject = questions * len(choices)
+    for subject in range(subjects):
+        contexts = [r.prompt for r in requests[subject * per_subject : (subject + 1) * per_subject]]
+        header = "".join(map(chr, contexts[0])).split("Answer:")[: eval_scoring.SHOTS]
+        assert all("".join(map(chr, c)).split("Answer:")[: eval_scoring.SHOTS] == header for c in contexts)
+    logprobs = [-1.0, -0.5, -2.0, -3.0] * subjects * questions
+    logprobs[4:8] = [-4.0, -3.0, -2.0, -0.1]
+    assert eval_scoring.choices(requests, logprobs)[:3] == [1, 3, 1]
