@@ -17,8 +17,9 @@ choices of one question) reads the block too. Such a hit recomputes its last tok
 logprob of the token after it; that token's K/V write goes to the null block (flat_batch.py).
 
 A request's prompt blocks still to compute are claimed by it, by hash, from its admission until
-they are cached: a waiting request whose next block is claimed waits for it (vLLM instead hashes
-blocks as they are scheduled; here a hash still never points at K/V not yet written)."""
+they are cached: a waiting request whose next block is claimed waits for it, passed over by
+admission (vLLM instead hashes blocks as they are scheduled; here a hash still never points at K/V
+not yet written)."""
 
 from __future__ import annotations
 

@@ -350,7 +350,7 @@ SERVING_SPECS: dict[str, BenchSpec] = {
     ),
     "eval_scoring": BenchSpec(
         "benchmarks/eval_scoring.md",
-        "An evaluation harness scoring multiple-choice questions: stallfree and vLLM CPU",
+        "Multiple-choice scoring as lm-eval sends it, beside vLLM CPU",
         (
             Rows(
                 "servers",
@@ -373,7 +373,7 @@ SERVING_SPECS: dict[str, BenchSpec] = {
                     Col("each round", "vs_unshared_rounds", "x", agg="each"),
                     Col("over vLLM CPU", "vs_vllm", "x", goal="requests_per_s_vs_vllm_min"),
                     Col("each round", "vs_vllm_rounds", "x", agg="each"),
-                    Col("same choices", "same_choices", "met", goal="same_choices_with_and_without_sharing"),
+                    Col("same choices", "same_choices", "yes", goal="same_choices_with_and_without_sharing"),
                     Col("largest logprob difference", "max_logprob_difference", "num"),
                 ),
             ),

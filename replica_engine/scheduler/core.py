@@ -250,16 +250,24 @@ class Scheduler:
         """Admit waiting requests by (priority, arrival) while budget, width and blocks last. A request
         starts from its prompt's longest cached prefix: only the rest is charged to the budget
         and the pool. Nothing new is admitted in a step that had to preempt (or, ahead, would
-        have): the pool is short. Nor is one whose prompt's next block a running request is
-        computing: the queue waits for it, to read it from the cache, not compute it twice."""
+        have): the pool is short. A request whose prompt's next block a running request is
+        computing is passed over (parked) until it is computed, to read it from the cache rather
+        than compute it twice; the queue behind it goes on (vLLM passes over requests waiting
+        for remote K/V so)."""
         if plan.preempted or plan.blocked:
             return
         kv = self.kv_cache_manager
-        while self.waiting and len(self.running) < self.config.max_num_seqs and plan.budget_left > 0:
-            request = self.waiting.first()
+        parked = 0  # of the waiting queue's first requests, how many wait for a prefix
+        while (
+            len(self.waiting) > parked
+            and len(self.running) < self.config.max_num_seqs
+            and plan.budget_left > 0
+        ):
+            request = self.waiting.at(parked)
             cached_block_ids = kv.find_cached_blocks(request)
             if kv.waits_for_prefix(request, cached_block_ids):
-                return
+                parked += 1
+                continue
             owed = request.num_owed_tokens - kv.num_hit_tokens(request, len(cached_block_ids))
             if chunked:
                 num_tokens = self._chunk(plan, request, owed)
@@ -274,7 +282,7 @@ class Scheduler:
                 if not self.running and self._release_holds():
                     continue  # adopted blocks held for waiting requests filled the idle pool
                 return
-            self.waiting.pop_first()
+            self.waiting.remove(request)
             kv.release_hold(request)  # it holds what it found of them itself
             kv.claim_prefix(request)
             self._touch_adapter(request)

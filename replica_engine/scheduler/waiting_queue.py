@@ -1,5 +1,5 @@
 """The waiting queue, in admission order: lower priority value first, then arrival (vLLM's priority
-policy). Kept sorted as requests enter, so a step reads and pops its front in O(1)."""
+policy). Kept sorted as requests enter, so a step reads and takes requests from its front."""
 
 from __future__ import annotations
 
@@ -42,15 +42,12 @@ class WaitingQueue:
         else:
             queue.insert(bisect.bisect_right(queue, key, key=admission_key), request)
 
-    def first(self) -> Request:
-        return self._requests[0]
-
-    def pop_first(self) -> Request:
-        request = self._requests.popleft()
-        self.num_pending_tokens -= self._pending.pop(request)
-        return request
+    def at(self, index: int) -> Request:
+        """The request `index` places from the front (0: the next to admit)."""
+        return self._requests[index]
 
     def remove(self, request: Request) -> None:
+        """Out of the queue: admitted (from near the front: the search stops there) or aborted."""
         self._requests.remove(request)
         self.num_pending_tokens -= self._pending.pop(request)
 
