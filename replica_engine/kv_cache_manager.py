@@ -184,10 +184,19 @@ class KVCacheManager:
     def waits_for_prefix(self, request: Request, hits: list[int]) -> bool:
         """The block after its hit is claimed by a running request computing it (with the prompt
         logprobs it wants, if it wants them): admitted a step or more later, it reads it."""
+        return self._computed_for(request, len(hits))
+
+    def num_expected_hit_blocks(self, request: Request) -> int:
+        """The blocks it will read: those the cache holds, then those being computed for it."""
+        num_blocks = len(self.find_cached_blocks(request))
+        while self._computed_for(request, num_blocks):
+            num_blocks += 1
+        return num_blocks
+
+    def _computed_for(self, request: Request, index: int) -> bool:
+        """Its block `index` is claimed by another running request, which computes what it wants."""
         hashes = request.block_hashes
-        if len(hits) >= len(hashes):
-            return False
-        owner = self._claimed.get(hashes[len(hits)])
+        owner = self._claimed.get(hashes[index]) if index < len(hashes) else None
         if owner is None or owner is request:
             return False
         if request.wants_prompt_logprobs:

@@ -71,9 +71,10 @@ class Scheduler:
         self.waiting.push(request)
 
     def _expect_cache_hit(self, request: Request) -> None:
-        """What the prefix cache holds of it as it queues: load reports count only the rest."""
+        """What the prefix cache holds of it as it queues, or will once running requests have
+        computed it: load reports count only the rest."""
         kv = self.kv_cache_manager
-        request.num_expected_cached_tokens = kv.num_hit_tokens(request, len(kv.find_cached_blocks(request)))
+        request.num_expected_cached_tokens = kv.num_hit_tokens(request, kv.num_expected_hit_blocks(request))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)

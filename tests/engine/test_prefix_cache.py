@@ -284,6 +284,14 @@ def test_waiting_requests_are_reported_net_of_what_the_cache_holds_as_they_queue
     b = _request("b", [*range(1, 17), 99, 98])  # shares a's first 16 tokens
     scheduler.add_request(b)
     assert b.num_expected_cached_tokens == 16 and b.num_owed_tokens - b.num_expected_cached_tokens == 2
+    # ... and whose prefix a running request is computing, only the rest of that, too
+    chunked = SCHEDULING_POLICIES["stall_free"](SchedulerConfig(8, 8), KVCacheManager(16, BLOCK, True))
+    c = _request("c", list(range(40, 57)))  # 17 tokens: computed 8 a step
+    chunked.add_request(c)
+    chunked.update(batch := chunked.schedule(), [5] * len(batch.sampling_rows))  # blocks 0-1 cached
+    d = _request("d", [*range(40, 56), 99])  # blocks 2-3: c's, still to compute
+    chunked.add_request(d)
+    assert d.num_expected_cached_tokens == 16 and chunked.waiting.num_pending_tokens == 1
 
 
 def test_a_running_request_still_prefilling_reports_the_rest_of_its_prompt_as_pending():
