@@ -273,6 +273,80 @@ def test_random_operations_keep_the_pool_consistent(operations, num_blocks, budg
     assert kv.allocate(whole_pool, whole_pool.num_tokens)  # every block usable again
 
 
+def _truth(prompt: list[int], position: int, num_top: int) -> TokenLogprob:
+    """A made-up prompt logprob of the token at `position`, a function of the tokens up to it (as
+    a model's is), so a block's logprobs are the same whoever computed them."""
+    key = hash(tuple(prompt[: position + 1])) % 1000
+    return TokenLogprob(
+        prompt[position], -key / 100, key % 7 + 1, tuple((k, -k / 10) for k in range(num_top))
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "add", "add", "step", "step", "step", "abort"]),
+            st.integers(0, len(PREFIXES) - 1),
+            st.lists(st.integers(100, 103), min_size=1, max_size=6),  # the suffix: often the same
+            st.sampled_from([None, None, 0, 1, 2]),  # prompt_logprobs
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    st.integers(6, 24),
+    st.sampled_from([4, 8, 64]),
+)
+def test_prompt_logprobs_come_whole_and_right_through_hits_parking_preemption_and_aborts(
+    operations, num_blocks, budget
+):
+    # The engine's part played here: each step's rows that want prompt logprobs get them (made-up
+    # values, a function of the prefix) before the update. Every request that finishes has its
+    # prompt's logprobs, each once and right; no claim outlives its requests; the pool stays whole.
+    kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=True)
+    scheduler = SCHEDULING_POLICIES["stall_free"](SchedulerConfig(budget, 8), kv)
+    requests: list[Request] = []
+
+    def step() -> None:
+        batch = scheduler.schedule()
+        for row in batch.rows:
+            request = scheduler.requests[row.request_id]
+            wanted = row.prompt_logprobs
+            if wanted is not None:
+                first = row.start_position + wanted.offset + 1
+                assert first == len(request.prompt_logprobs) + 1  # each once, in order
+                request.prompt_logprobs += [
+                    _truth(request.prompt_token_ids, first + i, wanted.num_top)
+                    for i in range(len(wanted.targets))
+                ]
+        scheduler.update(batch, [5] * len(batch.sampling_rows))
+        _check_invariants(kv, list(scheduler.running))
+
+    for index, (operation, prefix, suffix, num_top) in enumerate(operations):
+        prompt = PREFIXES[prefix] + suffix
+        if operation == "add" and len(prompt) + 2 <= num_blocks * BLOCK:
+            params = SamplingParams(max_tokens=2, prompt_logprobs=num_top)
+            requests.append(Request(f"r{index}", prompt, params))
+            scheduler.add_request(requests[-1])
+        elif operation == "abort" and scheduler.requests:
+            victim = scheduler.requests[sorted(scheduler.requests)[prefix % len(scheduler.requests)]]
+            scheduler.finish_request(victim, FinishReason.ABORT)
+        elif operation == "step":
+            step()
+    for _ in range(5000):  # every request is done in far fewer steps, unless one waits for ever
+        if not scheduler.has_unfinished_requests():
+            break
+        step()
+    assert not scheduler.has_unfinished_requests(), "a request never finished"
+    assert not kv._claimed
+    for request in requests:
+        num_top = request.sampling_params.prompt_logprobs
+        if request.finish_reason is FinishReason.ABORT or num_top is None:
+            continue
+        prompt = request.prompt_token_ids
+        assert request.prompt_logprobs == [_truth(prompt, p, num_top) for p in range(1, len(prompt))]
+
+
 def test_waiting_requests_are_reported_net_of_what_the_cache_holds_as_they_queue():
     # Routers read the waiting prompt tokens as load a replica has yet to compute: a request whose
     # prefix is cached adds only the rest (else a tenant's queued turns look like full prompts).
