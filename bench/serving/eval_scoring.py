@@ -103,7 +103,7 @@ class Server:
     name: str
     url: str  # .../v1/completions
     model: str
-    salt: Callable[[], str | None]  # a request's cache_salt: per run, per request, or none
+    salt: Callable[[str], str | None]  # a request's cache_salt, given its run's: that, its own, or none
 
 
 async def _score(http: aiohttp.ClientSession, server: Server, request: Scored, salt: str | None) -> float:
@@ -121,15 +121,14 @@ async def _score(http: aiohttp.ClientSession, server: Server, request: Scored, s
 
 async def _run(server: Server, requests: list[Scored], concurrency: int) -> dict:
     """Every request, `concurrency` in flight in lm-eval's order: requests/s and each one's logprob."""
-    run_salt = server.salt()
+    run_salt = f"run-{uuid.uuid4().hex}"
     queue = list(enumerate(requests))
     logprobs = [0.0] * len(requests)
 
     async def worker(http: aiohttp.ClientSession) -> None:
         while queue:
             index, request = queue.pop(0)
-            salt = run_salt if run_salt != "per request" else uuid.uuid4().hex
-            logprobs[index] = await _score(http, server, request, salt)
+            logprobs[index] = await _score(http, server, request, server.salt(run_salt))
 
     started = time.monotonic()
     async with client_session(TIMEOUT_S, connections=concurrency) as http:
@@ -175,11 +174,11 @@ def main(argv: list[str] | None = None) -> None:
         cluster.wait_ready()
         ours_url = f"{cluster.base_url}/v1/completions"
         servers = [
-            Server(OURS, ours_url, "smollm2-135m-instruct", lambda: f"run-{uuid.uuid4().hex}"),
-            Server(UNSHARED, ours_url, "smollm2-135m-instruct", lambda: "per request"),
+            Server(OURS, ours_url, "smollm2-135m-instruct", lambda run: run),
+            Server(UNSHARED, ours_url, "smollm2-135m-instruct", lambda run: uuid.uuid4().hex),
         ]
         if with_vllm:
-            servers.append(Server(VLLM_CACHED.name, VLLM_CACHED.url, "vllm-cpu", lambda: None))
+            servers.append(Server(VLLM_CACHED.name, VLLM_CACHED.url, "vllm-cpu", lambda run: None))
         asyncio.run(_run(servers[0], requests[:8], 1))  # warm-up: first requests pay one-time costs
         runs: dict[tuple[str, int], list[dict]] = {}
         for round_index in range(args.rounds):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 from dataclasses import replace
 
 from hypothesis import given, settings
@@ -227,6 +228,16 @@ def _check_invariants(kv: KVCacheManager, live: list[Request]) -> None:
     )
 
 
+def _finish_all(scheduler, step: Callable[[], None]) -> None:
+    """Step until every request is done: in far fewer steps than this bound, unless one waits for
+    ever (parked on a prefix nobody computes), which then fails the test instead of hanging it."""
+    for _ in range(5000):
+        if not scheduler.has_unfinished_requests():
+            return
+        step()
+    raise AssertionError("a request never finished")
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(
@@ -264,9 +275,12 @@ def test_random_operations_keep_the_pool_consistent(operations, num_blocks, budg
                 assert request.num_cached_tokens % BLOCK == 0
                 assert request.num_cached_tokens < request.num_prompt_tokens
         _check_invariants(kv, list(scheduler.running))
-    while scheduler.has_unfinished_requests():
+
+    def step() -> None:
         scheduler.update(batch := scheduler.schedule(), [5] * len(batch.sampling_rows))
         _check_invariants(kv, list(scheduler.running))
+
+    _finish_all(scheduler, step)
     assert all(request.status is RequestStatus.FINISHED for request in requests)
     assert kv.num_free_blocks == kv.num_blocks
     whole_pool = _request("whole", [200 + i % 50 for i in range(num_blocks * BLOCK)], max_tokens=1)
@@ -333,11 +347,7 @@ def test_prompt_logprobs_come_whole_and_right_through_hits_parking_preemption_an
             scheduler.finish_request(victim, FinishReason.ABORT)
         elif operation == "step":
             step()
-    for _ in range(5000):  # every request is done in far fewer steps, unless one waits for ever
-        if not scheduler.has_unfinished_requests():
-            break
-        step()
-    assert not scheduler.has_unfinished_requests(), "a request never finished"
+    _finish_all(scheduler, step)
     assert not kv._claimed
     for request in requests:
         num_top = request.sampling_params.prompt_logprobs
