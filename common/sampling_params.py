@@ -51,6 +51,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) ends the text
+    skip_special_tokens: bool = True  # special tokens have no text
     # Not sampling, but per request all the same: requests share prefix-cache blocks only with
     # requests of the same salt (vLLM's cache_salt), so tenants cannot read each other's TTFT.
     cache_salt: str | None = None
@@ -97,6 +99,9 @@ class SamplingParams:
             raise InvalidRequestError("cache_salt", "must be a non-empty string")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", "must be a list of non-negative integers")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(name, f"must be true or false, got {getattr(self, name)!r}")
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:

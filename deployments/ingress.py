@@ -138,6 +138,7 @@ class Ingress:
         return await self.models[0].engine.record_autoscaling_stats.remote()
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name for the same check
     async def health(self) -> Response:
         try:
             for served in self.models:
@@ -211,13 +212,12 @@ class Ingress:
         self, request: Request, body: ChatCompletionRequest, responses: ResponsesRequest | None = None
     ) -> Response:
         served, lora = self._served(request, body.model)
-        conversation, tools = body.conversation(), body.template_tools()
+        conversation = body.conversation()
         sampling = body.sampling(served.sampling_defaults, served.tool_call_parser, served.reasoning_parser)
         sampling["lora"] = lora
         pool_tokens = await served.pool_tokens()
-        template = {"tools": tools, "template_kwargs": body.chat_template_kwargs}
         generate = served.generate_request(
-            sampling, pool_tokens, conversation=conversation, template=template
+            sampling, pool_tokens, conversation=conversation, template=body.template()
         )
         # calls are read out of the answer only where the grammar shaped them (tool_choice not none)
         mode, calls = body.tool_mode, None

@@ -51,6 +51,28 @@ _NO_OP_VALUES: dict[str, tuple[object, ...]] = {
     "echo": (False,),  # chat (vLLM's chat echo repeats the last message: not implemented)
     "suffix": ("",),
     "best_of": (1,),
+    # vLLM's, not implemented here
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "truncate_prompt_tokens": (),
+    "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,),
+    "chat_template": (),  # chat (the server's `chat_template` setting sets it for every request)
+    "documents": (),
+    "prompt_embeds": (),
+    "logits_processors": (),
+    "vllm_xargs": ({},),
+    "guided_whitespace_pattern": (),
+}
+# vLLM's older spellings of structured_outputs' kinds (vLLM 0.12 dropped them and now ignores
+# them, which leaves output unconstrained; here they still constrain it)
+GUIDED_KINDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
 }
 
 
@@ -95,7 +117,7 @@ class StructuredOutputsRequest(BaseModel):
     grammar: str | None = None
     disable_any_whitespace: bool | None = None
 
-    def structured_outputs(self) -> StructuredOutputs:
+    def structured_outputs(self, param: str = "structured_outputs") -> StructuredOutputs:
         schema = self.json_
         return StructuredOutputs(
             json=schema if isinstance(schema, str) or schema is None else json.dumps(schema),
@@ -104,6 +126,7 @@ class StructuredOutputsRequest(BaseModel):
             choice=None if self.choice is None else tuple(self.choice),
             grammar=self.grammar,
             disable_any_whitespace=self.disable_any_whitespace,
+            param=param,
         )
 
 
@@ -121,6 +144,8 @@ class SamplingRequest(BaseModel):
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's, as is skip_special_tokens
+    skip_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM's: each choice (and chunk) also carries its token ids
     n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
@@ -137,6 +162,11 @@ class SamplingRequest(BaseModel):
     priority: int | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's
+    guided_json: dict[str, Any] | str | None = None  # GUIDED_KINDS
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted, unread: xgrammar is the one backend
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -156,12 +186,24 @@ class SamplingRequest(BaseModel):
 
     def _structured_outputs(self) -> StructuredOutputs | None:
         from_format = self.response_format.structured_outputs() if self.response_format else None
-        if from_format is not None and self.structured_outputs is not None:
-            raise ApiError(
-                400, "give response_format or structured_outputs, not both", param="structured_outputs"
+        guided = {name: getattr(self, name) for name in GUIDED_KINDS if getattr(self, name) is not None}
+        given = [
+            name
+            for name, spec in (
+                ("response_format", from_format),
+                ("structured_outputs", self.structured_outputs),
             )
+            if spec is not None
+        ] + list(guided)
+        if len(given) > 1:
+            raise ApiError(400, f"give one of {', '.join(given)}, not several", param=given[-1])
         if self.structured_outputs is not None:
             return self.structured_outputs.structured_outputs()
+        if guided:
+            ((name, value),) = guided.items()
+            return StructuredOutputsRequest.model_validate({GUIDED_KINDS[name]: value}).structured_outputs(
+                name
+            )
         return from_format
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -201,6 +243,8 @@ class SamplingRequest(BaseModel):
         sampling = {**server, **{k: v for k, v in fields.items() if v is not None}}
         sampling.setdefault("max_tokens", None)
         sampling["ignore_eos"] = self.ignore_eos
+        sampling["include_stop_str_in_output"] = self.include_stop_str_in_output
+        sampling["skip_special_tokens"] = self.skip_special_tokens
         return sampling
 
 
@@ -289,6 +333,10 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None  # None: true, as OpenAI
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template
     include_reasoning: bool = True  # vLLM's: with a reasoning parser, send reasoning_content
+    # vLLM's: the template opens the assistant's turn; or leaves the last message open, for the
+    # model to continue (a prefill of the answer)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @property
     def tool_mode(self) -> str:
@@ -336,6 +384,15 @@ class ChatCompletionRequest(SamplingRequest):
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools for the chat template (all of them, whatever tool_choice says, as vLLM)."""
         return [tool.template_input() for tool in self.tools] if self.tools else None
+
+    def template(self) -> dict[str, Any]:
+        """How the chat template renders the conversation (PromptProcessor.chat_prompt's options)."""
+        return {
+            "tools": self.template_tools(),
+            "template_kwargs": self.chat_template_kwargs,
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
 
 
 RequestModel = TypeVar("RequestModel", bound=BaseModel)

@@ -119,7 +119,7 @@ class ServedModel:
         kv_pool_tokens: int | None,
         prompts: list[Prompt] | None = None,
         conversation: list[Message] | None = None,
-        template: dict[str, Any] | None = None,  # chat_prompt's tools and template_kwargs
+        template: dict[str, Any] | None = None,  # chat_prompt's options (ChatCompletionRequest.template)
     ) -> GenerateRequest:
         """The request tokenized, its `sampling` (the body's, checked) fitted to each prompt; a
         bad input is a 400 naming its field (InvalidRequestError's handler), answered before any

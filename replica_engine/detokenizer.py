@@ -7,11 +7,13 @@ stream refuses. Both are seeded with the last prompt tokens, so tokenizers that 
 space on a lone token still get it right, and both hold back half a multi-byte character until
 it is whole. While the request runs, the last
 len(longest stop) - 1 characters are held back from the stream, so a client never sees the start
-of a stop string that is then cut off."""
+of a stop string that is then cut off (none when the stop string stays in the text,
+`include_stop_str_in_output`). Special tokens have no text unless `skip_special_tokens` is off."""
 
 from __future__ import annotations
 
 from collections import deque
+from functools import partial
 
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
@@ -22,17 +24,18 @@ _PROMPT_CONTEXT_TOKENS = 6
 class _WindowDecoder:
     """New text per token from decoding a sliding window twice (a tokenizer without a stream)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, context: list[int]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, context: list[int], skip_special: bool) -> None:
         self._tokenizer = tokenizer
         self._token_ids = context
         self._prefix_offset = 0
         self._read_offset = len(context)
+        self._skip_special = skip_special
 
     def step(self, token_id: int) -> str | None:
         self._token_ids.append(token_id)
-        decode = self._tokenizer.decode
-        prefix = decode(self._token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        full = decode(self._token_ids[self._prefix_offset :], skip_special_tokens=True)
+        decode = partial(self._tokenizer.decode, skip_special_tokens=self._skip_special)
+        prefix = decode(self._token_ids[self._prefix_offset : self._read_offset])
+        full = decode(self._token_ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None  # no new characters yet, or half a multi-byte character
         self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
@@ -44,9 +47,10 @@ class _StreamDecoder:
     token (it raises when a tokenizer's text for more tokens does not extend its text for fewer:
     tokenizers issue #1705), the request goes on decoding a window, from its latest tokens."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, context: list[int]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, context: list[int], skip_special: bool) -> None:
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(ids=context, skip_special_tokens=True)
+        self._skip_special = skip_special
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special)
         self._decoded = deque(context, maxlen=_PROMPT_CONTEXT_TOKENS)  # latest whose text is out
         self._pending: list[int] = []  # since then: no text yet (half a character, special tokens)
         self._window: _WindowDecoder | None = None
@@ -57,7 +61,7 @@ class _StreamDecoder:
         try:
             text = self._stream.step(self._tokenizer.backend_tokenizer, token_id)
         except Exception:
-            self._window = _WindowDecoder(self._tokenizer, list(self._decoded))
+            self._window = _WindowDecoder(self._tokenizer, list(self._decoded), self._skip_special)
             texts = [self._window.step(pending) for pending in (*self._pending, token_id)]
             return "".join(text for text in texts if text) or None
         self._pending.append(token_id)
@@ -69,13 +73,19 @@ class _StreamDecoder:
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], stop: list[str]
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
     ) -> None:
         self._stop = stop
-        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._include_stop = include_stop
+        self._holdback = 0 if include_stop else max((len(s) for s in stop), default=1) - 1
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         decoder = _StreamDecoder if tokenizer.is_fast else _WindowDecoder
-        self._decoder = decoder(tokenizer, context)
+        self._decoder = decoder(tokenizer, context, skip_special_tokens)
         self.text = ""  # output text so far, cut before a stop string once one appears
         self._num_emitted_chars = 0
 
@@ -89,14 +99,15 @@ class IncrementalDetokenizer:
         return self._cut_at_stop_string(previous_length)
 
     def _cut_at_stop_string(self, previous_length: int) -> bool:
-        cut = -1
+        found: tuple[int, str] | None = None  # the earliest stop string in the new text
         for stop in self._stop:
             index = self.text.find(stop, max(0, previous_length - len(stop) + 1))
-            if index != -1 and (cut == -1 or index < cut):
-                cut = index
-        if cut == -1:
+            if index != -1 and (found is None or index < found[0]):
+                found = (index, stop)
+        if found is None:
             return False
-        self.text = self.text[:cut]
+        index, stop = found
+        self.text = self.text[: index + len(stop) if self._include_stop else index]
         return True
 
     def take_delta(self, finished: bool) -> str:

@@ -29,11 +29,20 @@ class RequestState:
         self.request_id = request.request_id
         self.on_stop_string = on_stop_string  # the engine still runs the request: stop it
         self.num_prompt_tokens = request.num_prompt_tokens
+        params = request.sampling_params
         self.detokenizer = (
-            IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.sampling_params.stop)
+            IncrementalDetokenizer(
+                tokenizer,
+                request.prompt_token_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            )
             if tokenizer is not None and request.pooling is None  # an embedding has no text
             else None
         )
+        # the token that stops a request (eos, stop_token_ids) is in its ids, not its text (vLLM's)
+        self._untold_stop_ids = frozenset() if params.include_stop_str_in_output else request.stop_token_ids
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
         self.finish_reason: FinishReason | None = None
@@ -50,9 +59,13 @@ class RequestState:
         self.num_cached_tokens = output.num_cached_tokens
         new_token_ids: list[int] = []
         finish_reason = output.finish_reason
-        for token_id in output.new_token_ids:
+        last = len(output.new_token_ids) - 1
+        for index, token_id in enumerate(output.new_token_ids):
             new_token_ids.append(token_id)
-            if self.detokenizer is not None and self.detokenizer.add_token(token_id):
+            untold = (
+                index == last and finish_reason is FinishReason.STOP and token_id in self._untold_stop_ids
+            )
+            if self.detokenizer is not None and not untold and self.detokenizer.add_token(token_id):
                 finish_reason = FinishReason.STOP
                 if not output.finished:
                     self.on_stop_string()

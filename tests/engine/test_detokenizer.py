@@ -24,9 +24,11 @@ def either_tokenizer(request, tokenizer):
     return tokenizer if request.param == "stream" else _SlowTokenizer(tokenizer)
 
 
-def _stream(tokenizer, text: str, stop: list[str]) -> tuple[IncrementalDetokenizer, list[str], bool]:
+def _stream(
+    tokenizer, text: str, stop: list[str], include_stop: bool = False
+) -> tuple[IncrementalDetokenizer, list[str], bool]:
     ids = tokenizer.encode(text)
-    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), stop)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), stop, include_stop)
     deltas, stopped = [], False
     for token_id in ids:
         stopped = detok.add_token(token_id)
@@ -56,11 +58,24 @@ def test_stop_string_cuts_the_text_and_no_part_of_it_is_ever_streamed(either_tok
         assert "3" not in streamed  # the stop string's start was held back, never shown
 
 
-def test_special_tokens_are_not_in_the_text(either_tokenizer):
-    detok = IncrementalDetokenizer(either_tokenizer, [1], [])
+def test_include_stop_str_in_output_ends_the_text_with_the_first_stop_string(either_tokenizer):
+    """vLLM's include_stop_str_in_output: the text ends after the earliest stop string, and
+    nothing is held back while it runs (no stop string's start is ever cut off)."""
+    detok, deltas, stopped = _stream(either_tokenizer, TEXT, ["zzz", "costs 3", "3€"], include_stop=True)
+    assert stopped
+    assert detok.text == "Café au lait — naïve façade 😀 costs 3"
+    assert "".join(deltas) == detok.text
+    assert deltas[0]  # streamed from the first token on: no holdback
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_have_text_only_when_not_skipped(either_tokenizer, skip: bool):
+    detok = IncrementalDetokenizer(either_tokenizer, [1], [], skip_special_tokens=skip)
     for token_id in [*either_tokenizer.encode("Paris."), either_tokenizer.eos_token_id]:
         detok.add_token(token_id)
-    assert detok.take_delta(finished=True) == "Paris."
+    eos = either_tokenizer.decode([either_tokenizer.eos_token_id])
+    assert eos == "<|im_end|>"
+    assert detok.take_delta(finished=True) == ("Paris." if skip else "Paris." + eos)
 
 
 def test_a_token_the_stream_refuses_leaves_the_text_whole(tokenizer, monkeypatch):

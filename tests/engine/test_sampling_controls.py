@@ -5,6 +5,7 @@ logit_bias do what they say."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -237,3 +238,35 @@ def test_offline_chat_with_tools_makes_the_named_call_its_schema_allows(llm: LLM
     calls = parse_message(output.text, "hermes").tool_calls
     assert output.finish_reason == "stop" and [c["function"]["name"] for c in calls] == ["get_weather"]
     assert set(json.loads(calls[0]["function"]["arguments"])) == {"city"}
+
+
+def test_what_stops_a_request_is_in_its_text_only_with_include_stop_str_in_output(llm: LLM, tokenizer):
+    """vLLM's semantics: a stop string and the stop token's text (stop_token_ids, eos) end the
+    ids but not the text, unless include_stop_str_in_output; skip_special_tokens=False gives eos
+    its text."""
+    prompt = "1, 2, 3, 4,"
+    plain = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0]
+    assert plain.text.startswith(" 5, 6")
+    comma = tokenizer.encode(",")[0]
+    for include in (False, True):
+        params = SamplingParams(
+            max_tokens=8, temperature=0.0, stop_token_ids=[comma], include_stop_str_in_output=include
+        )
+        out = llm.generate([prompt], params)[0].outputs[0]
+        assert out.token_ids[-1] == comma and out.finish_reason == "stop"
+        assert out.text == (" 5," if include else " 5")
+        params = SamplingParams(
+            max_tokens=8, temperature=0.0, stop=[" 6"], include_stop_str_in_output=include
+        )
+        out = llm.generate([prompt], params)[0].outputs[0]
+        assert out.text == (" 5, 6" if include else " 5,") and out.finish_reason == "stop"
+    eos = tokenizer.eos_token_id
+    for skip in (True, False):
+        params = SamplingParams(
+            max_tokens=4, temperature=0.0, logit_bias={eos: 100.0}, skip_special_tokens=skip
+        )
+        ended = llm.generate(["Say hi."], params)[0].outputs[0]
+        assert ended.token_ids == [eos] and ended.text == ""  # the stop token: never in the text
+        params = dataclasses.replace(params, include_stop_str_in_output=True)
+        ended = llm.generate(["Say hi."], params)[0].outputs[0]
+        assert ended.text == ("" if skip else "<|im_end|>")

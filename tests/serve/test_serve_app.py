@@ -44,6 +44,8 @@ def test_models_and_health(serve_cluster: ServeCluster, client: openai.OpenAI):
     hub = client.completions.create(model="HuggingFaceTB/SmolLM2-135M-Instruct", prompt="Hi", max_tokens=1)
     assert hub.model == "HuggingFaceTB/SmolLM2-135M-Instruct" and hub.usage.completion_tokens == 1
     assert httpx.get(f"{serve_cluster.base_url}/health").status_code == 200
+    assert httpx.get(f"{serve_cluster.base_url}/ping").status_code == 200  # vLLM's name for it
+    assert httpx.post(f"{serve_cluster.base_url}/ping").status_code == 200
 
 
 def test_the_test_cluster_is_not_the_one_a_users_ray_init_finds(serve_cluster: ServeCluster):
@@ -129,6 +131,42 @@ def test_stop_string_cuts_the_output(client: openai.OpenAI):
     )
     assert completion.choices[0].text == " Paris"
     assert completion.choices[0].finish_reason == "stop"
+
+
+def test_vllm_fields_for_the_prompt_the_stop_and_the_grammar_are_honoured(
+    serve_cluster: ServeCluster, client: openai.OpenAI
+):
+    """continue_final_message: the model continues the assistant's prefill, whose prompt is what
+    /tokenize renders; include_stop_str_in_output keeps the stop string; vLLM's older guided_choice
+    constrains (vLLM itself now ignores it)."""
+    prefill = [
+        {"role": "user", "content": "Count from 1 to 9."},
+        {"role": "assistant", "content": "1, 2, 3,"},
+    ]
+    options = {"continue_final_message": True, "add_generation_prompt": False}
+    continued = client.chat.completions.create(
+        model=MODEL, messages=prefill, max_tokens=4, temperature=0, extra_body=options
+    )
+    rendered = httpx.post(
+        f"{serve_cluster.base_url}/tokenize",
+        json={"model": MODEL, "messages": prefill, **options},
+        timeout=60,
+    ).json()
+    assert continued.usage.prompt_tokens == rendered["count"]
+    assert continued.choices[0].message.content.startswith(" 4,")
+    stop = {
+        "model": MODEL,
+        "prompt": "The capital of France is",
+        "max_tokens": 16,
+        "temperature": 0,
+        "stop": ["."],
+    }
+    kept = client.completions.create(**stop, extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == " Paris."
+    chosen = client.completions.create(
+        model=MODEL, prompt="Is the sky blue?", max_tokens=5, extra_body={"guided_choice": ["maybe", "never"]}
+    )
+    assert chosen.choices[0].text in ("maybe", "never")
 
 
 def test_n_choices_and_a_batch_of_prompts(client: openai.OpenAI):
@@ -254,6 +292,10 @@ BAD_REQUESTS = [
         None,
     ),
     (COMPLETIONS, {"prompt": "hi", "structured_outputs": {}}, 400, "structured_outputs", None),
+    (COMPLETIONS, {"prompt": "hi", "guided_regex": "[a-"}, 400, "guided_regex", None),
+    (COMPLETIONS, {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search", None),
+    (CHAT, {"messages": QUESTION, "continue_final_message": True}, 400, "continue_final_message", None),
+    (CHAT, {"messages": QUESTION, "chat_template": "{{ messages }}"}, 400, "chat_template", None),
     (COMPLETIONS, {"prompt": "hi", "structured_outputs": {"choice": []}}, 400, "structured_outputs", None),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt", None),
     (COMPLETIONS, {"prompt": [10**9]}, 400, "prompt", None),
