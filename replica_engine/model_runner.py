@@ -29,6 +29,7 @@ from replica_engine.config import EngineConfig
 from replica_engine.decode_graphs import DecodeGraphs
 from replica_engine.executor import RunnerOutput
 from replica_engine.flat_batch import FlatBatch, build_flat_batch
+from replica_engine.kernels.prompt_rows import PromptRows, prompt_rows
 from replica_engine.kv_cache_manager import NULL_BLOCK_ID, blocks_for_tokens, blocks_in_bytes
 from replica_engine.logprobs import logprobs_of
 from replica_engine.lora.manager import LoRAManager
@@ -242,7 +243,8 @@ class ModelRunner:
         started = time.perf_counter()
         if self.lora is not None:
             self.lora.prepare((row.lora, row.num_tokens) for row in batch.rows)
-        hidden = self._forward(flat)
+        with prompt_rows(PromptRows.of((row.num_tokens, row.num_prompt_tokens) for row in batch.rows)):
+            hidden = self._forward(flat)
         if hidden is None:  # a pipeline stage before the last: its output went to the next stage
             return StepLogits(None, {}, time.perf_counter() - started)
         prompt_logprobs = self._prompt_logprobs(batch.rows, hidden)

@@ -63,4 +63,5 @@ def profile_row(
         is_decode,
         _GREEDY,
         draft_token_ids=drafts,
+        num_prompt_tokens=0 if is_decode or num_drafts else num_tokens,
     )

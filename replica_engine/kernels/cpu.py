@@ -23,6 +23,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from replica_engine.kernels import prompt_rows
 from replica_engine.kernels.quantized_weight import QuantizedWeight, dequantize
 
 logger = logging.getLogger(__name__)
@@ -169,12 +170,39 @@ def linear(
     if isinstance(weight, QuantizedWeight):
         ops = _ops_for(x)
         if ops is not None:
-            w = weight
-            args = (w.codes, w.scales, w.out_features, w.bits, w.group, float32_out)
-            return ops.quantized_linear(x.contiguous(), *args)
+            return _quantized_linear(ops, x.contiguous(), weight, float32_out)
         weight = dequantize(weight).to(x.dtype)
     out = F.linear(x, weight)
     return out.float() if float32_out else out
+
+
+def _quantized_linear(
+    ops: ModuleType, x: torch.Tensor, w: QuantizedWeight, float32_out: bool
+) -> torch.Tensor:
+    """The int16 path, and for a step's prompt rows in bfloat16 the dense one (prompt_rows.py)."""
+    rows = prompt_rows.current(x.shape[0]) if x.dtype == torch.bfloat16 and _has_bf16_dot() else None
+
+    def run(x: torch.Tensor, dense_from: int) -> torch.Tensor:
+        return ops.quantized_linear(
+            x, w.codes, w.scales, w.out_features, w.bits, w.group, float32_out, dense_from
+        )
+
+    if rows is None:
+        return run(x, x.shape[0])
+    if rows.first is not None:
+        return run(x, rows.first)
+    assert rows.mask is not None
+    out = x.new_empty((x.shape[0], w.out_features), dtype=torch.float32 if float32_out else x.dtype)
+    generated = ~rows.mask
+    out[generated] = run(x[generated].contiguous(), int(generated.sum()))
+    out[rows.mask] = run(x[rows.mask].contiguous(), 0)
+    return out
+
+
+@functools.cache
+def _has_bf16_dot() -> bool:
+    """Whether this CPU multiplies bfloat16 pairs natively (AVX512-BF16), where the dense path pays."""
+    return torch.cpu._is_avx512_bf16_supported()
 
 
 def pack_stacked(weights: torch.Tensor) -> torch.Tensor | None:

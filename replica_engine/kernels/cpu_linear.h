@@ -10,6 +10,16 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight);
 // x's dtype.
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, bool float32_out);
 
+// Column blocks a packed_bf16_group call takes at most.
+constexpr int64_t kPackedGroupBlocks = 3;
+
+// Rows [0, M) of bfloat16 x [M, K] against nb (1 to kPackedGroupBlocks) column blocks from block0,
+// packed as pack_linear_weight packs bfloat16 (`blocks`: block0's, the others after it), into
+// those columns of y [M, N]. One thread's share of packed_linear.
+template <typename Out>
+void packed_bf16_group(const at::BFloat16* x, const at::BFloat16* blocks, Out* y, int64_t M, int64_t K, int64_t N,
+                       int64_t block0, int64_t nb);
+
 // A mixture of experts' experts for x [T, H]: each token's picks top_ids [T, k] (int64; experts
 // first.. of the stacked weights, others skipped) weighted by top_weights [T, k] (float32); gate_up
 // [E, ...] and down [E, ...] each expert's packed [2I, H] and [H, I] weights stacked. Tokens are
@@ -28,6 +38,8 @@ torch::Tensor quantized_moe(const torch::Tensor& x, const torch::Tensor& top_ids
                             int64_t width);
 
 // x [M, K] @ W.T for W kept quantized (cpu_quantized_linear.cpp's layout: uint8 codes, float16
-// scales; `bits` 4 or 8 per code, `group` 16 or 32 k per scale); x is quantized to int16 per 32 k.
+// scales; `bits` 4 or 8 per code, `group` 16 or 32 k per scale). Rows before `dense_from`: x is
+// quantized to int16 per 32 k; rows from it on (bfloat16 x only): W dequantized to bfloat16 meets
+// x in bfloat16 dot products, as packed_linear over dequantize(W).to(bfloat16) computes them.
 torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                               int64_t N, int64_t bits, int64_t group, bool float32_out);
+                               int64_t N, int64_t bits, int64_t group, bool float32_out, int64_t dense_from);

@@ -22,7 +22,7 @@ namespace {
 
 constexpr int64_t kCols = 16;  // output columns per block: one float32 vector
 constexpr int64_t kRows = 8;   // rows of x per micro-kernel call
-constexpr int64_t kBlocks = 3;  // column blocks per micro-kernel call: 24 accumulators
+constexpr int64_t kBlocks = kPackedGroupBlocks;  // column blocks per micro-kernel call: 24 accumulators
 
 // How k advances for a dtype: float32 one k per FMA, bfloat16 a pair per dot product.
 struct F32Packed {
@@ -56,10 +56,11 @@ struct BF16Packed {
 #endif
 };
 
-// y[m0 : m0 + kM, block0 : block0 + nb blocks] for one group of column blocks. Each block's
-// packed weights are kSteps vectors of 16 columns (times kPair k values), one after another.
+// y[m0 : m0 + kM, block0 : block0 + nb blocks] for one group of column blocks, whose packed
+// weights start at `blocks` (block0's). Each block's packed weights are kSteps vectors of 16
+// columns (times kPair k values), one after another.
 template <typename P, int64_t kM, int64_t kNB, typename Out>
-void micro_kernel(const typename P::T* x, const typename P::T* packed, Out* y, int64_t m0, int64_t K, int64_t N,
+void micro_kernel(const typename P::T* x, const typename P::T* blocks, Out* y, int64_t m0, int64_t K, int64_t N,
                   int64_t block0) {
   using T = typename P::T;
   const int64_t steps = K / P::kPair, block_elems = steps * kCols * P::kPair;
@@ -67,7 +68,7 @@ void micro_kernel(const typename P::T* x, const typename P::T* packed, Out* y, i
   for (int64_t m = 0; m < kM; ++m)
     for (int64_t j = 0; j < kNB; ++j) acc[m][j] = _mm512_setzero_ps();
   const T* w[kNB];
-  for (int64_t j = 0; j < kNB; ++j) w[j] = packed + (block0 + j) * block_elems;
+  for (int64_t j = 0; j < kNB; ++j) w[j] = blocks + j * block_elems;
   const T* xr = x + m0 * K;
   for (int64_t s = 0; s < steps; ++s) {
     __m512 wv[kNB];
@@ -83,22 +84,33 @@ void micro_kernel(const typename P::T* x, const typename P::T* packed, Out* y, i
   }
 }
 
-// Every row of x (kRows at a time, then the rest) against kNB column blocks.
+// Every row of x (kRows at a time, then the rest) against kNB column blocks (from `blocks`,
+// block0's packed weights).
 template <typename P, int64_t kNB, typename Out>
-void rows_for_blocks(const typename P::T* x, const typename P::T* packed, Out* y, int64_t M, int64_t K, int64_t N,
+void rows_for_blocks(const typename P::T* x, const typename P::T* blocks, Out* y, int64_t M, int64_t K, int64_t N,
                      int64_t block0) {
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) micro_kernel<P, kRows, kNB>(x, packed, y, m, K, N, block0);
+  for (; m + kRows <= M; m += kRows) micro_kernel<P, kRows, kNB>(x, blocks, y, m, K, N, block0);
   switch (M - m) {  // the rest: one call with exactly that many rows
-    case 7: micro_kernel<P, 7, kNB>(x, packed, y, m, K, N, block0); break;
-    case 6: micro_kernel<P, 6, kNB>(x, packed, y, m, K, N, block0); break;
-    case 5: micro_kernel<P, 5, kNB>(x, packed, y, m, K, N, block0); break;
-    case 4: micro_kernel<P, 4, kNB>(x, packed, y, m, K, N, block0); break;
-    case 3: micro_kernel<P, 3, kNB>(x, packed, y, m, K, N, block0); break;
-    case 2: micro_kernel<P, 2, kNB>(x, packed, y, m, K, N, block0); break;
-    case 1: micro_kernel<P, 1, kNB>(x, packed, y, m, K, N, block0); break;
+    case 7: micro_kernel<P, 7, kNB>(x, blocks, y, m, K, N, block0); break;
+    case 6: micro_kernel<P, 6, kNB>(x, blocks, y, m, K, N, block0); break;
+    case 5: micro_kernel<P, 5, kNB>(x, blocks, y, m, K, N, block0); break;
+    case 4: micro_kernel<P, 4, kNB>(x, blocks, y, m, K, N, block0); break;
+    case 3: micro_kernel<P, 3, kNB>(x, blocks, y, m, K, N, block0); break;
+    case 2: micro_kernel<P, 2, kNB>(x, blocks, y, m, K, N, block0); break;
+    case 1: micro_kernel<P, 1, kNB>(x, blocks, y, m, K, N, block0); break;
     default: break;
   }
+}
+
+// Every row of x against nb (1 to kBlocks) column blocks from block0 (`blocks`: their packed
+// weights).
+template <typename P, typename Out>
+void rows_for_group(const typename P::T* x, const typename P::T* blocks, Out* y, int64_t M, int64_t K, int64_t N,
+                    int64_t block0, int64_t nb) {
+  if (nb == 3) rows_for_blocks<P, 3>(x, blocks, y, M, K, N, block0);
+  else if (nb == 2) rows_for_blocks<P, 2>(x, blocks, y, M, K, N, block0);
+  else rows_for_blocks<P, 1>(x, blocks, y, M, K, N, block0);
 }
 
 // Threads take groups of kBlocks column blocks in turn (each group's weights read once, front to
@@ -109,15 +121,24 @@ void packed_linear_rows(const typename P::T* x, const typename P::T* packed, Out
   const int64_t blocks = (N + kCols - 1) / kCols, groups = (blocks + kBlocks - 1) / kBlocks;
   parallel_chunks(groups, 1, [&](int64_t first, int64_t last) {
     for (int64_t g = first; g < last; ++g) {
-      const int64_t block0 = g * kBlocks, nb = std::min(kBlocks, blocks - block0);
-      if (nb == 3) rows_for_blocks<P, 3>(x, packed, y, M, K, N, block0);
-      else if (nb == 2) rows_for_blocks<P, 2>(x, packed, y, M, K, N, block0);
-      else rows_for_blocks<P, 1>(x, packed, y, M, K, N, block0);
+      const int64_t block0 = g * kBlocks;
+      rows_for_group<P>(x, packed + block0 * K * kCols, y, M, K, N, block0, std::min(kBlocks, blocks - block0));
     }
   });
 }
 
 }  // namespace
+
+template <typename Out>
+void packed_bf16_group(const at::BFloat16* x, const at::BFloat16* blocks, Out* y, int64_t M, int64_t K, int64_t N,
+                       int64_t block0, int64_t nb) {
+  TORCH_CHECK(nb >= 1 && nb <= kBlocks, "packed_bf16_group: 1 to ", kBlocks, " blocks");
+  rows_for_group<BF16Packed>(x, blocks, y, M, K, N, block0, nb);
+}
+template void packed_bf16_group<float>(const at::BFloat16*, const at::BFloat16*, float*, int64_t, int64_t, int64_t,
+                                       int64_t, int64_t);
+template void packed_bf16_group<at::BFloat16>(const at::BFloat16*, const at::BFloat16*, at::BFloat16*, int64_t,
+                                              int64_t, int64_t, int64_t, int64_t);
 
 torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: a [N, K] matrix");
@@ -174,9 +195,7 @@ void experts_pass(const typename P::T* x, const typename P::T* weights, int64_t 
       const T* xa = x + starts[a] * K;
       const T* wa = weights + ids[a] * stride;
       T* ya = y + starts[a] * N;
-      if (nb == 3) rows_for_blocks<P, 3>(xa, wa, ya, rows[a], K, N, block0);
-      else if (nb == 2) rows_for_blocks<P, 2>(xa, wa, ya, rows[a], K, N, block0);
-      else rows_for_blocks<P, 1>(xa, wa, ya, rows[a], K, N, block0);
+      rows_for_group<P>(xa, wa + block0 * K * kCols, ya, rows[a], K, N, block0, nb);
     }
   });
 }

@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -186,12 +187,79 @@ void quantized_linear_rows(const QuantizedRows& x, const uint8_t* codes, const a
   });
 }
 
+// v's 16 floats as bfloat16 (round to nearest even, as torch converts), each in its lane's low half.
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+}
+
+// One column block dequantized into bfloat16 in pack_linear_weight's layout ([K / 2, 16, 2]): the
+// values dequantize(weight).to(torch.bfloat16) holds (code * d + m in float32, then rounded).
+template <int kBits, int64_t kGroup>
+void dequantize_block(const uint8_t* codes, const at::Half* scales, int64_t block, int64_t K, at::BFloat16* out) {
+  using F = Format<kBits, kGroup>;
+  const int64_t groups = K / kGroup;
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
+  const __m512i low_half = _mm512_set1_epi32(0xffff);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group_codes = codes + (block * groups + g) * F::kGroupBytes;
+    const at::Half* s = scales + (block * groups + g) * 2 * kCols;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kCols)));
+    for (int64_t p = 0; p < kGroup / 2; ++p) {
+      __m256i raw;
+      if constexpr (kBits == 8) {
+        raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_codes + p * 32));
+      } else {  // pair p in the low nibbles of run p, pair p + 8 in the high ones
+        raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_codes + (p % 8) * 32));
+        raw = _mm256_and_si256(p < 8 ? raw : _mm256_srli_epi16(raw, 4), nibble);
+      }
+      const __m512i pair = _mm512_cvtepu8_epi16(raw);  // lane c: column c's (k, k + 1) codes
+      const auto value = [&](__m512i code) { return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(code), d), mins); };
+      const __m512i even = bf16_bits(value(_mm512_and_si512(pair, low_half)));
+      const __m512i odd = bf16_bits(value(_mm512_srli_epi32(pair, 16)));
+      _mm512_storeu_si512(out + (g * kGroup / 2 + p) * 2 * kCols, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+    }
+  }
+}
+
+// Prompt rows: each thread dequantizes a group of column blocks into bfloat16 (a panel, in cache),
+// then multiplies every row of x by it with packed_linear's kernel, which runs at the machine's
+// bfloat16 matmul rate: with many rows, dequantizing once costs far less than the int16 path's
+// per-group scaling of every product.
+template <int kBits, int64_t kGroup, typename Out>
+void dense_rows(const at::BFloat16* x, const uint8_t* codes, const at::Half* scales, Out* y, int64_t M, int64_t K,
+                int64_t N) {
+  const int64_t blocks = (N + kCols - 1) / kCols, block_elems = K * kCols;
+  const int64_t groups = (blocks + kPackedGroupBlocks - 1) / kPackedGroupBlocks;
+  parallel_chunks(groups, 1, [&](int64_t first, int64_t last) {
+    thread_local std::vector<at::BFloat16> panel;  // grown once, not zeroed each call
+    if (panel.size() < static_cast<size_t>(kPackedGroupBlocks * block_elems)) panel.resize(kPackedGroupBlocks * block_elems);
+    for (int64_t group = first; group < last; ++group) {
+      const int64_t block0 = group * kPackedGroupBlocks, nb = std::min(kPackedGroupBlocks, blocks - block0);
+      for (int64_t j = 0; j < nb; ++j)
+        dequantize_block<kBits, kGroup>(codes, scales, block0 + j, K, panel.data() + j * block_elems);
+      packed_bf16_group(x, panel.data(), y, M, K, N, block0, nb);
+    }
+  });
+}
+
 template <typename Out>
 void dispatch_format(int64_t bits, int64_t group, const QuantizedRows& x, const uint8_t* codes,
                      const at::Half* scales, Out* y, int64_t M, int64_t K, int64_t N) {
   if (bits == 4 && group == 32) quantized_linear_rows<4, 32>(x, codes, scales, y, M, K, N);
   else if (bits == 8 && group == 32) quantized_linear_rows<8, 32>(x, codes, scales, y, M, K, N);
   else if (bits == 8 && group == 16) quantized_linear_rows<8, 16>(x, codes, scales, y, M, K, N);
+  else TORCH_CHECK(false, "quantized_linear: no kernel for ", bits, "-bit codes in groups of ", group);
+}
+
+template <typename Out>
+void dispatch_dense(int64_t bits, int64_t group, const at::BFloat16* x, const uint8_t* codes, const at::Half* scales,
+                    Out* y, int64_t M, int64_t K, int64_t N) {
+  if (bits == 4 && group == 32) dense_rows<4, 32>(x, codes, scales, y, M, K, N);
+  else if (bits == 8 && group == 32) dense_rows<8, 32>(x, codes, scales, y, M, K, N);
+  else if (bits == 8 && group == 16) dense_rows<8, 16>(x, codes, scales, y, M, K, N);
   else TORCH_CHECK(false, "quantized_linear: no kernel for ", bits, "-bit codes in groups of ", group);
 }
 
@@ -281,7 +349,7 @@ torch::Tensor quantized_moe(const torch::Tensor& x, const torch::Tensor& top_ids
 }
 
 torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                               int64_t N, int64_t bits, int64_t group, bool float32_out) {
+                               int64_t N, int64_t bits, int64_t group, bool float32_out, int64_t dense_from) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.is_contiguous() && scales.is_contiguous(),
               "quantized_linear: layout");
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && scales.scalar_type() == torch::kFloat16,
@@ -290,18 +358,27 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& code
   TORCH_CHECK(K % kActGroup == 0 && K % group == 0, "quantized_linear: K must be a multiple of 32");
   TORCH_CHECK(codes.numel() == blocks * K * kCols * bits / 8 && scales.numel() == blocks * (K / group) * 2 * kCols,
               "quantized_linear: codes and scales do not match x's K and N");
+  const int64_t int16_rows = std::clamp<int64_t>(dense_from, 0, M);
+  TORCH_CHECK(int16_rows == M || x.scalar_type() == torch::kBFloat16, "quantized_linear: dense rows need bfloat16 x");
   QuantizedRows rows;
   if (x.scalar_type() == torch::kFloat32) {
-    rows = quantize_rows(x.data_ptr<float>(), M, K);
+    rows = quantize_rows(x.data_ptr<float>(), int16_rows, K);
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "quantized_linear: x float32 or bfloat16");
-    rows = quantize_rows(x.data_ptr<at::BFloat16>(), M, K);
+    rows = quantize_rows(x.data_ptr<at::BFloat16>(), int16_rows, K);
   }
   const auto out_dtype = float32_out ? torch::kFloat32 : x.scalar_type();
   auto y = torch::empty({M, N}, x.options().dtype(out_dtype));
   const auto* c = codes.data_ptr<uint8_t>();
   const auto* s = scales.data_ptr<at::Half>();
-  if (out_dtype == torch::kFloat32) dispatch_format(bits, group, rows, c, s, y.data_ptr<float>(), M, K, N);
-  else dispatch_format(bits, group, rows, c, s, y.data_ptr<at::BFloat16>(), M, K, N);
+  const auto run = [&](auto* out) {
+    if (int16_rows > 0) dispatch_format(bits, group, rows, c, s, out, int16_rows, K, N);
+    if (int16_rows < M) {
+      const auto* dense_x = x.data_ptr<at::BFloat16>() + int16_rows * K;
+      dispatch_dense(bits, group, dense_x, c, s, out + int16_rows * N, M - int16_rows, K, N);
+    }
+  };
+  if (out_dtype == torch::kFloat32) run(y.data_ptr<float>());
+  else run(y.data_ptr<at::BFloat16>());
   return y;
 }

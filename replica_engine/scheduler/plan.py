@@ -140,6 +140,9 @@ class ScheduledRow:
     # Leading tokens whose K/V its prefix-cache hit holds: recomputed for the prompt logprob of the
     # token after them, their K/V written to the null block, never over a shared block.
     num_cached_kv_tokens: int = 0
+    # Of its tokens, how many (the leading ones) are its prompt's: the model treats prompt tokens
+    # and generated ones each its own way (kernels/prompt_rows.py), whatever shares the step.
+    num_prompt_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -265,6 +268,7 @@ def _row(request: Request, num_tokens: int, drafts: tuple[int, ...]) -> Schedule
         lora=request.sampling_params.lora,
         draft_token_ids=drafts,
         num_cached_kv_tokens=max(0, min(num_tokens, request.prefix_hit_end - start)),
+        num_prompt_tokens=max(0, min(num_tokens, request.num_prompt_tokens - start)),
     )
     request.num_blocks_in_runner = len(request.block_ids)
     request.num_in_flight_tokens += num_tokens

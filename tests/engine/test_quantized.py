@@ -228,3 +228,59 @@ def test_gguf_needs_a_gguf_model_and_one_worker():
     with pytest.raises(InvalidRequestError, match="tensor_parallel_size"):
         EngineConfig(quantization="gguf", tensor_parallel_size=2).resolve(model_config)
     assert EngineConfig(tensor_parallel_size=2).resolve(model_config).quantization == "none"
+
+
+@pytest.mark.parametrize("bits,group", FORMATS)
+@pytest.mark.parametrize("n,k", SHAPES[:4] + SHAPES[5:])
+def test_prompt_rows_meet_the_weight_dequantized_to_bfloat16(bits, group, n, k):
+    """A step's prompt rows in bfloat16 (kernels/prompt_rows.py) meet the weight dequantized to
+    bfloat16: bit for bit what the packed kernel computes over dequantize(W).to(bfloat16), each row
+    the same whatever else the step holds; other rows, and other tensors, keep the int16 path."""
+    from replica_engine.kernels.prompt_rows import PromptRows, prompt_rows
+
+    weight = _random_weight(bits, group, n, k, seed=n * k)
+    packed = cpu_kernels.pack_weight(dequantize(weight).bfloat16())
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    dense = cpu_kernels.linear(x, packed)
+    int16 = cpu_kernels.linear(x, weight)
+    assert not torch.equal(dense, int16)
+    mask = torch.rand(37, generator=torch.Generator().manual_seed(n)) < 0.5
+    for rows, prompt in [
+        (PromptRows(37, 0, None), torch.ones(37, dtype=torch.bool)),
+        (PromptRows(37, 30, None), torch.arange(37) >= 30),
+        (PromptRows(37, None, mask), mask),
+    ]:
+        with prompt_rows(rows):
+            out = cpu_kernels.linear(x, weight)
+            assert torch.equal(cpu_kernels.linear(x[:5], weight), int16[:5])  # not the step's rows
+        assert torch.equal(out[prompt], dense[prompt]) and torch.equal(out[~prompt], int16[~prompt])
+    with prompt_rows(PromptRows(1, 0, None)):  # a row alone: the same numbers as among 37
+        assert torch.equal(cpu_kernels.linear(x[7:8], weight)[0], dense[7])
+        assert cpu_kernels.linear(x[7:8].float(), weight).dtype == torch.float32  # float32: int16 always
+
+
+def test_prompt_rows_are_found_from_each_rows_prompt_tokens():
+    from replica_engine.kernels.prompt_rows import PromptRows
+
+    assert PromptRows.of([(1, 0), (1, 0)]) is None  # decodes alone
+    assert PromptRows.of([(1, 0), (1, 0), (5, 5), (3, 3)]) == PromptRows(10, 2, None)
+    mixed = PromptRows.of([(1, 0), (4, 2), (2, 2)])  # a recomputed request's chunk: prompt, then its output
+    assert mixed is not None and mixed.first is None
+    assert mixed.mask.tolist() == [False, True, True, False, False, True, True]
+
+
+def test_a_tokens_numbers_in_bfloat16_are_the_same_whatever_shares_its_steps(llm):
+    """The default engine in bfloat16: prompts sent together in small chunks beside decodes give
+    each one's tokens and logprobs, prompt and output, exactly as it gets alone in one chunk."""
+    prompts = [list(range(1000, 1000 + n)) for n in (5, 40, 77)]
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2, prompt_logprobs=1)
+    alone = LLM(dtype="bfloat16")
+    chunked = LLM(dtype="bfloat16", max_num_batched_tokens=16, enable_prefix_caching=False)
+    outputs = [alone.generate([p], params)[0] for p in prompts] + chunked.generate(prompts, params)
+    for one, shared in zip(outputs[:3], outputs[3:], strict=True):
+        assert one.outputs[0].token_ids == shared.outputs[0].token_ids
+        assert one.outputs[0].logprobs == shared.outputs[0].logprobs
+        assert one.prompt_logprobs == shared.prompt_logprobs
+    windows = text_prompts(alone.tokenizer, [256] * 3, seed=1)  # and the model is still itself
+    reference = perplexity(llm, windows)
+    assert abs(perplexity(alone, windows) / reference - 1) <= 0.02
