@@ -83,7 +83,8 @@ class EngineConfig:
         metadata=_doc(
             "How linear weights are held on a CPU. `gguf`: a GGUF model's quantized blocks as they "
             "are in the file (Q4_0, Q4_1, Q4_K, Q8_0, Q6_K; other types stay dequantized), "
-            "multiplied by activations held as int16; `int8`: any model's weights as int8 with one scale "
+            "multiplied by activations held as int16 (in bfloat16 on a CPU with AVX512-BF16, a "
+            "prompt's tokens meet them dequantized to bfloat16); `int8`: any model's weights as int8 with one scale "
             "per output channel; `none`: float weights in `dtype`. `auto`: `gguf` for a GGUF model "
             "(the embedded default included) where the CPU kernels build, else `none`. A GPU "
             "takes `none` only (no GPU kernel yet); `gguf` is not yet split over "
