@@ -14,7 +14,9 @@ measured in the same run.
    summary, read by a step listener; the rest is overhead: scheduling, the batch's inputs,
    applying outputs), and the floor: the bytes a step must read (weights, plus the KV cache it
    attends over) at the read bandwidth, or its FLOPs at the dtype's matmul rate, whichever is
-   larger. A quantized step's bytes are the blocks it reads, its matmul rate the quantized kernel's.
+   larger. A quantized step's bytes are the blocks it reads, its matmul rate the better of the
+   quantized kernel's and bfloat16's (a prompt's tokens meet the weights dequantized to bfloat16
+   where the CPU has bfloat16 dot products: kernels/prompt_rows.py).
    The variants above run our kernels alone; where the CPU has AMX, bfloat16+amx and q4_1+amx
    too (EngineConfig.amx_weights: true, off by default): steps of 32 tokens or more multiply a
    bfloat16 copy in AMX tiles.
@@ -77,7 +79,7 @@ BF16_RATE, QUANTIZED_RATE = "matmul_bfloat16_gflop_per_s", "matmul_quantized_gop
 VARIANTS = (
     Variant("float32", "float32", "none", ("matmul_float32_gflop_per_s",)),
     Variant("bfloat16", "bfloat16", "none", (BF16_RATE,)),
-    Variant("q4_1", "bfloat16", "gguf", (QUANTIZED_RATE,)),
+    Variant("q4_1", "bfloat16", "gguf", (QUANTIZED_RATE, BF16_RATE)),
 )
 # Where the CPU has AMX, amx_weights on: the kernels' weights for decode steps, a bfloat16 copy
 # in AMX tiles for steps of many tokens (the floor: the better of both rates).
