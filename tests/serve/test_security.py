@@ -36,7 +36,7 @@ def test_requests_without_a_valid_key_get_401(secured: str, authorization: str |
     routes = [(method.upper(), path) for path, ops in schema["paths"].items() for method in ops]
     assert ("GET", "/tokenizer_info") in routes and ("POST", "/v1/completions") in routes
     for method, path in routes:
-        if path in ("/health", "/version"):  # open, as a load balancer's probe needs
+        if path in ("/health", "/ping", "/version"):  # open, as a load balancer's probe needs
             continue
         response = httpx.request(
             method, f"{secured}{path}", json={"prompt": "hi"}, headers=headers, timeout=30
@@ -52,6 +52,7 @@ def test_a_valid_key_is_served_and_health_stays_open(secured: str):
     info = httpx.get(f"{secured}/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert info.status_code == 200 and info.json()["eos_token"] == "<|im_end|>"
     assert httpx.get(f"{secured}/health", timeout=30).status_code == 200
+    assert httpx.get(f"{secured}/ping", timeout=30).status_code == 200
     assert httpx.get(f"{secured}/version", timeout=30).status_code == 200
 
 
