@@ -62,7 +62,6 @@ from bench.serving.cpu_split import cpu_split
 from bench.serving.serving_rounds import (
     combine,
     disagreement,
-    figures,
     median_ratios,
     ratios_by_round,
 )
@@ -253,8 +252,9 @@ def report(run: BenchmarkRun, line_up: list[Server], arrivals: list[Arrival], ar
     """The result of the rounds done so far, written after each: a run cut short keeps them."""
     body = summary(measured, line_up, arrivals, args)
     print_table(body["results"], body)
+    quoted = {name for name, result in body["results"].items() if "quoted" in result}
     met = goals_met(
-        body["ratios_ours_over_peer"], body["serving_overhead"], body["served_c16_over_engine_alone"]
+        body["ratios_ours_over_peer"], body["serving_overhead"], body["served_c16_over_engine_alone"], quoted
     )
     print_verdicts(met)
     raw = {
@@ -282,7 +282,7 @@ def summary(measured: dict[str, list[dict]], line_up: list[Server], arrivals: li
         for name, why in failed.items()
         if name not in results
     }
-    results |= {s.name: s.quoted for s in line_up if s.quoted is not None}
+    results |= {s.name: {**s.quoted, **_nested(s.quoted["quoted"])} for s in line_up if s.quoted is not None}
     by_round = {}
     for name, rounds in measured.items():  # paired: the rounds both ran
         pairs = [
@@ -292,11 +292,6 @@ def summary(measured: dict[str, list[dict]], line_up: list[Server], arrivals: li
         ]
         if name != OURS and pairs:
             by_round[name] = ratios_by_round([_figures(o) for o, _ in pairs], [_figures(t) for _, t in pairs])
-    quoted = {
-        s.name: {k: figures(results[OURS])[k] / v for k, v in s.quoted["quoted"].items() if v}
-        for s in line_up
-        if s.quoted
-    }
     both = [(o, a) for o, a in zip(measured[OURS], measured[ALONE], strict=True) if "failed" not in o]
     overheads = [serving_overhead(o["timings"]["c1"], a["timings"]["c1"]) for o, a in both]
     served_over_alone = [o["c16"]["output_tok_per_s"] / a["c16"]["output_tok_per_s"] for o, a in both]
@@ -321,7 +316,8 @@ def summary(measured: dict[str, list[dict]], line_up: list[Server], arrivals: li
             if (ran := [r for r in rounds if "c16_cpu" in r])
         },
         "failed_rounds": {name: why for name, why in failed.items() if why},
-        "ratios_ours_over_peer": {**{n: median_ratios(r) for n, r in by_round.items()}, **quoted},
+        # measured peers only: a quoted peer's figures are another run's, maybe another CPU's
+        "ratios_ours_over_peer": {n: median_ratios(r) for n, r in by_round.items()},
         "ratios_by_round": by_round,
         "rounds_disagree": {n: moved for n, r in by_round.items() if (moved := disagreement(r))},
         "serving_overhead": {key: statistics.median(o[key] for o in overheads) for key in overheads[0]},
@@ -335,6 +331,15 @@ def summary(measured: dict[str, list[dict]], line_up: list[Server], arrivals: li
             if s.stream_counts and all(c["messages"] for c in s.stream_counts)
         },
     }
+
+
+def _nested(quoted: dict[str, float]) -> dict[str, dict[str, float]]:
+    """A quoted peer's figures ("c16_tbt_p99_s") where a measured server's lie ("c16"/"tbt_p99_s")."""
+    nested: dict[str, dict[str, float]] = {}
+    for name, value in quoted.items():
+        run, figure = name.split("_", 1)
+        nested.setdefault(run, {})[figure] = value
+    return nested
 
 
 def _figures(round_result: dict) -> dict:

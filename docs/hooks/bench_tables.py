@@ -47,6 +47,7 @@ class Rows:
     cols: tuple[Col, ...]
     only: tuple[str, ...] | None = None  # row keys ("a/b" for two levels) to show, in this order
     labels: tuple[tuple[str, str], ...] = ()  # key ("a/b" with one key column) -> what it shows
+    measured_only: bool = False  # leave out rows not measured in the run (a quoted peer's)
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ NUMERIC: dict[str, tuple[float, Callable[[float], str], str]] = {
 OTHER: dict[str, Callable[[Any], str]] = {
     "str": str,
     "yes": lambda v: "yes" if v else "no",
-    "met": lambda v: "met" if v else "**MISS**",
+    "met": lambda v: "not measured" if v is None else "met" if v else "**MISS**",
     "slash": lambda v: "/".join(str(round(x)) for x in v),
     "range": lambda v: f"[{sig(v[0])}–{sig(v[1])}]",
     "list": lambda v: ", ".join(sig(x) if isinstance(x, int | float) else str(x) for x in v),
@@ -176,9 +177,15 @@ def _one(value: Any, fmt: str, agg: str | None, where: str) -> tuple[str, float 
 
 def _cell(row: Any, keys: Sequence[str], col: Col, data: dict[str, Any], where: str):
     paths = col.path if isinstance(col.path, tuple) else (col.path,)
-    values = [
-        resolve(data, p.format(*keys), where) if p.startswith("/") else resolve(row, p, where) for p in paths
-    ]
+    try:
+        values = [
+            resolve(data, p.format(*keys), where) if p.startswith("/") else resolve(row, p, where)
+            for p in paths
+        ]
+    except ResultError:
+        if _measured_elsewhere(row):
+            return "—", None  # a peer quoted from another run, or failed: only what it has
+        raise
     if col.ratio:
         if len(values) != 2 or not isinstance(col.fmt, str):
             raise ResultError(f"{where}: ratio column {col.header!r} takes two paths and one format")
@@ -194,6 +201,12 @@ def _cell(row: Any, keys: Sequence[str], col: Col, data: dict[str, Any], where: 
     if all(text == "—" for text, _ in parts):
         return "—", None
     return col.sep.join(text for text, _ in parts), number
+
+
+def _measured_elsewhere(row: Any) -> bool:
+    """A row whose server was not measured in this run (its `source` says why)."""
+    source = row.get("source") if isinstance(row, dict) else None
+    return isinstance(source, str) and not source.startswith("measured")
 
 
 def _mark(text: str, col: Col, key: str, data: dict[str, Any], where: str) -> str:
@@ -225,6 +238,8 @@ def _rows(data: dict[str, Any], table: Rows, where: str) -> list[tuple[tuple[str
         if missing:
             raise ResultError(f"{where}: no rows {missing} at {table.at!r}")
         found = [by_key[k] for k in table.only]
+    if table.measured_only:
+        found = [(keys, obj) for keys, obj in found if not _measured_elsewhere(obj)]
     return found
 
 
@@ -289,8 +304,9 @@ def render_meta(data: dict[str, Any], stem: str) -> str:
 
 
 def goals_tally(data: dict[str, Any]) -> tuple[int, int]:
-    met = data.get("goals_met", {})
-    return sum(bool(v) for v in met.values()), len(met)
+    """Goals met, of those judged (None: not measured in that run)."""
+    judged = [v for v in data.get("goals_met", {}).values() if v is not None]
+    return sum(bool(v) for v in judged), len(judged)
 
 
 def render_goals(data: dict[str, Any]) -> str:
