@@ -243,7 +243,8 @@ class ModelRunner:
         started = time.perf_counter()
         if self.lora is not None:
             self.lora.prepare((row.lora, row.num_tokens) for row in batch.rows)
-        with prompt_rows(PromptRows.of((row.num_tokens, row.num_prompt_tokens) for row in batch.rows)):
+        rows = PromptRows.of((r.num_tokens, r.num_prompt_tokens) for r in batch.rows) if not on_gpu else None
+        with prompt_rows(rows):  # the CPU kernels' path per token (on a GPU: none to choose)
             hidden = self._forward(flat)
         if hidden is None:  # a pipeline stage before the last: its output went to the next stage
             return StepLogits(None, {}, time.perf_counter() - started)

@@ -28,16 +28,22 @@ class PromptRows:
     @classmethod
     def of(cls, counts: Iterable[tuple[int, int]]) -> PromptRows | None:
         """From each row's (tokens, how many of its leading tokens are its prompt's), in batch
-        order; None when the step holds no prompt token."""
-        kinds: list[bool] = []
+        order; None when the step holds no prompt token. Row by row, not token by token: a
+        mask is built only where generated tokens follow prompt ones (a recomputed request)."""
+        counts = list(counts)
+        num_rows = first = 0
+        prompt_seen = interleaved = False
         for num_tokens, num_prompt in counts:
-            kinds += [True] * num_prompt + [False] * (num_tokens - num_prompt)
-        if not any(kinds):
+            if num_prompt and not prompt_seen:
+                first, prompt_seen = num_rows, True
+            interleaved |= prompt_seen and num_prompt < num_tokens
+            num_rows += num_tokens
+        if not prompt_seen:
             return None
-        first = kinds.index(True)
-        if all(kinds[first:]):
-            return cls(len(kinds), first, None)
-        return cls(len(kinds), None, torch.tensor(kinds))
+        if not interleaved:
+            return cls(num_rows, first, None)
+        kinds = [kind for n, p in counts for kind in [True] * p + [False] * (n - p)]
+        return cls(num_rows, None, torch.tensor(kinds))
 
 
 _CURRENT: ContextVar[PromptRows | None] = ContextVar("prompt_rows", default=None)
