@@ -187,13 +187,6 @@ void quantized_linear_rows(const QuantizedRows& x, const uint8_t* codes, const a
   });
 }
 
-// v's 16 floats as bfloat16 (round to nearest even, as torch converts), each in its lane's low half.
-inline __m512i bf16_bits(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-}
-
 // One column block dequantized into bfloat16 in pack_linear_weight's layout ([K / 2, 16, 2]): the
 // values dequantize(weight).to(torch.bfloat16) holds (code * d + m in float32, then rounded).
 template <int kBits, int64_t kGroup>

@@ -20,13 +20,18 @@ inline __m512 load16_masked(const at::BFloat16* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-// Rounded to nearest even, as torch converts float32 to bfloat16.
-inline void store16(at::BFloat16* p, __m512 v) {
+// v's 16 floats as bfloat16, each in its 32-bit lane's low half: rounded to nearest even, as
+// torch converts float32 to bfloat16.
+inline __m512i bf16_bits(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  return _mm512_srli_epi32(rounded, 16);
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
 }
 
 // The first `valid` of 16 values (all 16: one store; fewer: the last block of an N that is not a
