@@ -228,6 +228,21 @@ def _check_invariants(kv: KVCacheManager, live: list[Request]) -> None:
     )
 
 
+def _operations(suffix: st.SearchStrategy, extra: st.SearchStrategy) -> st.SearchStrategy:
+    """What a random-operation test does, in turn (1 to 40 of them): add a request, step, or
+    abort one (an add or a step three times as often as an abort), each with a prefix's index,
+    a suffix and one more drawn value of the test's own."""
+    operation = st.sampled_from(["add", "add", "add", "step", "step", "step", "abort"])
+    prefix = st.integers(0, len(PREFIXES) - 1)
+    return st.lists(st.tuples(operation, prefix, suffix, extra), min_size=1, max_size=40)
+
+
+def _abort_one(scheduler, pick: int) -> None:
+    """Abort the `pick`-th (modulo) of the scheduler's requests, in id order."""
+    victim = scheduler.requests[sorted(scheduler.requests)[pick % len(scheduler.requests)]]
+    scheduler.finish_request(victim, FinishReason.ABORT)
+
+
 def _finish_all(scheduler, step: Callable[[], None]) -> None:
     """Step until every request is done: in far fewer steps than this bound, unless one waits for
     ever (parked on a prefix nobody computes), which then fails the test instead of hanging it."""
@@ -240,15 +255,9 @@ def _finish_all(scheduler, step: Callable[[], None]) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(
-    st.lists(
-        st.tuples(
-            st.sampled_from(["add", "add", "add", "step", "step", "step", "abort"]),
-            st.integers(0, len(PREFIXES) - 1),
-            st.lists(st.integers(100, 120), min_size=1, max_size=10),  # the suffix
-            st.integers(1, 6),  # max_tokens
-        ),
-        min_size=1,
-        max_size=40,
+    _operations(
+        st.lists(st.integers(100, 120), min_size=1, max_size=10),  # the suffix
+        st.integers(1, 6),  # max_tokens
     ),
     st.integers(6, 24),  # pool size: small enough to preempt and evict
     st.sampled_from([4, 8, 64]),  # token budget: chunks fill blocks mid-prefill
@@ -265,8 +274,7 @@ def test_random_operations_keep_the_pool_consistent(operations, num_blocks, budg
                 scheduler.add_request(request)
                 requests.append(request)
         elif operation == "abort" and scheduler.requests:
-            victim = scheduler.requests[sorted(scheduler.requests)[prefix % len(scheduler.requests)]]
-            scheduler.finish_request(victim, FinishReason.ABORT)
+            _abort_one(scheduler, prefix)
         else:
             batch = scheduler.schedule()
             scheduler.update(batch, [5] * len(batch.sampling_rows))
@@ -298,15 +306,9 @@ def _truth(prompt: list[int], position: int, num_top: int) -> TokenLogprob:
 
 @settings(max_examples=150, deadline=None)
 @given(
-    st.lists(
-        st.tuples(
-            st.sampled_from(["add", "add", "add", "step", "step", "step", "abort"]),
-            st.integers(0, len(PREFIXES) - 1),
-            st.lists(st.integers(100, 103), min_size=1, max_size=6),  # the suffix: often the same
-            st.sampled_from([None, None, 0, 1, 2]),  # prompt_logprobs
-        ),
-        min_size=1,
-        max_size=40,
+    _operations(
+        st.lists(st.integers(100, 103), min_size=1, max_size=6),  # the suffix: often the same
+        st.sampled_from([None, None, 0, 1, 2]),  # prompt_logprobs
     ),
     st.integers(6, 24),
     st.sampled_from([4, 8, 64]),
@@ -343,8 +345,7 @@ def test_prompt_logprobs_come_whole_and_right_through_hits_parking_preemption_an
             requests.append(Request(f"r{index}", prompt, params))
             scheduler.add_request(requests[-1])
         elif operation == "abort" and scheduler.requests:
-            victim = scheduler.requests[sorted(scheduler.requests)[prefix % len(scheduler.requests)]]
-            scheduler.finish_request(victim, FinishReason.ABORT)
+            _abort_one(scheduler, prefix)
         elif operation == "step":
             step()
     _finish_all(scheduler, step)
