@@ -284,10 +284,9 @@ class BenchmarkRun:
         write_result(self.output, {**result, "run_s": run_s}, raw)
 
 
-def print_verdicts(goals_met: dict[str, bool | None]) -> None:
-    """Each goal: PASS, MISS, or not measured (None: a peer it is held against did not run)."""
+def print_verdicts(goals_met: dict[str, bool]) -> None:
     for goal, met in goals_met.items():
-        print(f"{goal}: {'not measured' if met is None else 'PASS' if met else 'MISS'}")
+        print(f"{goal}: {'PASS' if met else 'MISS'}")
 
 
 def pyplot():

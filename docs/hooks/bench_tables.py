@@ -124,7 +124,7 @@ NUMERIC: dict[str, tuple[float, Callable[[float], str], str]] = {
 OTHER: dict[str, Callable[[Any], str]] = {
     "str": str,
     "yes": lambda v: "yes" if v else "no",
-    "met": lambda v: "not measured" if v is None else "met" if v else "**MISS**",
+    "met": lambda v: "met" if v else "**MISS**",
     "slash": lambda v: "/".join(str(round(x)) for x in v),
     "range": lambda v: f"[{sig(v[0])}–{sig(v[1])}]",
     "list": lambda v: ", ".join(sig(x) if isinstance(x, int | float) else str(x) for x in v),
@@ -304,9 +304,8 @@ def render_meta(data: dict[str, Any], stem: str) -> str:
 
 
 def goals_tally(data: dict[str, Any]) -> tuple[int, int]:
-    """Goals met, of those judged (None: not measured in that run)."""
-    judged = [v for v in data.get("goals_met", {}).values() if v is not None]
-    return sum(bool(v) for v in judged), len(judged)
+    met = data.get("goals_met", {})
+    return sum(bool(v) for v in met.values()), len(met)
 
 
 def render_goals(data: dict[str, Any]) -> str:

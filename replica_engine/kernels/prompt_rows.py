@@ -1,6 +1,6 @@
 """Which rows of a step's activations are prompt tokens, for the linear layers over quantized
 weights: there, on a CPU with bfloat16 dot products, prompt rows meet the weight dequantized to
-bfloat16 (quantized_linear's dense rows: 1.3-1.6x the int16 path's rate at 64-256 rows), and the
+bfloat16 (quantized_linear's dense rows, at the bf16 matmul rate once a step has many), and the
 tokens the model generates keep the int16 path that decode steps run fastest.
 
 The path is a property of the token, never of what shares its step: a prompt token's numbers are
