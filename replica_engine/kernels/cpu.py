@@ -96,8 +96,9 @@ def _ops_for(*tensors: torch.Tensor) -> ModuleType | None:
     first = tensors[0]
     if first.device.type != "cpu" or first.dtype not in KERNEL_DTYPES:
         return None
-    if any(t.device != first.device or t.dtype != first.dtype for t in tensors):
-        return None
+    for t in tensors:  # a loop, not any() over a generator: this runs a few hundred times a step
+        if t.dtype != first.dtype or t.device.type != "cpu":
+            return None
     return cpu_ops()
 
 
@@ -282,4 +283,27 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     if ops is None or q.stride(-1) != 1 or k.stride(-1) != 1:
         return False
     ops.rotary_(q, k, cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1))
+    return True
+
+
+def rotary_store_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """rotary_, then k (rotated) and v ([T, KVH, d]) stored into their tokens' slots of the caches
+    ([blocks, block_size, KVH, d]), in one call where the kernel applies; False (nothing done)
+    where it does not."""
+    ops = _ops_for(q, k, v, cos, sin, k_cache, v_cache) if q.dim() == 3 and q.shape[-1] % 32 == 0 else None
+    if ops is None or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return False
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or slot_mapping.dtype != torch.int64:
+        return False
+    cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
+    ops.rotary_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping.contiguous())
     return True

@@ -236,4 +236,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", py::call_guard<py::gil_scoped_release>());
   m.def("rotary_", &rotary_, "rotate q and k in place", py::call_guard<py::gil_scoped_release>());
+  m.def("rotary_store_", &rotary_store_, "rotate q and k in place, store k and v into their cache slots",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "parallel.h"
 #include "simd.h"
@@ -67,8 +68,10 @@ inline void rotate_head(T* x, const T* cos, const T* sin, int64_t half) {
   }
 }
 
-template <typename T>
-void rotary_rows(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin) {
+// q and k rotated in place, token by token; then each token's `done(t)` (nothing, or its store).
+template <typename T, typename Done>
+void rotary_rows(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin,
+                 const Done& done) {
   const int64_t rows = q.size(0), D = q.size(2), half = D / 2;
   T* qp = q.data_ptr<T>();
   T* kp = k.data_ptr<T>();
@@ -78,8 +81,26 @@ void rotary_rows(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, c
     for (int64_t t = first; t < last; ++t) {
       for (int64_t h = 0; h < q.size(1); ++h) rotate_head(qp + t * q.stride(0) + h * q.stride(1), cp + t * D, sp + t * D, half);
       for (int64_t h = 0; h < k.size(1); ++h) rotate_head(kp + t * k.stride(0) + h * k.stride(1), cp + t * D, sp + t * D, half);
+      done(t);
     }
   });
+}
+
+void check_rotary(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1, "rotary_: q, k layout");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == q.size(2), "rotary_: cos, sin");
+  TORCH_CHECK(q.size(2) % 32 == 0 && k.size(2) == q.size(2), "rotary_: head_dim");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type(), "rotary_: dtypes");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "rotary_: float32 or bfloat16");
+}
+
+// Token t's kv heads (each row of src holds them one after another) into its cache slot.
+template <typename T>
+void store_row(const torch::Tensor& src, torch::Tensor& cache, int64_t t, int64_t slot) {
+  const int64_t heads = src.size(1), D = src.size(2);
+  const T* from = src.data_ptr<T>() + t * src.stride(0);
+  T* to = cache.data_ptr<T>() + slot * heads * D;
+  for (int64_t h = 0; h < heads; ++h) std::memcpy(to + h * D, from + h * src.stride(1), D * sizeof(T));
 }
 
 }  // namespace
@@ -117,14 +138,34 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 }
 
 void rotary_(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const torch::Tensor& sin) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1, "rotary_: q, k layout");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == q.size(2), "rotary_: cos, sin");
-  TORCH_CHECK(q.size(2) % 32 == 0 && k.size(2) == q.size(2), "rotary_: head_dim");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type(), "rotary_: dtypes");
-  if (q.scalar_type() == torch::kFloat32) {
-    rotary_rows<float>(q, k, cos, sin);
-  } else {
-    TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "rotary_: float32 or bfloat16");
-    rotary_rows<at::BFloat16>(q, k, cos, sin);
-  }
+  check_rotary(q, k, cos, sin);
+  const auto nothing = [](int64_t) {};
+  if (q.scalar_type() == torch::kFloat32) rotary_rows<float>(q, k, cos, sin, nothing);
+  else rotary_rows<at::BFloat16>(q, k, cos, sin, nothing);
+}
+
+void rotary_store_(torch::Tensor q, torch::Tensor k, const torch::Tensor& v, const torch::Tensor& cos,
+                   const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                   const torch::Tensor& slot_mapping) {
+  check_rotary(q, k, cos, sin);
+  TORCH_CHECK(v.sizes() == k.sizes() && v.stride(2) == 1 && v.scalar_type() == k.scalar_type(), "rotary_store_: v");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k.scalar_type() &&
+                  k_cache.dim() == 4 && k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
+              "rotary_store_: caches [blocks, block_size, kv_heads, head_dim] in q's dtype");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == q.size(0) && slot_mapping.is_contiguous() &&
+                  slot_mapping.scalar_type() == torch::kInt64,
+              "rotary_store_: slot_mapping [T] int64");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < q.size(0); ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "rotary_store_: slot");
+  const auto run = [&](auto typed) {
+    using T = decltype(typed);
+    rotary_rows<T>(q, k, cos, sin, [&](int64_t t) {
+      store_row<T>(k, k_cache, t, slots[t]);
+      store_row<T>(v, v_cache, t, slots[t]);
+    });
+  };
+  if (q.scalar_type() == torch::kFloat32) run(float{});
+  else run(at::BFloat16{});
 }

@@ -18,3 +18,10 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up);
 // Rotate-half rotary embedding, in place: q [T, H, D] and k [T, KVH, D] (rows may be strided, as
 // views of the fused qkv projection), cos and sin [T, D] contiguous.
 void rotary_(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const torch::Tensor& sin);
+
+// rotary_, then each token's k (rotated) and v [T, KVH, D] stored into its slot of the caches
+// [blocks, block_size, KVH, D] (slot_mapping [T] int64): one call where three ops and a copy of
+// the fused projection's rows were.
+void rotary_store_(torch::Tensor q, torch::Tensor k, const torch::Tensor& v, const torch::Tensor& cos,
+                   const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                   const torch::Tensor& slot_mapping);

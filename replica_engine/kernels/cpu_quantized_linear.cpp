@@ -33,6 +33,7 @@ constexpr int64_t kCols = 16;
 constexpr int64_t kActGroup = 32;  // activations: one int16 scale per 32 k
 constexpr int64_t kSumGroup = 16;  // and the sum of their codes per 16 k (the smallest weight group)
 constexpr float kActMax = 32767.f;
+constexpr int64_t kAhead = 4;
 
 // x's rows as int16, a scale per 32 k, and scale * sum(codes) per 16 k.
 struct QuantizedRows {
@@ -103,6 +104,13 @@ void micro_kernel(const QuantizedRows& x, const uint8_t* codes, const at::Half* 
     };
     const uint8_t* group_codes[kNB];
     for (int64_t j = 0; j < kNB; ++j) group_codes[j] = codes + ((block0 + j) * groups + g) * F::kGroupBytes;
+    if (g + kAhead < groups) {
+      for (int64_t j = 0; j < kNB; ++j) {
+        const char* ahead = reinterpret_cast<const char*>(group_codes[j] + kAhead * F::kGroupBytes);
+        for (int64_t byte = 0; byte < F::kGroupBytes; byte += 64) _mm_prefetch(ahead + byte, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(scales + ((block0 + j) * groups + g + kAhead) * 2 * kCols), _MM_HINT_T0);
+      }
+    }
     const auto load32 = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
     if constexpr (kBits == 8) {
       for (int64_t p = 0; p < kGroup / 2; ++p) {

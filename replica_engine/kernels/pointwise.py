@@ -49,13 +49,14 @@ def rotary_store_(
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     slot_mapping: torch.Tensor,
 ) -> bool:
-    """On a GPU: q rotated in place, k rotated into its tokens' cache slots and v stored beside
-    it, in one launch; False (nothing done) where the kernel does not apply (a CPU: rotary_,
-    then the backend's write_kv)."""
+    """q rotated in place, k rotated into its tokens' cache slots and v stored beside it, in one
+    launch on a GPU and one call on a CPU; False (nothing done) where neither kernel applies
+    (then: rotary_, and the backend's write_kv)."""
+    if not q.is_cuda:
+        return cpu_kernels.rotary_store_(q, k, v, *cos_sin, *kv_cache, slot_mapping)
     half = q.shape[-1] // 2
     applies = (
-        q.is_cuda
-        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
         and half & (half - 1) == 0
         and all(t.is_contiguous() for t in (*cos_sin, *kv_cache))
     )

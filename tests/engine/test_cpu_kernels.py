@@ -122,6 +122,39 @@ def test_rotary_in_place_matches_the_torch_rotation_on_strided_views(dtype):
         torch.testing.assert_close(rotated.float(), want, atol=ROUNDING[dtype] * 4, rtol=ROUNDING[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_store_answers_as_the_rotation_then_the_backends_write(dtype):
+    """One call a layer on a CPU (pointwise.rotary_store_): q rotated in place, k rotated into its
+    tokens' cache slots and v beside it; bit for bit rotary_ then the backend's write_kv."""
+    from replica_engine.attention.base import AttentionBackend
+    from replica_engine.kernels import pointwise
+
+    generator = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, (9 + 3 + 3) * 64, generator=generator).to(dtype)
+    angles = torch.rand(5, 1, 32, generator=generator) * 6
+    cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    slots = torch.tensor([3, 17, 18, 40, 63])  # across blocks of 16, one left to the end of the pool
+    caches = [torch.randn(4, 16, 3, 64, generator=generator).to(dtype) for _ in range(2)]
+    want_caches = [c.clone() for c in caches]
+
+    def views(rows: torch.Tensor) -> list[torch.Tensor]:
+        q, k, v = rows.split([9 * 64, 3 * 64, 3 * 64], dim=-1)  # strided: the fused projection's
+        return [q.view(5, 9, 64), k.view(5, 3, 64), v.view(5, 3, 64)]
+
+    q, k, v = views(qkv.clone())
+    assert cpu_kernels.rotary_(q, k, cos, sin)
+    AttentionBackend.write_kv(k, v, *want_caches, slots)
+    fused_q, fused_k, fused_v = views(qkv)
+    assert pointwise.rotary_store_(fused_q, fused_k, fused_v, (cos, sin), tuple(caches), slots)
+    assert torch.equal(fused_q, q)
+    for cache, want in zip(caches, want_caches, strict=True):
+        assert torch.equal(cache, want)
+    with pytest.raises(RuntimeError, match="slot"):  # past the pool: refused, nothing written out of it
+        cpu_kernels.rotary_store_(
+            fused_q, fused_k, fused_v, cos, sin, *caches, torch.tensor([0, 1, 2, 3, 64])
+        )
+
+
 # (cached tokens, new tokens) per request.
 BATCHES = {
     # Decode rows with no context yet, part of a block, exactly one block, several blocks, next to

@@ -99,7 +99,7 @@ def test_the_fused_rotary_and_kv_write_answer_as_the_rotation_and_the_backends_w
     """On a GPU one Triton launch a layer rotates q and k and writes the step's K and V into their
     cache slots (pointwise.rotary_store_). Here it is made to apply on the CPU (the kernel
     interpreted), in steps that mix prompt chunks and decodes: the model must answer as with the
-    CPU's rotation and the backend's write_kv, the same greedy tokens with the same logprobs."""
+    CPU kernel's rotation and store, the same greedy tokens with the same logprobs."""
     from bench.gpu.gpu_checks import random_checkpoint, random_prompts
     from replica_engine import LLM, SamplingParams
     from replica_engine.kernels import pointwise, triton_pointwise
