@@ -1,5 +1,5 @@
 """The CPU kernels of cpu_ops.cpp, cpu_pointwise.cpp, cpu_prefill_attention.cpp,
-cpu_packed_linear.cpp and cpu_quantized_linear.cpp, built on first use for this machine
+cpu_packed_linear.cpp, cpu_quantized_linear.cpp and cpu_decoder_layer.cpp, built on first use for this machine
 (-march=native) by torch's C++ extension loader and cached in a directory named by the sources'
 hash under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so two
 checkouts with other sources never rebuild over each other. Where they cannot be built (no
@@ -36,9 +36,18 @@ SOURCES = [
         "cpu_prefill_attention.cpp",
         "cpu_packed_linear.cpp",
         "cpu_quantized_linear.cpp",
+        "cpu_decoder_layer.cpp",
     )
 ]
-HEADERS = ("simd.h", "cpu_pointwise.h", "cpu_attention.h", "cpu_linear.h", "cpu_moe.h", "parallel.h")
+HEADERS = (
+    "simd.h",
+    "cpu_pointwise.h",
+    "cpu_attention.h",
+    "cpu_linear.h",
+    "cpu_moe.h",
+    "cpu_decoder_layer.h",
+    "parallel.h",
+)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -181,23 +190,30 @@ def _quantized_linear(
     ops: ModuleType, x: torch.Tensor, w: QuantizedWeight, float32_out: bool
 ) -> torch.Tensor:
     """The int16 path, and for a step's prompt rows in bfloat16 the dense one (prompt_rows.py)."""
-    rows = prompt_rows.current(x.shape[0]) if x.dtype == torch.bfloat16 and _has_bf16_dot() else None
 
     def run(x: torch.Tensor, dense_from: int) -> torch.Tensor:
         return ops.quantized_linear(
             x, w.codes, w.scales, w.out_features, w.bits, w.group, float32_out, dense_from
         )
 
-    if rows is None:
-        return run(x, x.shape[0])
-    if rows.first is not None:
-        return run(x, rows.first)
-    assert rows.mask is not None
+    first = dense_from(x)
+    if first is not None:
+        return run(x, first)
+    rows = prompt_rows.current(x.shape[0])
+    assert rows is not None and rows.mask is not None
     out = x.new_empty((x.shape[0], w.out_features), dtype=torch.float32 if float32_out else x.dtype)
     generated = ~rows.mask
     out[generated] = run(x[generated].contiguous(), int(generated.sum()))
     out[rows.mask] = run(x[rows.mask].contiguous(), 0)
     return out
+
+
+def dense_from(x: torch.Tensor) -> int | None:
+    """quantized_linear's `dense_from` for a step's activations x: the row its prompt rows start
+    from, or x's row count where they take no dense path (none in the step, not bfloat16, a CPU
+    without bf16 dot products); None where prompt rows and generated ones interleave (a mask)."""
+    rows = prompt_rows.current(x.shape[0]) if x.dtype == torch.bfloat16 and _has_bf16_dot() else None
+    return x.shape[0] if rows is None else rows.first
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-// Attention kernels over the paged KV cache that are not in cpu_ops.cpp.
+// Attention kernels over the paged KV cache.
 #pragma once
 #include <torch/extension.h>
 
@@ -9,3 +9,9 @@
 void paged_prefill_attention_(torch::Tensor out, const torch::Tensor& query, const torch::Tensor& k_cache,
                               const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                               const torch::Tensor& cu_seqlens_q, const torch::Tensor& seq_lens, double scale);
+
+// Decode rows (one query row per request) of cpu_ops.cpp: query [R, H, D], block_tables
+// [R, max_blocks] and seq_lens [R] int32 -> [R, H, D].
+torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                     const torch::Tensor& seq_lens, double scale);

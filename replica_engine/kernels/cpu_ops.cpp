@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cpu_attention.h"
+#include "cpu_decoder_layer.h"
 #include "cpu_linear.h"
 #include "cpu_pointwise.h"
 #include "parallel.h"
@@ -232,6 +233,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_prefill_attention_", &paged_prefill_attention_,
         "prompt-chunk attention over a paged KV cache, into out", py::call_guard<py::gil_scoped_release>());
+  m.def("decoder_layer", &decoder_layer, "a dense decoder layer's kernels in one call",
+        py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm, after adding x into the residual when one is given",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", py::call_guard<py::gil_scoped_release>());

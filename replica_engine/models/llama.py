@@ -16,6 +16,7 @@ from replica_engine.attention.base import AttentionBackend, AttentionMetadata
 from replica_engine.kernels import cpu as cpu_kernels
 from replica_engine.kernels import pointwise
 from replica_engine.kernels.quantized_weight import QuantizedWeight, dequantize_rows
+from replica_engine.models.fused_layer import FusedDecoderLayer
 from replica_engine.models.layers import MLP, Embedding, Linear, MergedLinear, RMSNorm
 from replica_engine.models.moe import MOE_MODEL_TYPES, Experts, MoeShape, SparseMoeBlock
 from replica_engine.models.rotary import RotaryEmbedding, apply_rotary
@@ -66,6 +67,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    fused: FusedDecoderLayer | None = None  # on a CPU, where the layer is plain (fused_layer.py)
+
     def __init__(self, config, backend: AttentionBackend, moe: MoeShape | None) -> None:
         """`moe`: the model's experts where this layer has them; None: a dense MLP."""
         super().__init__()
@@ -88,6 +91,8 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: the last sublayer's output, not yet added to the residual stream (the first
         layer: the embeddings, residual None). Each add is fused into the norm that follows it."""
+        if self.fused is not None and (answer := self.fused(cos_sin, hidden, residual, kv_cache, metadata)):
+            return answer
         hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(cos_sin, hidden, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
@@ -223,3 +228,5 @@ class LlamaForCausalLM(nn.Module):
                 module.pack_for_cpu(amx_weights)
         if self.tie_word_embeddings and self.packed_embeddings is None:
             self.packed_embeddings = cpu_kernels.pack_weight(self.model.embed_tokens.weight)
+        for layer in self.model.layers:
+            layer.fused = FusedDecoderLayer.of(layer)

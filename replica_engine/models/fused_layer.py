@@ -1,0 +1,113 @@
+"""A dense decoder layer in one call on a CPU (kernels/cpu_decoder_layer.cpp): the kernels that
+DecoderLayer.forward calls one by one, in the same order on the same rows, so a token's numbers
+are the same either way. At a decode step's few rows the layer's Python around its kernels cost
+about as much as its matmuls over the 4-bit model; here it is one call a layer.
+
+It stands in only where the layer is plain: the CPU's paged attention backend, every projection
+on a kernel weight (packed or quantized, no AMX copy), no bias, q/k norm, experts or tensor
+parallelism, no LoRA adapter (checked at each call: adapters come and go), and a step whose
+prompt rows, if any, follow its generated ones (prompt_rows.py). Anything else runs the module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+
+from replica_engine.attention.base import AttentionMetadata
+from replica_engine.attention.cpu_paged import CPUPagedAttention
+from replica_engine.kernels import cpu as cpu_kernels
+from replica_engine.kernels.quantized_weight import QuantizedWeight
+from replica_engine.models.layers import MLP, Linear
+
+if TYPE_CHECKING:
+    from replica_engine.models.llama import DecoderLayer
+
+LayerLinear = tuple[torch.Tensor, torch.Tensor | None, int, int, int]
+
+
+def _kernel_weight(linear: Linear) -> LayerLinear | None:
+    """The C++ side's view of a projection's weight; None where it is not a plain kernel weight."""
+    if linear.bias is not None or linear.sum_across_workers or linear.lora is not None:
+        return None
+    weight = linear.packed
+    if isinstance(weight, QuantizedWeight):
+        return (weight.codes, weight.scales, weight.out_features, weight.bits, weight.group)
+    if isinstance(weight, cpu_kernels.PackedWeight):
+        return (weight.data, None, weight.out_features, 0, 0)
+    return None
+
+
+@dataclass(frozen=True)
+class FusedDecoderLayer:
+    ops: ModuleType
+    linears: tuple[Linear, ...]  # qkv, o, gate_up, down
+    weights: list[LayerLinear]
+    norms: tuple[torch.Tensor, torch.Tensor, float]
+    heads: list[int]  # H, KVH, head_dim
+    scale: float
+
+    @classmethod
+    def of(cls, layer: DecoderLayer) -> FusedDecoderLayer | None:
+        attention, mlp = layer.self_attn, layer.mlp
+        ops = cpu_kernels.cpu_ops()
+        if ops is None or not isinstance(attention.backend, CPUPagedAttention) or attention.has_qk_norm:
+            return None
+        if not isinstance(mlp, MLP):
+            return None
+        linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        weights = [_kernel_weight(linear) for linear in linears]
+        if any(weight is None for weight in weights):
+            return None
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if norms[0].eps != norms[1].eps or norms[0].weight.dtype not in cpu_kernels.KERNEL_DTYPES:
+            return None
+        # Where the module's pointwise kernels apply (it falls back to torch's ops elsewhere).
+        hidden, intermediate = norms[0].weight.shape[0], mlp.down_proj.in_features
+        if attention.head_dim % 32 or hidden % 16 or intermediate % 16:
+            return None
+        heads = [attention.num_heads, attention.num_kv_heads, attention.head_dim]
+        return cls(
+            ops, linears, weights, (norms[0].weight, norms[1].weight, norms[0].eps), heads, attention.scale
+        )  # type: ignore[arg-type]
+
+    def __call__(
+        self,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """DecoderLayer.forward's answer, or None where this step or layer needs the module."""
+        dense_from = cpu_kernels.dense_from(hidden)
+        if dense_from is None:
+            return None
+        for linear in self.linears:
+            if linear.lora is not None:
+                return None
+        decode = metadata.decode
+        attention = (
+            metadata.slot_mapping,
+            metadata.block_tables,
+            metadata.cu_seqlens_q,
+            metadata.seq_lens_kv,
+            metadata.max_query_len,
+            None if decode is None else (decode.token_index, decode.block_tables, decode.seq_lens),
+        )
+        cos, sin = (t.reshape(hidden.shape[0], -1) for t in cos_sin)
+        return self.ops.decoder_layer(
+            hidden,
+            residual,
+            self.norms,
+            self.weights,
+            self.heads,
+            self.scale,
+            cos,
+            sin,
+            *kv_cache,
+            attention,
+            dense_from,
+        )

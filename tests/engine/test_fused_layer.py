@@ -1,0 +1,62 @@
+"""On a CPU a plain decoder layer runs as one kernel call (models/fused_layer.py) where its
+module made a dozen: the same kernels in the same order on the same rows, so every token's
+numbers must be the module's, bit for bit, in decode-only steps and in steps that mix prompt
+chunks with decodes, over 4-bit weights (the embedded SmolLM2's own) and packed float ones."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from replica_engine import LLM, SamplingParams
+from replica_engine.kernels import cpu as cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.cpu_ops() is None, reason="the CPU kernels need AVX-512 and a C++ compiler"
+)
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea, then explain each of its lines in one short sentence.",
+    "1, 2, 3, 4,",
+]
+
+
+class CountingOps:
+    """The kernels, counting fused layer calls by whether their step held prompt rows."""
+
+    def __init__(self, ops) -> None:
+        self.ops = ops
+        self.steps_by_kind = {"decodes only": 0, "with prompt rows": 0}
+
+    def decoder_layer(self, *args):
+        max_query_len = args[-2][4]
+        self.steps_by_kind["decodes only" if max_query_len == 1 else "with prompt rows"] += 1
+        return self.ops.decoder_layer(*args)
+
+
+def answers(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outputs]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"dtype": "float32", "quantization": "none"}],
+    ids=["4-bit weights", "packed float32 weights"],
+)
+def test_a_fused_layer_answers_as_its_module(settings):
+    # A 16-token budget: prompts in chunks beside the others' decodes, then decode-only steps.
+    llm = LLM(max_num_batched_tokens=16, enable_prefix_caching=False, kv_cache_bytes=8 << 20, **settings)
+    layers = llm.engine.core.runner.model.model.layers
+    assert all(layer.fused is not None for layer in layers)
+    counting = CountingOps(layers[0].fused.ops)
+    for layer in layers:
+        layer.fused = dataclasses.replace(layer.fused, ops=counting)
+    fused = answers(llm)
+    assert all(counting.steps_by_kind.values()), counting.steps_by_kind
+    for layer in layers:
+        layer.fused = None
+    assert fused == answers(llm)
