@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -60,6 +61,14 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_kv_cpu: list[int]
     decode: DecodeRows | None  # None when the batch has no one-token rows
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple:
+        """What the CPU kernels read (cpu_attention.h's PagedAttentionArgs), once a step, not once
+        a layer."""
+        decode = self.decode
+        rows = None if decode is None else (decode.token_index, decode.block_tables, decode.seq_lens)
+        return (self.block_tables, self.cu_seqlens_q, self.seq_lens_kv, self.max_query_len, rows)
 
 
 class NullBlockWriteError(RuntimeError):

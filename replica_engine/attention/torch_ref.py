@@ -76,12 +76,8 @@ class TorchAttention(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        decode = metadata.decode
-        if decode is not None and metadata.max_query_len == 1:  # decodes only: row i is request i's
-            return self.attend_decodes(
-                query, k_cache, v_cache, decode.block_tables, decode.seq_lens, decode.max_seq_len, scale
-            )
         output = torch.empty_like(query)
+        decode = metadata.decode
         if decode is not None:
             output[decode.token_index] = self.attend_decodes(
                 query[decode.token_index],

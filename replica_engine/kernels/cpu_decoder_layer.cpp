@@ -4,7 +4,6 @@
 // ten kernel calls) cost about as much as its matmuls over a 4-bit model; here it is one call.
 #include "cpu_decoder_layer.h"
 
-#include "cpu_attention.h"
 #include "cpu_linear.h"
 #include "cpu_pointwise.h"
 
@@ -22,7 +21,7 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
     const torch::Tensor& hidden, const std::optional<torch::Tensor>& residual, const LayerNorms& norms,
     const std::vector<LayerLinear>& linears, const std::vector<int64_t>& heads, double scale,
     const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-    const LayerAttention& attention, int64_t dense_from) {
+    const torch::Tensor& slot_mapping, const PagedAttentionArgs& attention, int64_t dense_from) {
   TORCH_CHECK(linears.size() == 4 && heads.size() == 3, "decoder_layer: qkv, o, gate_up, down; H, KVH, D");
   const auto& [input_norm, post_norm, eps] = norms;
   const int64_t T = hidden.size(0), H = heads[0], KVH = heads[1], D = heads[2];
@@ -32,20 +31,8 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
   auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
   auto k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
   const auto v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
-  const auto& [slot_mapping, block_tables, cu_seqlens_q, seq_lens_kv, max_query_len, decode] = attention;
   rotary_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
-  q = q.contiguous();
-  torch::Tensor attended;
-  if (decode && max_query_len == 1) {  // decodes only: row i is request i's
-    attended = paged_decode_attention(q, k_cache, v_cache, std::get<1>(*decode), std::get<2>(*decode), scale);
-  } else {
-    attended = torch::empty_like(q);
-    if (decode) {
-      const auto& [rows, tables, lens] = *decode;
-      attended.index_put_({rows}, paged_decode_attention(q.index({rows}), k_cache, v_cache, tables, lens, scale));
-    }
-    paged_prefill_attention_(attended, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_kv, scale);
-  }
+  const auto attended = paged_attention(q, k_cache, v_cache, attention, scale);
   const auto out = project(attended.view({T, H * D}), linears[1], dense_from);
   const auto gate_up = project(rms_norm(out, post_norm, eps, stream), linears[2], dense_from);
   return {project(silu_mul(gate_up), linears[3], dense_from), stream};

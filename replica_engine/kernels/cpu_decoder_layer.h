@@ -2,6 +2,8 @@
 #pragma once
 #include <torch/extension.h>
 
+#include "cpu_attention.h"
+
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -11,18 +13,13 @@
 using LayerLinear = std::tuple<torch::Tensor, std::optional<torch::Tensor>, int64_t, int64_t, int64_t>;
 // (input norm weight, post-attention norm weight, eps).
 using LayerNorms = std::tuple<torch::Tensor, torch::Tensor, double>;
-// The step's attention metadata (attention/base.py's AttentionMetadata): slot_mapping, block_tables,
-// cu_seqlens_q, seq_lens_kv, max_query_len, and its decode rows (token_index, block_tables,
-// seq_lens) where it has any.
-using LayerAttention = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
-                                  std::optional<std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>>>;
-
 // DecoderLayer.forward of a dense layer (no bias, q/k norm, LoRA or tensor parallelism): hidden
 // [T, hidden] and the residual stream (None: the first layer, the stream starts as hidden) ->
 // (the MLP's output, the stream). linears: qkv, o, gate_up, down; heads: H, KVH, head_dim; cos and
-// sin [T, head_dim]; caches [num_blocks, block_size, KVH, head_dim]; dense_from: quantized_linear's.
+// sin [T, head_dim]; caches [num_blocks, block_size, KVH, head_dim]; slot_mapping [T] int64 (where
+// the step's K/V go); dense_from: quantized_linear's.
 std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
     const torch::Tensor& hidden, const std::optional<torch::Tensor>& residual, const LayerNorms& norms,
     const std::vector<LayerLinear>& linears, const std::vector<int64_t>& heads, double scale,
     const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-    const LayerAttention& attention, int64_t dense_from);
+    const torch::Tensor& slot_mapping, const PagedAttentionArgs& attention, int64_t dense_from);

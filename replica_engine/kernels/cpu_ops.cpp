@@ -219,6 +219,21 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   return out;
 }
 
+torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const PagedAttentionArgs& attention, double scale) {
+  const auto& [block_tables, cu_seqlens_q, seq_lens_kv, max_query_len, decode] = attention;
+  const auto q = query.contiguous();  // a view of the fused projection: rows strided
+  if (decode && max_query_len == 1)  // decodes only: row i is request i's
+    return paged_decode_attention(q, k_cache, v_cache, std::get<1>(*decode), std::get<2>(*decode), scale);
+  auto out = torch::empty_like(q);
+  if (decode) {
+    const auto& [rows, tables, lens] = *decode;
+    out.index_put_({rows}, paged_decode_attention(q.index({rows}), k_cache, v_cache, tables, lens, scale));
+  }
+  paged_prefill_attention_(out, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_kv, scale);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs, as torch's own ops do: the event loop goes on.
   m.def("pack_linear_weight", &pack_linear_weight, "a linear weight in packed_linear's layout");
@@ -229,10 +244,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("quantized_linear", &quantized_linear, "x @ weight.T over a quantized weight",
         py::call_guard<py::gil_scoped_release>());
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache",
+  m.def("paged_attention", &paged_attention, "a flat batch's attention over a paged KV cache",
         py::call_guard<py::gil_scoped_release>());
-  m.def("paged_prefill_attention_", &paged_prefill_attention_,
-        "prompt-chunk attention over a paged KV cache, into out", py::call_guard<py::gil_scoped_release>());
   m.def("decoder_layer", &decoder_layer, "a dense decoder layer's kernels in one call",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm, after adding x into the residual when one is given",

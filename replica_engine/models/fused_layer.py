@@ -88,15 +88,6 @@ class FusedDecoderLayer:
         for linear in self.linears:
             if linear.lora is not None:
                 return None
-        decode = metadata.decode
-        attention = (
-            metadata.slot_mapping,
-            metadata.block_tables,
-            metadata.cu_seqlens_q,
-            metadata.seq_lens_kv,
-            metadata.max_query_len,
-            None if decode is None else (decode.token_index, decode.block_tables, decode.seq_lens),
-        )
         cos, sin = (t.reshape(hidden.shape[0], -1) for t in cos_sin)
         return self.ops.decoder_layer(
             hidden,
@@ -108,6 +99,7 @@ class FusedDecoderLayer:
             cos,
             sin,
             *kv_cache,
-            attention,
+            metadata.slot_mapping,
+            metadata.kernel_args,
             dense_from,
         )

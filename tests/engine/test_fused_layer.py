@@ -31,7 +31,7 @@ class CountingOps:
         self.steps_by_kind = {"decodes only": 0, "with prompt rows": 0}
 
     def decoder_layer(self, *args):
-        max_query_len = args[-2][4]
+        max_query_len = args[-2][3]  # the step's AttentionMetadata.kernel_args
         self.steps_by_kind["decodes only" if max_query_len == 1 else "with prompt rows"] += 1
         return self.ops.decoder_layer(*args)
 
