@@ -1,7 +1,7 @@
 """The CPU backend: compiled kernels that read each request's K/V blocks where they lie in the
-paged cache (an online softmax, 16 keys at a time) instead of gathering them into a copy every
-layer: one for decode rows, one for prompt chunks (tiled as flash attention is), both from one
-call a layer (cpu_ops.cpp's paged_attention, which the fused decoder layer calls too)."""
+paged cache instead of gathering them into a copy every layer: one for decode rows, one for
+prompt chunks (tiled as flash attention is), both from one call a layer (cpu_ops.cpp's
+paged_attention, which the fused decoder layer calls too)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """The CPU kernels of cpu_ops.cpp, cpu_pointwise.cpp, cpu_prefill_attention.cpp,
-cpu_packed_linear.cpp, cpu_quantized_linear.cpp and cpu_decoder_layer.cpp, built on first use for this machine
-(-march=native) by torch's C++ extension loader and cached in a directory named by the sources'
-hash under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so two
-checkouts with other sources never rebuild over each other. Where they cannot be built (no
+cpu_prefill_attention_bf16.cpp, cpu_packed_linear.cpp, cpu_quantized_linear.cpp and
+cpu_decoder_layer.cpp, built on first use for this machine (-march=native) by torch's C++
+extension loader and cached in a directory named by the sources' hash under
+TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so two checkouts with other sources
+never rebuild over each other. Where they cannot be built (no
 compiler, no AVX-512), callers fall back to torch's own ops.
 
 One build at a time, under an flock the kernel drops if the building process dies: torch's own
@@ -34,6 +35,7 @@ SOURCES = [
         "cpu_ops.cpp",
         "cpu_pointwise.cpp",
         "cpu_prefill_attention.cpp",
+        "cpu_prefill_attention_bf16.cpp",
         "cpu_packed_linear.cpp",
         "cpu_quantized_linear.cpp",
         "cpu_decoder_layer.cpp",
@@ -43,6 +45,7 @@ HEADERS = (
     "simd.h",
     "cpu_pointwise.h",
     "cpu_attention.h",
+    "cpu_prefill_attention.h",
     "cpu_linear.h",
     "cpu_moe.h",
     "cpu_decoder_layer.h",

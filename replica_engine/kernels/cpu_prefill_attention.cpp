@@ -1,9 +1,12 @@
-// Prompt-chunk attention over the paged KV cache, read in place (no gather): flash attention's
-// tiling on AVX-512. A task is 16 query rows of one request times the G query heads that share one
-// KV head; it walks the request's keys 16 at a time (only as far as its last row may see). Each
-// key tile is transposed once into registers-sized rows of 16 keys, so a query row's 16 scores
-// are D broadcast FMAs (no horizontal sums), and that transpose serves all 16 * G rows; the
-// output rows stay in an L1-sized accumulator, rescaled as each row's running max moves.
+// Prompt-chunk attention over the paged KV cache, read in place (no gather): a step's chunks
+// split into tasks (query rows of one request times the G query heads that share one KV head),
+// handed to the threads. In bfloat16 on a CPU with pairwise dot products a task is 32 rows, run by
+// the block kernel of cpu_prefill_attention_bf16.cpp. Otherwise (float32, or no AVX512-BF16) it
+// is 16 rows and flash attention's tiling here: the request's keys 16 at a time (only as far as
+// its last row may see), each key tile transposed once into registers-sized rows of 16 keys, so a
+// query row's 16 scores are D broadcast FMAs (no horizontal sums), and that transpose serves all
+// 16 * G rows; the output rows stay in an L1-sized accumulator, rescaled as each row's running max
+// moves.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -17,6 +20,7 @@
 #include <vector>
 
 #include "cpu_attention.h"
+#include "cpu_prefill_attention.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -25,37 +29,6 @@ namespace {
 constexpr int64_t kTile = 16;  // query rows per task, keys per step: one AVX-512 float vector
 constexpr int64_t kMaxD = 256, kMaxG = 16;  // as the decode kernel
 
-// Rows r[0..15] of 16 floats become their columns: r[i][j] <- r[j][i].
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int i = 0; i < 4; ++i) {  // 128-bit lanes: rows i, i+4 and i+8, i+12
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
-  }
-}
-
-struct Chunk {  // one request's prompt chunk
-  int64_t first_row, num_rows, kv_len;
-  const int32_t* table;
-};
 
 // A thread's working set for one task: G * kTile query rows and their output rows (float32), and
 // one tile of keys (transposed, kt[d * kTile + t]) and values (vt[t * D + d]) widened to float32
@@ -115,7 +88,7 @@ inline void rows_against_tile(Scratch& scratch, int64_t i0, const int64_t* visib
 // Rows [row0, row0 + rows) of the chunk (at most kTile), KV head g: G * rows output rows, padded
 // to whole groups of kRows (padding rows repeat the last real row and are not written out).
 template <typename T, int64_t kDV>
-void attend_tile(const Chunk& chunk, int64_t row0, int64_t rows, int64_t g, const T* q, const T* k_cache,
+void attend_tile(const PromptChunk& chunk, int64_t row0, int64_t rows, int64_t g, const T* q, const T* k_cache,
                  const T* v_cache, T* out, int64_t H, int64_t G, int64_t block_size, int64_t KVH, float scale,
                  Scratch& scratch) {
   constexpr int64_t D = kDV * 16;
@@ -169,120 +142,21 @@ void attend_tile(const Chunk& chunk, int64_t row0, int64_t rows, int64_t g, cons
   }
 }
 
-#ifdef __AVX512BF16__
-// attend_tile for bfloat16 with the CPU's pairwise dot product (D a multiple of 32): half the
-// instructions of widening to float32, and the key tile is transposed as k pairs (32-bit words),
-// half the shuffles. Scores take the scale after the dot products (the bfloat16 query is used
-// as it is); probabilities meet the values rounded to bfloat16, as flash attention's P.V does.
-// Scratch reuse: qf holds the query rows' k pairs, kt the transposed key pairs (kt[j * 16 + t]:
-// pair j of key t), vt the value pairs of key pairs (vt[p * D + w]: keys 2p, 2p + 1 at the d of
-// word w, in unpacklo/unpackhi order), acc the output rows in that order.
-template <int64_t kDV>
-void attend_tile_bf16(const Chunk& chunk, int64_t row0, int64_t rows, int64_t g, const at::BFloat16* q,
-                      const at::BFloat16* k_cache, const at::BFloat16* v_cache, at::BFloat16* out, int64_t H,
-                      int64_t G, int64_t block_size, int64_t KVH, float scale, Scratch& scratch) {
-  constexpr int64_t D = kDV * 16, kWords = D / 2, kChunks = D / 32;  // a chunk: 32 values, 16 words
-  const int64_t n = G * rows, padded = (n + kRows - 1) / kRows * kRows, kv_stride = KVH * D;
-  auto* qw = reinterpret_cast<uint32_t*>(scratch.qf.data());
-  float* kw = scratch.kt.data();  // 16 floats' room per 16 words: vector i at kw + 16 * i
-  float* vw = scratch.vt.data();
-  const auto word_vector = [](const float* base, int64_t i) { return (__m512bh)_mm512_loadu_ps(base + 16 * i); };
-  auto q_row = [&](int64_t i) { return q + ((chunk.first_row + row0 + i / G) * H + g * G + i % G) * D; };
-  for (int64_t i = 0; i < padded; ++i) {
-    std::memcpy(qw + i * kWords, q_row(std::min(i, n - 1)), D * sizeof(at::BFloat16));
-    std::fill_n(&scratch.acc[i * D], D, 0.f);
-    scratch.row_max[i] = -std::numeric_limits<float>::infinity();
-    scratch.row_sum[i] = 0.f;
-  }
-  const int64_t first_pos = chunk.kv_len - chunk.num_rows + row0, keys = first_pos + rows;
-  const at::BFloat16* k_rows[kTile];
-  const at::BFloat16* v_rows[kTile];
-  for (int64_t start = 0; start < keys; start += kTile) {
-    const int64_t tokens = std::min(kTile, keys - start);
-    for (int64_t t = 0; t < tokens; ++t) {
-      const int64_t pos = start + t;
-      const int64_t slot = static_cast<int64_t>(chunk.table[pos / block_size]) * block_size + pos % block_size;
-      k_rows[t] = k_cache + slot * kv_stride + g * D;
-      v_rows[t] = v_cache + slot * kv_stride + g * D;
-    }
-    const auto row_chunk = [&](const at::BFloat16* const* rows_of, int64_t t, int64_t c) {
-      return t < tokens ? _mm512_loadu_si512(rows_of[t] + c * 32) : _mm512_setzero_si512();
-    };
-    for (int64_t c = 0; c < kChunks; ++c) {
-      __m512 block[16];
-      for (int64_t t = 0; t < 16; ++t) block[t] = _mm512_castsi512_ps(row_chunk(k_rows, t, c));
-      transpose16(block);
-      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_ps(kw + 16 * (c * 16 + j), block[j]);
-      for (int64_t p = 0; p < kTile / 2; ++p) {
-        const __m512i a = row_chunk(v_rows, 2 * p, c), b = row_chunk(v_rows, 2 * p + 1, c);
-        _mm512_storeu_si512(vw + 16 * (p * kDV + 2 * c), _mm512_unpacklo_epi16(a, b));
-        _mm512_storeu_si512(vw + 16 * (p * kDV + 2 * c + 1), _mm512_unpackhi_epi16(a, b));
-      }
-    }
-    for (int64_t i0 = 0; i0 < padded; i0 += kRows) {
-      int64_t visible[kRows];
-      for (int64_t r = 0; r < kRows; ++r)
-        visible[r] = std::max<int64_t>(0, std::min(tokens, first_pos + std::min(i0 + r, n - 1) / G + 1 - start));
-      const int64_t max_visible = *std::max_element(visible, visible + kRows);
-      if (max_visible == 0) continue;
-      __m512 s[kRows][2];
-      for (int64_t r = 0; r < kRows; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < kWords; j += 2) {
-        for (int64_t r = 0; r < kRows; ++r) {
-          const uint32_t* qr = qw + (i0 + r) * kWords;
-          s[r][0] = _mm512_dpbf16_ps(s[r][0], word_vector(kw, j), (__m512bh)_mm512_set1_epi32(qr[j]));
-          s[r][1] = _mm512_dpbf16_ps(s[r][1], word_vector(kw, j + 1), (__m512bh)_mm512_set1_epi32(qr[j + 1]));
-        }
-      }
-      alignas(64) uint16_t probs[kRows][kTile];
-      float correction[kRows];
-      for (int64_t r = 0; r < kRows; ++r) {
-        const __mmask16 mask = static_cast<__mmask16>((1u << visible[r]) - 1);
-        const __m512 scores = _mm512_mul_ps(_mm512_add_ps(s[r][0], s[r][1]), _mm512_set1_ps(scale));
-        const __m512 p = online_softmax16(scores, mask, scratch.row_max[i0 + r], scratch.row_sum[i0 + r],
-                                          correction[r]);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(probs[r]), (__m256i)_mm512_cvtneps_pbh(p));
-      }
-      float* acc = scratch.acc.data() + i0 * D;
-      __m512 o[kRows][kDV];
-      for (int64_t r = 0; r < kRows; ++r)
-        for (int64_t v = 0; v < kDV; ++v)
-          o[r][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + v * 16), _mm512_set1_ps(correction[r]));
-      for (int64_t p = 0; p < (max_visible + 1) / 2; ++p) {
-        for (int64_t r = 0; r < kRows; ++r) {
-          uint32_t pair;
-          std::memcpy(&pair, &probs[r][2 * p], sizeof(pair));
-          const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
-          for (int64_t v = 0; v < kDV; ++v) o[r][v] = _mm512_dpbf16_ps(o[r][v], word_vector(vw, p * kDV + v), pp);
-        }
-      }
-      for (int64_t r = 0; r < kRows; ++r)
-        for (int64_t v = 0; v < kDV; ++v) _mm512_storeu_ps(acc + r * D + v * 16, o[r][v]);
-    }
-  }
-  for (int64_t i = 0; i < n; ++i) {  // word w of vector 2c (unpacklo) is d = 32c + 8(w / 4) + w % 4; 2c+1: + 4
-    const float inv = scratch.row_sum[i] > 0.f ? 1.f / scratch.row_sum[i] : 0.f;
-    const float* acc = scratch.acc.data() + i * D;
-    alignas(64) float row[D];
-    for (int64_t v = 0; v < kDV; ++v)
-      for (int64_t w = 0; w < 16; ++w) row[(v / 2) * 32 + (w / 4) * 8 + (v % 2) * 4 + w % 4] = acc[v * 16 + w] * inv;
-    at::BFloat16* dst = out + ((chunk.first_row + row0 + i / G) * H + g * G + i % G) * D;
-    for (int64_t v = 0; v < kDV; ++v) store16(dst + v * 16, _mm512_load_ps(row + v * 16));
-  }
-}
-#endif
 
 // attend_tile for this head_dim: one instantiation per multiple of 16 up to kMaxD.
 template <typename T, int64_t kDV = 1>
 auto tile_for_head_dim(int64_t D) {
-  using Tile = decltype(&attend_tile<T, 1>);
   if constexpr (kDV < kMaxD / 16) {
     if (D != kDV * 16) return tile_for_head_dim<T, kDV + 1>(D);
   }
-#ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<T, at::BFloat16> && kDV % 2 == 0) return Tile{&attend_tile_bf16<kDV>};
-#endif
-  return Tile{&attend_tile<T, kDV>};
+  return &attend_tile<T, kDV>;
+}
+
+// Query rows per task: twice a tile's for the bfloat16 block kernel, whose staging of each key
+// block (keys transposed, values paired) all of them share.
+template <typename T>
+int64_t rows_per_task(int64_t D) {
+  return std::is_same_v<T, at::BFloat16> && prompt_rows_bf16_supported(D) ? 2 * kTile : kTile;
 }
 
 template <typename T>
@@ -294,32 +168,46 @@ void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::
   const int64_t R = seq_lens.size(0), max_blocks = block_tables.size(1);
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  std::vector<Chunk> chunks;
+  std::vector<PromptChunk> chunks;
   std::vector<std::tuple<int64_t, int64_t, int64_t>> tasks;  // (chunk, first row, kv head)
+  const int64_t task_rows = rows_per_task<T>(D);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t rows = cu[r + 1] - cu[r];
     if (rows <= 1) continue;  // a decode row: the decode kernel's
     chunks.push_back({cu[r], rows, lens[r], block_tables.data_ptr<int32_t>() + r * max_blocks});
-    const int64_t num_tiles = (rows + kTile - 1) / kTile;
+    const int64_t num_tiles = (rows + task_rows - 1) / task_rows;
     // Tiles in the order first, last, second, second-to-last, ...: causal tiles grow in cost, so
     // the last tasks handed out are not all the dearest.
     for (int64_t k = 0; k < num_tiles; ++k) {
       const int64_t tile = k % 2 == 0 ? k / 2 : num_tiles - 1 - k / 2;
-      for (int64_t g = 0; g < KVH; ++g) tasks.emplace_back(chunks.size() - 1, tile * kTile, g);
+      for (int64_t g = 0; g < KVH; ++g) tasks.emplace_back(chunks.size() - 1, tile * task_rows, g);
     }
   }
   const T* qp = query.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (task_rows != kTile) {  // the bfloat16 block kernel's
+      parallel_chunks(static_cast<int64_t>(tasks.size()), 1, [&](int64_t first, int64_t last) {
+        for (int64_t t = first; t < last; ++t) {
+          const auto [c, row0, g] = tasks[t];
+          const PromptChunk& chunk = chunks[c];
+          attend_prompt_rows_bf16(chunk, row0, std::min(task_rows, chunk.num_rows - row0), g, qp, kp, vp, op, H, D,
+                                  G, block_size, KVH, static_cast<float>(scale));
+        }
+      });
+      return;
+    }
+  }
   const auto attend = tile_for_head_dim<T>(D);
   std::vector<Scratch> scratches(at::get_num_threads(), Scratch(G, D));
   parallel_chunks(static_cast<int64_t>(tasks.size()), 1, [&](int64_t first, int64_t last) {
     Scratch& scratch = scratches[at::get_thread_num()];
     for (int64_t t = first; t < last; ++t) {
       const auto [c, row0, g] = tasks[t];
-      const Chunk& chunk = chunks[c];
-      attend(chunk, row0, std::min(kTile, chunk.num_rows - row0), g, qp, kp, vp, op, H, G, block_size, KVH,
+      const PromptChunk& chunk = chunks[c];
+      attend(chunk, row0, std::min(task_rows, chunk.num_rows - row0), g, qp, kp, vp, op, H, G, block_size, KVH,
              static_cast<float>(scale), scratch);
     }
   });
