@@ -81,16 +81,43 @@ struct KVHeadState {
   float running_max[kMaxG], running_sum[kMaxG];
 };
 
-// One request's decode row against KV heads [g0, g1) of its paged K/V, 16 tokens at a time, with
-// an online softmax. Per query head: the 16 scores as one vector (dot products summed by one
-// tree), their exponentials in one vector op, and the output row updated in registers, rescaled
-// as the running max moves. A tile's values are widened to float32 once for the G heads that
-// read them. One task walks all of its KV heads tile by tile, so it reads each token's rows as
-// one run (the cache interleaves KV heads per token) instead of G-strided pieces.
+constexpr int64_t kKeyBlock = 128;  // keys whose softmax a decode row takes at once
+
+// Head h's scores over a block's first `tokens` keys, in place: their softmax's probabilities
+// (exponentials of score - max, 0 past `tokens` up to the block's 16-key tiles), merged into the
+// head's running max and sum; returns the factor its earlier output must be rescaled by.
+inline float block_probabilities(float* scores, int64_t tokens, float& running_max, float& running_sum) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const auto valid = [&](int64_t t) {
+    return static_cast<__mmask16>((1u << std::clamp<int64_t>(tokens - t * 16, 0, 16)) - 1);
+  };
+  __m512 top = _mm512_set1_ps(kNegInf);
+  for (int64_t t = 0; t * 16 < tokens; ++t) top = _mm512_mask_max_ps(top, valid(t), top, _mm512_load_ps(scores + t * 16));
+  const float new_max = std::max(running_max, _mm512_reduce_max_ps(top));
+  const float correction = running_max == kNegInf ? 1.f : std::exp(running_max - new_max);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t * 16 < tokens; ++t) {
+    const __m512 shifted = _mm512_sub_ps(_mm512_load_ps(scores + t * 16), _mm512_set1_ps(new_max));
+    const __m512 p = _mm512_maskz_mov_ps(valid(t), exp16(shifted));
+    sum = _mm512_add_ps(sum, p);
+    _mm512_store_ps(scores + t * 16, p);
+  }
+  running_sum = running_sum * correction + _mm512_reduce_add_ps(sum);
+  running_max = new_max;
+  return correction;
+}
+
+// One request's decode row against KV heads [g0, g1) of its paged K/V, kKeyBlock keys at a time:
+// per KV head, the block's scores for each of its G query heads (16 keys' dot products summed by
+// one tree), each head's softmax over the block at once, then P.V with the output rows of up to
+// kHeads heads in registers, so each value row is widened to float32 once for all of them and
+// the heads' accumulators are independent FMA chains. One task walks all of its KV heads block
+// by block, so it reads each token's rows as one run (the cache interleaves KV heads per token)
+// instead of G-strided pieces.
 template <typename T, int64_t kDV>
 void attend_request(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t seq_len,
                     int64_t block_size, int64_t kv_stride, int64_t g0, int64_t g1, int64_t G, float scale, T* out) {
-  constexpr int64_t D = kDV * 16, kChunk = 16;
+  constexpr int64_t D = kDV * 16, kChunk = 16, kHeads = std::max<int64_t>(1, 16 / kDV);
   std::vector<KVHeadState<T, kDV>> states(g1 - g0);
   for (int64_t g = g0; g < g1; ++g) {
     auto& state = states[g - g0];
@@ -101,54 +128,62 @@ void attend_request(const T* q, const T* k_cache, const T* v_cache, const int32_
       state.running_sum[h] = 0.f;
     }
   }
-  alignas(64) float values[kChunk][D];
-  alignas(64) float probs[kChunk];
-  int64_t slots[kChunk];
-  const T* k_rows[kChunk];
-  const auto slot_of = [&](int64_t pos) {
-    return static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-  };
+  alignas(64) float scores[KVHeadState<T, kDV>::kMaxG][kKeyBlock];
+  int64_t offsets[kKeyBlock + kChunk];  // of the block's keys (and the next tile's) in a cache
   // A layer's cache is far from the core (a step streams every weight between two visits), and
-  // pages of the pool come in any order: each tile asks for the next tile's rows first.
+  // pages of the pool come in any order: each tile asks for the next tile's keys and its own
+  // values (read by P.V after the block's scores) first.
   const int64_t run_bytes = (g1 - g0) * D * static_cast<int64_t>(sizeof(T));
-  const auto prefetch_tile = [&](int64_t first) {
-    for (int64_t pos = first; pos < std::min(first + kChunk, seq_len); ++pos) {
-      const int64_t offset = slot_of(pos) * kv_stride + g0 * D;
-      for (int64_t byte = 0; byte < run_bytes; byte += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(k_cache + offset) + byte, _MM_HINT_T2);
-        _mm_prefetch(reinterpret_cast<const char*>(v_cache + offset) + byte, _MM_HINT_T2);
-      }
-    }
+  const auto prefetch = [&](const T* cache, const int64_t* first, int64_t count) {
+    for (int64_t t = 0; t < count; ++t)
+      for (int64_t byte = 0; byte < run_bytes; byte += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(cache + first[t] + g0 * D) + byte, _MM_HINT_T2);
   };
-  prefetch_tile(0);
-  for (int64_t start = 0; start < seq_len; start += kChunk) {
-    const int64_t tokens = std::min(kChunk, seq_len - start);
-    prefetch_tile(start + kChunk);
-    const __mmask16 valid = static_cast<__mmask16>((1u << tokens) - 1);
-    for (int64_t t = 0; t < tokens; ++t) slots[t] = slot_of(start + t) * kv_stride;
+  for (int64_t start = 0; start < seq_len; start += kKeyBlock) {
+    // The block's keys and the next block's first tile (block_size is not a constant: no division per key).
+    const int64_t tokens = std::min(kKeyBlock, seq_len - start), ahead = std::min(kKeyBlock + kChunk, seq_len - start);
+    for (int64_t t = 0, page = start / block_size, in_page = start % block_size; t < ahead; ++t) {
+      offsets[t] = (static_cast<int64_t>(table[page]) * block_size + in_page) * kv_stride;
+      if (++in_page == block_size) in_page = 0, ++page;
+    }
     for (int64_t g = g0; g < g1; ++g) {
       auto& state = states[g - g0];
-      for (int64_t t = 0; t < tokens; ++t) {
-        k_rows[t] = k_cache + slots[t] + g * D;
-        for (int64_t v = 0; v < kDV; ++v)
-          _mm512_store_ps(&values[t][v * 16], load16(v_cache + slots[t] + g * D + v * 16));
-      }
-      for (int64_t h = 0; h < G; ++h) {
-        __m512 dots[kChunk];
-        for (int64_t t = 0; t < kChunk; ++t) dots[t] = t < tokens ? state.rows[h].dot(k_rows[t]) : _mm512_setzero_ps();
-        const __m512 scores = _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale));
-        float correction;
-        _mm512_store_ps(probs, online_softmax16(scores, valid, state.running_max[h], state.running_sum[h], correction));
-        __m512 out_rows[kDV];
-        for (int64_t v = 0; v < kDV; ++v)
-          out_rows[v] = _mm512_mul_ps(_mm512_load_ps(&state.acc[h][v * 16]), _mm512_set1_ps(correction));
-        for (int64_t t = 0; t < tokens; ++t) {
-          const __m512 pt = _mm512_set1_ps(probs[t]);
-          for (int64_t v = 0; v < kDV; ++v)
-            out_rows[v] = _mm512_fmadd_ps(pt, _mm512_load_ps(&values[t][v * 16]), out_rows[v]);
+      for (int64_t tile = 0; tile * kChunk < tokens; ++tile) {
+        const int64_t first = tile * kChunk, count = std::min(kChunk, tokens - first);
+        if (g == g0) {  // the next tile's keys, and this tile's values for the P.V below
+          if (start == 0 && tile == 0) prefetch(k_cache, offsets, count);
+          prefetch(k_cache, offsets + first + kChunk, std::min(kChunk, ahead - first - kChunk));
+          prefetch(v_cache, offsets + first, count);
         }
-        for (int64_t v = 0; v < kDV; ++v) _mm512_store_ps(&state.acc[h][v * 16], out_rows[v]);
+        const T* k_rows[kChunk];
+        for (int64_t t = 0; t < count; ++t) k_rows[t] = k_cache + offsets[first + t] + g * D;
+        for (int64_t h = 0; h < G; ++h) {
+          __m512 dots[kChunk];
+          for (int64_t t = 0; t < kChunk; ++t) dots[t] = t < count ? state.rows[h].dot(k_rows[t]) : _mm512_setzero_ps();
+          _mm512_store_ps(&scores[h][first], _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale)));
+        }
       }
+      float correction[KVHeadState<T, kDV>::kMaxG];
+      for (int64_t h = 0; h < G; ++h)
+        correction[h] = block_probabilities(scores[h], tokens, state.running_max[h], state.running_sum[h]);
+      row_groups<kHeads>(G, [&](int64_t h0, auto heads) {
+        constexpr int64_t R = decltype(heads)::value;
+        __m512 o[R][kDV];
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t v = 0; v < kDV; ++v)
+            o[r][v] = _mm512_mul_ps(_mm512_load_ps(&state.acc[h0 + r][v * 16]), _mm512_set1_ps(correction[h0 + r]));
+        for (int64_t t = 0; t < tokens; ++t) {
+          const T* row = v_cache + offsets[t] + g * D;
+          __m512 values[kDV];
+          for (int64_t v = 0; v < kDV; ++v) values[v] = load16(row + v * 16);
+          for (int64_t r = 0; r < R; ++r) {
+            const __m512 p = _mm512_set1_ps(scores[h0 + r][t]);
+            for (int64_t v = 0; v < kDV; ++v) o[r][v] = _mm512_fmadd_ps(p, values[v], o[r][v]);
+          }
+        }
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t v = 0; v < kDV; ++v) _mm512_store_ps(&state.acc[h0 + r][v * 16], o[r][v]);
+      });
     }
   }
   for (int64_t g = g0; g < g1; ++g) {

@@ -49,26 +49,6 @@ __attribute__((noinline)) BlockScratch& thread_scratch() {
   return scratch;
 }
 
-template <int64_t R>
-using Rows = std::integral_constant<int64_t, R>;
-
-// fn(i0, Rows<R>) for the last `left` (< R + 1) rows from i0, as one group.
-template <int64_t R, typename Fn>
-inline void last_group(int64_t i0, int64_t left, const Fn& fn) {
-  if constexpr (R > 0) {
-    if (left == R) fn(i0, Rows<R>{});
-    else last_group<R - 1>(i0, left, fn);
-  }
-}
-
-// fn(i0, Rows<R>) over rows [0, n): groups of kMax, then one group of the rest.
-template <int64_t kMax, typename Fn>
-inline void row_groups(int64_t n, const Fn& fn) {
-  int64_t i = 0;
-  for (; i + kMax <= n; i += kMax) fn(i, Rows<kMax>{});
-  last_group<kMax - 1>(i, n - i, fn);
-}
-
 inline __m512bh word_at(const float* base, int64_t i) { return (__m512bh)_mm512_loadu_ps(base + 16 * i); }
 inline __m512bh broadcast_word(const void* p) {
   uint32_t word;

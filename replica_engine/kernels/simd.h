@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
@@ -107,4 +108,25 @@ inline void transpose16(__m512 r[16]) {
     r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
     r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
   }
+}
+
+// Register tiles of R rows, R a compile-time constant so that a tile's accumulators stay in registers.
+template <int64_t R>
+using Rows = std::integral_constant<int64_t, R>;
+
+// fn(i0, Rows<R>) for the last `left` (< R + 1) rows from i0, as one group.
+template <int64_t R, typename Fn>
+inline void last_group(int64_t i0, int64_t left, const Fn& fn) {
+  if constexpr (R > 0) {
+    if (left == R) fn(i0, Rows<R>{});
+    else last_group<R - 1>(i0, left, fn);
+  }
+}
+
+// fn(i0, Rows<R>) over rows [0, n): groups of kMax, then one group of the rest.
+template <int64_t kMax, typename Fn>
+inline void row_groups(int64_t n, const Fn& fn) {
+  int64_t i = 0;
+  for (; i + kMax <= n; i += kMax) fn(i, Rows<kMax>{});
+  last_group<kMax - 1>(i, n - i, fn);
 }
