@@ -66,7 +66,7 @@ class ResponseShape:
         if message.get("reasoning_content"):
             output.append(_reasoning(self.item_id("rs", 0), message["reasoning_content"], status))
         if message.get("content"):
-            logprobs = (choice.get("logprobs") or {}).get("content") or []
+            logprobs = _text_logprobs((choice.get("logprobs") or {}).get("content") or [], message["content"])
             output.append(_message(self.item_id("msg", len(output)), message["content"], logprobs, status))
         for call in message.get("tool_calls") or ():
             name, arguments = call["function"]["name"], call["function"]["arguments"]
@@ -75,6 +75,16 @@ class ResponseShape:
 
     def item_id(self, prefix: str, output_index: int) -> str:
         return f"{prefix}_{self.request_id}_{output_index}"
+
+
+def _text_logprobs(logprobs: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The logprobs of the tokens that make up `text`: without the trailing ones whose text is
+    not in it (the end-of-text token, a stop string's tokens), as a stream leaves them out (their
+    logprobs wait for text that never comes)."""
+    kept = len(logprobs)
+    while kept and len("".join(entry["token"] for entry in logprobs[: kept - 1])) >= len(text):
+        kept -= 1
+    return logprobs[:kept]
 
 
 def _reasoning(item_id: str, text: str, status: str) -> Item:
@@ -154,7 +164,9 @@ class ResponseStream:
         self.open: _OpenItem | None = None
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
-        self.pending_logprobs: list[dict[str, Any]] = []  # of tokens whose text is not out yet
+        # Of tokens whose text is not out yet; those whose text never comes (the end-of-text
+        # token, a stop string's) are left out, as _text_logprobs leaves them out of a whole answer.
+        self.pending_logprobs: list[dict[str, Any]] = []
 
     async def events(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
         """Chat completion chunks (with a final usage chunk) as the Responses stream's events."""
@@ -244,6 +256,8 @@ class ResponseStream:
         item, self.open = self.open, None
         if item is None:
             return []
+        if item.kind == "msg":  # a text delta may have carried the end-of-text token's logprob too
+            item.logprobs = _text_logprobs(item.logprobs, item.text)
         done = item.item(status)
         self.output.append(done)
         if item.kind == "fc":

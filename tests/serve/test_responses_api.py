@@ -286,6 +286,43 @@ def test_a_cut_short_answer_is_incomplete():
     assert whole.output[0].status == "incomplete" and whole.output_text == "Hello there"
 
 
+def test_the_end_of_text_tokens_logprob_is_left_out_streamed_or_whole():
+    """An answer that ends on the end-of-text token: its logprob comes with no text, so the
+    output text's logprobs are its other tokens', whole as streamed (the token alone in the
+    last chunk, or in one chunk with the last text: a busy server sends several tokens a chunk)."""
+    shape = ResponseShape(request(input="Name a color.", top_logprobs=1), "3", MODEL)
+    tokens = ["Blue", "."]
+    end = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": [], "usage": USAGE}
+    alone = [
+        _chunk({"role": "assistant", "content": "Blue."}, logprobs=[_logprob(t) for t in tokens]),
+        _chunk({}, finish="stop", logprobs=[_logprob("<|im_end|>")]),
+        end,
+    ]
+    together = [
+        _chunk({"role": "assistant", "content": "Blue"}, logprobs=[_logprob("Blue")]),
+        _chunk({"content": "."}, finish="stop", logprobs=[_logprob("."), _logprob("<|im_end|>")]),
+        end,
+    ]
+
+    def streamed(chunks: list[dict[str, Any]]) -> Response:
+        async def collect() -> list[str]:
+            return [event async for event in ResponseStream(shape).events(_chunks(chunks))]
+
+        return Response.model_validate(
+            json.loads(asyncio.run(collect())[-1].split("data: ", 1)[1])["response"]
+        )
+
+    message = {"role": "assistant", "content": "Blue."}
+    logprobs = {"content": [_logprob(t) for t in [*tokens, "<|im_end|>"]]}
+    chat = {
+        "choices": [{"index": 0, "finish_reason": "stop", "logprobs": logprobs, "message": message}],
+        "usage": USAGE,
+    }
+    whole = Response.model_validate(shape.whole(chat))
+    for response in (streamed(alone), streamed(together), whole):
+        assert [p.token for p in response.output[0].content[0].logprobs] == tokens
+
+
 # --- through the shared app, with the official client ---
 
 
@@ -319,12 +356,19 @@ def test_a_response_is_the_chat_answer_to_the_same_conversation(client: openai.O
     assert final.type in ("response.completed", "response.incomplete")
     assert deltas == final.response.output_text == response.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    scored = client.responses.create(
-        model=MODEL, input="Name a color.", top_logprobs=2, include=["message.output_text.logprobs"], **fields
-    )
+    scoring = {"top_logprobs": 2, "include": ["message.output_text.logprobs"], **fields}
+    scored = client.responses.create(model=MODEL, input="Name a color.", **scoring)
     logprobs = scored.output[0].content[0].logprobs
-    assert len(logprobs) == scored.usage.output_tokens and all(len(p.top_logprobs) == 2 for p in logprobs)
+    # One per token of the text: an answer that ends on the end-of-text token counts it in its
+    # usage, and it has no text.
+    ended = scored.status == "completed"
+    assert len(logprobs) == scored.usage.output_tokens - ended and all(
+        len(p.top_logprobs) == 2 for p in logprobs
+    )
     assert "".join(p.token for p in logprobs) == scored.output_text
+    events = list(client.responses.create(model=MODEL, input="Name a color.", stream=True, **scoring))
+    streamed_logprobs = events[-1].response.output[0].content[0].logprobs
+    assert [(p.token, p.logprob) for p in streamed_logprobs] == [(p.token, p.logprob) for p in logprobs]
 
 
 def test_an_agents_tool_loop_runs_on_responses(client: openai.OpenAI):
