@@ -45,7 +45,6 @@ HEADERS = (
     "simd.h",
     "cpu_pointwise.h",
     "cpu_attention.h",
-    "cpu_prefill_attention.h",
     "cpu_linear.h",
     "cpu_moe.h",
     "cpu_decoder_layer.h",

@@ -2,8 +2,34 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <cstdint>
 #include <optional>
 #include <tuple>
+
+// The offsets (in values) in a paged cache [num_blocks, block_size, KVH, D] of the slots of a
+// request's keys [start, start + count), kv_stride = KVH * D values a slot: its block table walked
+// page by page, with no division per key (block_size is not a compile-time constant).
+inline void paged_offsets(const int32_t* table, int64_t block_size, int64_t kv_stride, int64_t start, int64_t count,
+                          int64_t* offsets) {
+  for (int64_t t = 0, page = start / block_size, in_page = start % block_size; t < count; ++t) {
+    offsets[t] = (static_cast<int64_t>(table[page]) * block_size + in_page) * kv_stride;
+    if (++in_page == block_size) in_page = 0, ++page;
+  }
+}
+
+struct PromptChunk {  // one request's prompt chunk
+  int64_t first_row, num_rows, kv_len;
+  const int32_t* table;
+};
+
+// The bfloat16 block kernel of cpu_prefill_attention_bf16.cpp, which cpu_prefill_attention.cpp
+// hands a step's prompt-chunk tasks to: whether it serves this head_dim on this CPU (bfloat16
+// pairwise dot products, D a multiple of 32, at most 256), and rows [row0, row0 + rows) of the
+// chunk against KV head g (its G query heads' output rows of out; q and out [T, H, D]).
+bool prompt_rows_bf16_supported(int64_t D);
+void attend_prompt_rows_bf16(const PromptChunk& chunk, int64_t row0, int64_t rows, int64_t g, const at::BFloat16* q,
+                             const at::BFloat16* k_cache, const at::BFloat16* v_cache, at::BFloat16* out, int64_t H,
+                             int64_t D, int64_t G, int64_t block_size, int64_t KVH, float scale);
 
 // The prompt-chunk rows (requests with more than one query row) of a flat batch: query and out
 // [T, H, D], caches [num_blocks, block_size, KVH, D], block_tables [R, max_blocks], cu_seqlens_q

@@ -83,30 +83,6 @@ struct KVHeadState {
 
 constexpr int64_t kKeyBlock = 128;  // keys whose softmax a decode row takes at once
 
-// Head h's scores over a block's first `tokens` keys, in place: their softmax's probabilities
-// (exponentials of score - max, 0 past `tokens` up to the block's 16-key tiles), merged into the
-// head's running max and sum; returns the factor its earlier output must be rescaled by.
-inline float block_probabilities(float* scores, int64_t tokens, float& running_max, float& running_sum) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const auto valid = [&](int64_t t) {
-    return static_cast<__mmask16>((1u << std::clamp<int64_t>(tokens - t * 16, 0, 16)) - 1);
-  };
-  __m512 top = _mm512_set1_ps(kNegInf);
-  for (int64_t t = 0; t * 16 < tokens; ++t) top = _mm512_mask_max_ps(top, valid(t), top, _mm512_load_ps(scores + t * 16));
-  const float new_max = std::max(running_max, _mm512_reduce_max_ps(top));
-  const float correction = running_max == kNegInf ? 1.f : std::exp(running_max - new_max);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t * 16 < tokens; ++t) {
-    const __m512 shifted = _mm512_sub_ps(_mm512_load_ps(scores + t * 16), _mm512_set1_ps(new_max));
-    const __m512 p = _mm512_maskz_mov_ps(valid(t), exp16(shifted));
-    sum = _mm512_add_ps(sum, p);
-    _mm512_store_ps(scores + t * 16, p);
-  }
-  running_sum = running_sum * correction + _mm512_reduce_add_ps(sum);
-  running_max = new_max;
-  return correction;
-}
-
 // One request's decode row against KV heads [g0, g1) of its paged K/V, kKeyBlock keys at a time:
 // per KV head, the block's scores for each of its G query heads (16 keys' dot products summed by
 // one tree), each head's softmax over the block at once, then P.V with the output rows of up to
@@ -140,12 +116,9 @@ void attend_request(const T* q, const T* k_cache, const T* v_cache, const int32_
         _mm_prefetch(reinterpret_cast<const char*>(cache + first[t] + g0 * D) + byte, _MM_HINT_T2);
   };
   for (int64_t start = 0; start < seq_len; start += kKeyBlock) {
-    // The block's keys and the next block's first tile (block_size is not a constant: no division per key).
+    // The block's keys and the next block's first tile.
     const int64_t tokens = std::min(kKeyBlock, seq_len - start), ahead = std::min(kKeyBlock + kChunk, seq_len - start);
-    for (int64_t t = 0, page = start / block_size, in_page = start % block_size; t < ahead; ++t) {
-      offsets[t] = (static_cast<int64_t>(table[page]) * block_size + in_page) * kv_stride;
-      if (++in_page == block_size) in_page = 0, ++page;
-    }
+    paged_offsets(table, block_size, kv_stride, start, ahead, offsets);
     for (int64_t g = g0; g < g1; ++g) {
       auto& state = states[g - g0];
       for (int64_t tile = 0; tile * kChunk < tokens; ++tile) {
@@ -164,8 +137,10 @@ void attend_request(const T* q, const T* k_cache, const T* v_cache, const int32_
         }
       }
       float correction[KVHeadState<T, kDV>::kMaxG];
-      for (int64_t h = 0; h < G; ++h)
-        correction[h] = block_probabilities(scores[h], tokens, state.running_max[h], state.running_sum[h]);
+      for (int64_t h = 0; h < G; ++h) {  // scores become probabilities in place
+        const auto store = [&](int64_t t, __m512 p) { _mm512_store_ps(&scores[h][t * 16], p); };
+        correction[h] = block_softmax(scores[h], tokens, state.running_max[h], state.running_sum[h], store);
+      }
       row_groups<kHeads>(G, [&](int64_t h0, auto heads) {
         constexpr int64_t R = decltype(heads)::value;
         __m512 o[R][kDV];

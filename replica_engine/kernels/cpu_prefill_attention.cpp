@@ -20,7 +20,6 @@
 #include <vector>
 
 #include "cpu_attention.h"
-#include "cpu_prefill_attention.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -28,7 +27,6 @@ namespace {
 
 constexpr int64_t kTile = 16;  // query rows per task, keys per step: one AVX-512 float vector
 constexpr int64_t kMaxD = 256, kMaxG = 16;  // as the decode kernel
-
 
 // A thread's working set for one task: G * kTile query rows and their output rows (float32), and
 // one tile of keys (transposed, kt[d * kTile + t]) and values (vt[t * D + d]) widened to float32
@@ -106,17 +104,17 @@ void attend_tile(const PromptChunk& chunk, int64_t row0, int64_t rows, int64_t g
   // Query row j of the chunk sits at position kv_len - num_rows + j and sees keys up to it.
   const int64_t first_pos = chunk.kv_len - chunk.num_rows + row0;
   const int64_t keys = first_pos + rows;  // what the tile's last row sees
+  int64_t offsets[kTile];  // of the tile's keys in a cache
   for (int64_t start = 0; start < keys; start += kTile) {
     const int64_t tokens = std::min(kTile, keys - start);
+    paged_offsets(chunk.table, block_size, kv_stride, start, tokens, offsets);
     for (int64_t v = 0; v < kDV; ++v) {
       __m512 block[16];
       for (int64_t t = 0; t < 16; ++t) {
         block[t] = _mm512_setzero_ps();
         if (t < tokens) {
-          const int64_t pos = start + t;
-          const int64_t slot = static_cast<int64_t>(chunk.table[pos / block_size]) * block_size + pos % block_size;
-          block[t] = load16(k_cache + slot * kv_stride + g * D + v * 16);
-          _mm512_storeu_ps(&scratch.vt[t * D + v * 16], load16(v_cache + slot * kv_stride + g * D + v * 16));
+          block[t] = load16(k_cache + offsets[t] + g * D + v * 16);
+          _mm512_storeu_ps(&scratch.vt[t * D + v * 16], load16(v_cache + offsets[t] + g * D + v * 16));
         } else {
           _mm512_storeu_ps(&scratch.vt[t * D + v * 16], _mm512_setzero_ps());
         }
@@ -187,29 +185,29 @@ void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
+  const auto run_tasks = [&](const auto& attend_rows) {
+    parallel_chunks(static_cast<int64_t>(tasks.size()), 1, [&](int64_t first, int64_t last) {
+      for (int64_t t = first; t < last; ++t) {
+        const auto [c, row0, g] = tasks[t];
+        const PromptChunk& chunk = chunks[c];
+        attend_rows(chunk, row0, std::min(task_rows, chunk.num_rows - row0), g);
+      }
+    });
+  };
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (task_rows != kTile) {  // the bfloat16 block kernel's
-      parallel_chunks(static_cast<int64_t>(tasks.size()), 1, [&](int64_t first, int64_t last) {
-        for (int64_t t = first; t < last; ++t) {
-          const auto [c, row0, g] = tasks[t];
-          const PromptChunk& chunk = chunks[c];
-          attend_prompt_rows_bf16(chunk, row0, std::min(task_rows, chunk.num_rows - row0), g, qp, kp, vp, op, H, D,
-                                  G, block_size, KVH, static_cast<float>(scale));
-        }
+      run_tasks([&](const PromptChunk& chunk, int64_t row0, int64_t rows, int64_t g) {
+        attend_prompt_rows_bf16(chunk, row0, rows, g, qp, kp, vp, op, H, D, G, block_size, KVH,
+                                static_cast<float>(scale));
       });
       return;
     }
   }
   const auto attend = tile_for_head_dim<T>(D);
   std::vector<Scratch> scratches(at::get_num_threads(), Scratch(G, D));
-  parallel_chunks(static_cast<int64_t>(tasks.size()), 1, [&](int64_t first, int64_t last) {
-    Scratch& scratch = scratches[at::get_thread_num()];
-    for (int64_t t = first; t < last; ++t) {
-      const auto [c, row0, g] = tasks[t];
-      const PromptChunk& chunk = chunks[c];
-      attend(chunk, row0, std::min(task_rows, chunk.num_rows - row0), g, qp, kp, vp, op, H, G, block_size, KVH,
-             static_cast<float>(scale), scratch);
-    }
+  run_tasks([&](const PromptChunk& chunk, int64_t row0, int64_t rows, int64_t g) {
+    attend(chunk, row0, rows, g, qp, kp, vp, op, H, G, block_size, KVH, static_cast<float>(scale),
+           scratches[at::get_thread_num()]);
   });
 }
 

@@ -17,7 +17,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_prefill_attention.h"
+#include "cpu_attention.h"
 #include "simd.h"
 
 #ifdef __AVX512BF16__
@@ -73,42 +73,23 @@ inline void score_tiles(BlockScratch& scratch, int64_t i0, int64_t tile, float s
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t t = 0; t < kT; ++t)
-      _mm512_storeu_ps(&scratch.s[(i0 + r) * kKeyBlock + (tile + t) * 16], _mm512_mul_ps(acc[r][t], _mm512_set1_ps(scale)));
+    for (int64_t t = 0; t < kT; ++t) {
+      float* s = &scratch.s[(i0 + r) * kKeyBlock + (tile + t) * 16];
+      _mm512_storeu_ps(s, _mm512_mul_ps(acc[r][t], _mm512_set1_ps(scale)));
+    }
 }
 
 // Row i's softmax over the block's first `visible` keys, merged into its running max and sum;
 // its probabilities (0 past `visible`, up to the block's `tiles` * 16) as bfloat16 into p.
-inline void block_softmax(BlockScratch& scratch, int64_t i, int64_t tiles) {
+inline void row_probabilities(BlockScratch& scratch, int64_t i, int64_t tiles) {
   const int64_t visible = scratch.visible[i];
-  const float* s = scratch.s.data() + i * kKeyBlock;
   uint16_t* p = scratch.p.data() + i * kKeyBlock;
-  const auto valid = [&](int64_t t) {
-    const int64_t left = std::clamp<int64_t>(visible - t * 16, 0, 16);
-    return static_cast<__mmask16>((1u << left) - 1);
-  };
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  __m512 top = _mm512_set1_ps(kNegInf);
-  for (int64_t t = 0; t * 16 < visible; ++t) top = _mm512_mask_max_ps(top, valid(t), top, _mm512_loadu_ps(s + t * 16));
-  const float old_max = scratch.row_max[i];
-  const float new_max = std::max(old_max, _mm512_reduce_max_ps(top));
-  if (new_max == kNegInf) {  // sees nothing yet
-    scratch.correction[i] = 1.f;
-    std::fill_n(p, tiles * 16, 0);
-    return;
-  }
-  scratch.correction[i] = old_max == kNegInf ? 1.f : std::exp(old_max - new_max);
-  __m512 sum = _mm512_setzero_ps();
-  int64_t t = 0;
-  for (; t * 16 < visible; ++t) {
-    const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(s + t * 16), _mm512_set1_ps(new_max));
-    const __m512 e = _mm512_maskz_mov_ps(valid(t), exp16(shifted));
-    sum = _mm512_add_ps(sum, e);
+  const auto store = [&](int64_t t, __m512 e) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t * 16), (__m256i)_mm512_cvtneps_pbh(e));
-  }
-  std::fill(p + t * 16, p + tiles * 16, 0);
-  scratch.row_sum[i] = scratch.row_sum[i] * scratch.correction[i] + _mm512_reduce_add_ps(sum);
-  scratch.row_max[i] = new_max;
+  };
+  scratch.correction[i] =
+      block_softmax(scratch.s.data() + i * kKeyBlock, visible, scratch.row_max[i], scratch.row_sum[i], store);
+  std::fill(p + (visible + 15) / 16 * 16, p + tiles * 16, 0);
 }
 
 // Rows [i0, i0 + R): output rescaled by the block's correction, plus P.V over `pairs` key pairs.
@@ -152,16 +133,13 @@ void attend_rows(const PromptChunk& chunk, int64_t row0, int64_t rows, int64_t g
   }
   // Query row j of the chunk sits at position kv_len - num_rows + j and sees keys up to it.
   const int64_t first_pos = chunk.kv_len - chunk.num_rows + row0, keys = first_pos + rows;
-  int64_t offsets[kKeyBlock];  // of the block's keys in a cache (block_size: not a constant, so no divisions per key)
+  int64_t offsets[kKeyBlock];  // of the block's keys in a cache
   for (int64_t start = 0; start < keys; start += kKeyBlock) {
     const int64_t tokens = std::min(kKeyBlock, keys - start), tiles = (tokens + 15) / 16;
-    for (int64_t t = 0, page = start / block_size, in_page = start % block_size; t < tokens; ++t) {
-      offsets[t] = (static_cast<int64_t>(chunk.table[page]) * block_size + in_page) * kv_stride + g * D;
-      if (++in_page == block_size) in_page = 0, ++page;
-    }
+    paged_offsets(chunk.table, block_size, kv_stride, start, tokens, offsets);
     for (int64_t i = 0; i < n; ++i) scratch.visible[i] = std::clamp<int64_t>(first_pos + i / G + 1 - start, 0, tokens);
     const auto row_chunk = [&](const at::BFloat16* cache, int64_t t, int64_t c) {
-      return t < tokens ? _mm512_loadu_si512(cache + offsets[t] + c * 32) : _mm512_setzero_si512();
+      return t < tokens ? _mm512_loadu_si512(cache + offsets[t] + g * D + c * 32) : _mm512_setzero_si512();
     };
     for (int64_t tile = 0; tile < tiles; ++tile) {
       for (int64_t c = 0; c < kChunks; ++c) {
@@ -184,7 +162,7 @@ void attend_rows(const PromptChunk& chunk, int64_t row0, int64_t rows, int64_t g
       int64_t tile = 0;
       for (; tile + 2 <= needed; tile += 2) score_tiles<kWords, R, 2>(scratch, i0, tile, scale);
       if (tile < needed) score_tiles<kWords, R, 1>(scratch, i0, tile, scale);
-      for (int64_t i = i0; i < i0 + R; ++i) block_softmax(scratch, i, tiles);
+      for (int64_t i = i0; i < i0 + R; ++i) row_probabilities(scratch, i, tiles);
     });
     row_groups<kValueRows>(n, [&](int64_t i0, auto group) {
       constexpr int64_t R = decltype(group)::value;

@@ -1,5 +1,6 @@
 // AVX-512 loads and stores of 16 values as float32, from and to float32 or bfloat16 memory, and
-// the exponential, online-softmax step and 16x16 transpose the attention kernels use.
+// the exponential, softmax steps (16 scores, or a block at once) and 16x16 transpose the attention
+// kernels use.
 #pragma once
 #include <ATen/core/ATen_fwd.h>
 #include <c10/util/BFloat16.h>
@@ -81,6 +82,34 @@ inline __m512 online_softmax16(__m512 scores, __mmask16 valid, float& running_ma
   running_sum = running_sum * correction + _mm512_reduce_add_ps(p);
   running_max = new_max;
   return p;
+}
+
+// A softmax over `count` scores at once (a block of keys), merged into a row's running max and
+// sum: store(t, p) takes the probabilities of scores [16t, 16t + 16) (0 past `count`) for each
+// 16-score tile that holds one. Returns the factor the row's earlier output must be rescaled by
+// (1 while the row has seen nothing).
+template <typename Store>
+inline float block_softmax(const float* scores, int64_t count, float& running_max, float& running_sum,
+                           const Store& store) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const auto valid = [&](int64_t t) {
+    return static_cast<__mmask16>((1u << std::clamp<int64_t>(count - t * 16, 0, 16)) - 1);
+  };
+  __m512 top = _mm512_set1_ps(kNegInf);
+  for (int64_t t = 0; t * 16 < count; ++t)
+    top = _mm512_mask_max_ps(top, valid(t), top, _mm512_loadu_ps(scores + t * 16));
+  const float new_max = std::max(running_max, _mm512_reduce_max_ps(top));
+  const float correction = running_max == kNegInf ? 1.f : std::exp(running_max - new_max);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t * 16 < count; ++t) {
+    const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(scores + t * 16), _mm512_set1_ps(new_max));
+    const __m512 p = _mm512_maskz_mov_ps(valid(t), exp16(shifted));
+    sum = _mm512_add_ps(sum, p);
+    store(t, p);
+  }
+  running_sum = running_sum * correction + _mm512_reduce_add_ps(sum);
+  running_max = new_max;
+  return correction;
 }
 
 // Rows r[0..15] of 16 floats become their columns: r[i][j] <- r[j][i].
