@@ -8,7 +8,8 @@ measured in the same run.
 2. Steps of the real SmolLM2 through LLMEngine, per variant (float32 and bfloat16 on the GGUF's
    weights dequantized, `quantization: none`; and q4_1, the file's own Q4_1/Q8_0 blocks with
    bfloat16 activations, what the default serves since issue 39): decode at batch 1/8/16/32/64 with ~260
-   tokens of context per request, one 512-token prefill step, and the mixed steps a 256-token
+   tokens of context per request, and at batch 1/8 with ~2,048 (where reading the KV cache costs
+   more than the weights: attention's share), one 512-token prefill step, and the mixed steps a 256-token
    budget makes under load (16 decodes + a 240-token prompt chunk; 64 + 192). Each: median step time, the
    part spent in the model's forward and sampling (as the runner reports it in each step's
    summary, read by a step listener; the rest is overhead: scheduling, the batch's inputs,
@@ -54,6 +55,8 @@ from replica_engine.kernels.cpu import cpu_has_amx
 GOAL_RATIO = 1.5
 GOAL_OVERHEAD_SHARE = 0.05  # of a bf16 decode step at batch 64 (issue 36)
 DECODE_BATCHES = (1, 8, 16, 32, 64)
+# (batch, context): decode steps whose KV cache outweighs the model, so attention sets their time
+LONG_DECODES = ((1, 2048), (8, 2048))
 # (decodes, prompt chunk): the steps a 256-token budget makes under serving load
 MIXED_STEPS = ((16, 240), (64, 192))
 CONTEXT = 260  # tokens per request when a decode step is timed
@@ -103,6 +106,10 @@ def measure_steps(variant: Variant, floors: dict, decode_steps: int) -> list[Ste
     for batch in DECODE_BATCHES:
         timing, work = time_decode_steps(engine, model_time, batch, CONTEXT, decode_steps)
         results.append(step_result(dtype, f"decode-b{batch}", timing, work, rates, True, GOAL_RATIO))
+    for batch, context in LONG_DECODES:
+        timing, work = time_decode_steps(engine, model_time, batch, context, decode_steps)
+        case = f"decode-b{batch}-ctx{context}"
+        results.append(step_result(dtype, case, timing, work, rates, True, GOAL_RATIO))
     prefill_params = SamplingParams(max_tokens=1, temperature=0)
     timings = []
     for i in range(3):  # one prompt at a time: each step computes exactly 512 prompt tokens
@@ -194,6 +201,7 @@ def run_steps(decode_steps: int, output: Path) -> None:
         "settings": {
             "decode_steps": decode_steps,
             "context": CONTEXT,
+            "long_decodes": LONG_DECODES,
             "prefill_tokens": PREFILL_TOKENS,
             "mixed_steps": MIXED_STEPS,
         },

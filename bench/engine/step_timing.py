@@ -94,7 +94,7 @@ def _bytes(weight: object, params: int, itemsize: int) -> int:
 @dataclass(frozen=True)
 class StepResult:
     dtype: str
-    case: str  # decode-b<B>, prefill-<N> or mixed-<decodes>+<chunk>
+    case: str  # decode-b<B>[-ctx<C>], prefill-<N> or mixed-<decodes>+<chunk>
     step_ms: float  # median wall time of the step (LLMEngine.step: the core's step and outputs)
     model_ms: float  # of which in the model's forward and sampling
     overhead_ms: float  # the rest: scheduling, the batch's inputs, applying and emitting outputs
