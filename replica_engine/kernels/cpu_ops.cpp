@@ -90,9 +90,13 @@ constexpr int64_t kKeyBlock = 128;  // keys whose softmax a decode row takes at 
 // the heads' accumulators are independent FMA chains. One task walks all of its KV heads block
 // by block, so it reads each token's rows as one run (the cache interleaves KV heads per token)
 // instead of G-strided pieces.
+// Keys [key_begin, key_end) of the request: its G-row outputs normalized into out, or, for one
+// split of its keys (flash decoding), each head's unnormalized output, max and sum into
+// `partial` ([head][D + 2], KV head g0 alone) for merge_splits.
 template <typename T, int64_t kDV>
-void attend_request(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t seq_len,
-                    int64_t block_size, int64_t kv_stride, int64_t g0, int64_t g1, int64_t G, float scale, T* out) {
+void attend_request(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t key_begin,
+                    int64_t key_end, int64_t block_size, int64_t kv_stride, int64_t g0, int64_t g1, int64_t G,
+                    float scale, T* out, float* partial) {
   constexpr int64_t D = kDV * 16, kChunk = 16, kHeads = std::max<int64_t>(1, 16 / kDV);
   std::vector<KVHeadState<T, kDV>> states(g1 - g0);
   for (int64_t g = g0; g < g1; ++g) {
@@ -122,10 +126,10 @@ void attend_request(const T* q, const T* k_cache, const T* v_cache, const int32_
       }
     return n;
   };
-  for (int64_t start = 0; start < seq_len; start += kKeyBlock) {
-    const int64_t tokens = std::min(kKeyBlock, seq_len - start), ahead = std::min(2 * kKeyBlock, seq_len - start);
+  for (int64_t start = key_begin; start < key_end; start += kKeyBlock) {
+    const int64_t tokens = std::min(kKeyBlock, key_end - start), ahead = std::min(2 * kKeyBlock, key_end - start);
     paged_offsets(table, block_size, kv_stride, start, ahead, offsets);
-    if (start == 0)  // the first block: nothing asked for it ahead
+    if (start == key_begin)  // the first block: nothing asked for it ahead
       for (int64_t g = g0; g < g1; ++g)
         for (int64_t first = 0; first < tokens; first += kChunk) {
           const int64_t n = line_list(offsets + first, std::min(kChunk, tokens - first), g);
@@ -174,10 +178,36 @@ void attend_request(const T* q, const T* k_cache, const T* v_cache, const int32_
   for (int64_t g = g0; g < g1; ++g) {
     const auto& state = states[g - g0];
     for (int64_t h = 0; h < G; ++h) {
+      if (partial != nullptr) {
+        float* split = partial + h * (D + 2);
+        std::copy_n(state.acc[h], D, split);
+        split[D] = state.running_max[h], split[D + 1] = state.running_sum[h];
+        continue;
+      }
       const float inv = state.running_sum[h] > 0.f ? 1.f / state.running_sum[h] : 0.f;
       for (int64_t d = 0; d < D; ++d) out[(g * G + h) * D + d] = static_cast<T>(state.acc[h][d] * inv);
     }
   }
+}
+
+// One head's output from its `splits` partials ([split][D + 2], consecutive heads G * (D + 2)
+// apart): each split's sums rescaled to the heads' common max (an empty split weighs nothing).
+template <typename T>
+void merge_splits(const float* partials, int64_t splits, int64_t G, int64_t D, T* out) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t stride = G * (D + 2);
+  float top = kNegInf;
+  for (int64_t s = 0; s < splits; ++s) top = std::max(top, partials[s * stride + D]);
+  std::vector<float> acc(D, 0.f);
+  float sum = 0.f;
+  for (int64_t s = 0; s < splits; ++s) {
+    const float* split = partials + s * stride;
+    const float weight = split[D] == kNegInf ? 0.f : std::exp(split[D] - top);
+    sum += split[D + 1] * weight;
+    for (int64_t d = 0; d < D; ++d) acc[d] += split[d] * weight;
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(acc[d] * inv);
 }
 
 // attend_request for this head_dim: one instantiation per multiple of 16 up to 256.
@@ -203,15 +233,44 @@ void paged_decode(const torch::Tensor& query, const torch::Tensor& k_cache, cons
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const auto attend = attend_for_head_dim<T>(D);
+  const float s = static_cast<float>(scale);
   // A task is a request's KV heads, all of them when there are requests enough to keep every
-  // thread busy, else split into parts (a single long decode still uses every thread).
+  // thread busy. Fewer requests than that: a task is one KV head and, for contexts longer than a
+  // key block, a split of its keys, merged after (flash decoding), so that a single decode gives
+  // every thread an equal share (its 3 KV heads alone left one of 2 threads idle a third of
+  // the time).
+  if (R == 0) return;
   const int64_t threads = at::get_num_threads();
+  const int64_t longest = *std::max_element(lens, lens + R);
+  const int64_t splits = R * KVH >= 2 * threads
+                             ? 1
+                             : std::min((2 * threads + R * KVH - 1) / (R * KVH), (longest + kKeyBlock - 1) / kKeyBlock);
+  if (splits > 1) {
+    std::vector<float> partials(R * KVH * splits * G * (D + 2));
+    const auto split_point = [&](int64_t len, int64_t split) {
+      return split == splits ? len : len * split / splits / 16 * 16;
+    };
+    parallel_chunks(R * KVH * splits, 1, [&](int64_t first, int64_t last) {
+      for (int64_t task = first; task < last; ++task) {
+        const int64_t r = task / (KVH * splits), g = task / splits % KVH, split = task % splits;
+        attend(qp + r * H * D, kp, vp, tables + r * max_blocks, split_point(lens[r], split),
+               split_point(lens[r], split + 1), block_size, kv_stride, g, g + 1, G, s, nullptr,
+               partials.data() + task * G * (D + 2));
+      }
+    });
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t g = 0; g < KVH; ++g)
+        for (int64_t h = 0; h < G; ++h)
+          merge_splits(partials.data() + ((r * KVH + g) * splits * G + h) * (D + 2), splits, G, D,
+                       op + (r * H + g * G + h) * D);
+    return;
+  }
   const int64_t parts = std::min(KVH, std::max<int64_t>(1, (2 * threads + R - 1) / R));
   parallel_chunks(R * parts, 1, [&](int64_t first, int64_t last) {
     for (int64_t task = first; task < last; ++task) {
       const int64_t r = task / parts, part = task % parts;
-      attend(qp + r * H * D, kp, vp, tables + r * max_blocks, lens[r], block_size, kv_stride, part * KVH / parts,
-             (part + 1) * KVH / parts, G, static_cast<float>(scale), op + r * H * D);
+      attend(qp + r * H * D, kp, vp, tables + r * max_blocks, 0, lens[r], block_size, kv_stride, part * KVH / parts,
+             (part + 1) * KVH / parts, G, s, op + r * H * D, nullptr);
     }
   });
 }

@@ -186,6 +186,27 @@ def test_paged_attention_matches_the_reference(batch_name, dtype, heads, kv_head
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 32), (4, 2, 80)])
+@pytest.mark.parametrize("shapes", [[(5 * 128 + 37, 1)], [(300, 1), (7, 1)], [(129, 1), (2000, 1)]])
+def test_few_long_decodes_split_their_keys_and_match_the_reference(dtype, heads, kv_heads, head_dim, shapes):
+    """Fewer decodes than twice the threads' KV-head tasks: each KV head's keys are split across
+    the threads and the splits merged (4 threads asked for, whatever the machine has)."""
+    batch = paged_batch(shapes, heads, kv_heads, head_dim, 16, seed=len(shapes) * head_dim, dtype=dtype)
+    args = (batch.query, batch.new_k, batch.new_v)
+    scale = head_dim**-0.5
+    caches = batch.k_cache.clone(), batch.v_cache.clone()
+    expected = get_backend("torch").forward(*args, *caches, batch.metadata, scale)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        out = get_backend("cpu").forward(*args, batch.k_cache, batch.v_cache, batch.metadata, scale)
+    finally:
+        torch.set_num_threads(threads)
+    atol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
+
+
 def test_without_the_kernels_everything_falls_back_to_torch(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "cpu_ops", lambda: None)
     monkeypatch.setattr("replica_engine.config.cpu_ops", lambda: None)
