@@ -89,10 +89,9 @@ constexpr int64_t kKeyBlock = 128;  // keys whose softmax a decode row takes at 
 // kHeads heads in registers, so each value row is widened to float32 once for all of them and
 // the heads' accumulators are independent FMA chains. One task walks all of its KV heads block
 // by block, so it reads each token's rows as one run (the cache interleaves KV heads per token)
-// instead of G-strided pieces.
-// Keys [key_begin, key_end) of the request: its G-row outputs normalized into out, or, for one
-// split of its keys (flash decoding), each head's unnormalized output, max and sum into
-// `partial` ([head][D + 2], KV head g0 alone) for merge_splits.
+// instead of G-strided pieces. It takes keys [key_begin, key_end) of the request: its G rows'
+// outputs normalized into out, or, for one split of its keys (flash decoding, KV head g0 alone),
+// each head's unnormalized output, max and sum into `partial` ([head][D + 2]) for merge_splits.
 template <typename T, int64_t kDV>
 void attend_request(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t key_begin,
                     int64_t key_end, int64_t block_size, int64_t kv_stride, int64_t g0, int64_t g1, int64_t G,
@@ -198,7 +197,7 @@ void merge_splits(const float* partials, int64_t splits, int64_t G, int64_t D, T
   const int64_t stride = G * (D + 2);
   float top = kNegInf;
   for (int64_t s = 0; s < splits; ++s) top = std::max(top, partials[s * stride + D]);
-  std::vector<float> acc(D, 0.f);
+  alignas(64) float acc[256] = {};  // D <= 256 (paged_decode_attention checks)
   float sum = 0.f;
   for (int64_t s = 0; s < splits; ++s) {
     const float* split = partials + s * stride;
@@ -234,12 +233,12 @@ void paged_decode(const torch::Tensor& query, const torch::Tensor& k_cache, cons
   T* op = out.data_ptr<T>();
   const auto attend = attend_for_head_dim<T>(D);
   const float s = static_cast<float>(scale);
+  if (R == 0) return;
   // A task is a request's KV heads, all of them when there are requests enough to keep every
   // thread busy. Fewer requests than that: a task is one KV head and, for contexts longer than a
   // key block, a split of its keys, merged after (flash decoding), so that a single decode gives
   // every thread an equal share (its 3 KV heads alone left one of 2 threads idle a third of
   // the time).
-  if (R == 0) return;
   const int64_t threads = at::get_num_threads();
   const int64_t longest = *std::max_element(lens, lens + R);
   const int64_t splits = R * KVH >= 2 * threads

@@ -177,6 +177,11 @@ BATCHES = {
 def test_paged_attention_matches_the_reference(batch_name, dtype, heads, kv_heads, head_dim, block_size):
     shapes = BATCHES[batch_name](block_size)
     batch = paged_batch(shapes, heads, kv_heads, head_dim, block_size, seed=heads * head_dim, dtype=dtype)
+    assert_cpu_attention_matches_the_reference(batch, head_dim, dtype)
+
+
+def assert_cpu_attention_matches_the_reference(batch, head_dim: int, dtype: torch.dtype) -> None:
+    """The CPU backend's attention of a paged batch, against the torch reference's."""
     args = (batch.query, batch.new_k, batch.new_v)
     scale = head_dim**-0.5
     caches = batch.k_cache.clone(), batch.v_cache.clone()
@@ -193,18 +198,12 @@ def test_few_long_decodes_split_their_keys_and_match_the_reference(dtype, heads,
     """Fewer decodes than twice the threads' KV-head tasks: each KV head's keys are split across
     the threads and the splits merged (4 threads asked for, whatever the machine has)."""
     batch = paged_batch(shapes, heads, kv_heads, head_dim, 16, seed=len(shapes) * head_dim, dtype=dtype)
-    args = (batch.query, batch.new_k, batch.new_v)
-    scale = head_dim**-0.5
-    caches = batch.k_cache.clone(), batch.v_cache.clone()
-    expected = get_backend("torch").forward(*args, *caches, batch.metadata, scale)
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        out = get_backend("cpu").forward(*args, batch.k_cache, batch.v_cache, batch.metadata, scale)
+        assert_cpu_attention_matches_the_reference(batch, head_dim, dtype)
     finally:
         torch.set_num_threads(threads)
-    atol = 1e-5 if dtype == torch.float32 else 1.6e-2
-    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
 
 
 def test_without_the_kernels_everything_falls_back_to_torch(monkeypatch):
