@@ -37,3 +37,24 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
   const auto gate_up = project(rms_norm(out, post_norm, eps, stream), linears[2], dense_from);
   return {project(silu_mul(gate_up), linears[3], dense_from), stream};
 }
+
+DecoderStack::DecoderStack(std::vector<LayerNorms> norms, std::vector<std::vector<LayerLinear>> linears,
+                           std::vector<int64_t> heads, double scale)
+    : norms_(std::move(norms)), linears_(std::move(linears)), heads_(std::move(heads)), scale_(scale) {
+  TORCH_CHECK(norms_.size() == linears_.size(), "DecoderStack: one norms tuple and one linears list a layer");
+}
+
+std::tuple<torch::Tensor, torch::Tensor> DecoderStack::forward(
+    torch::Tensor hidden, std::optional<torch::Tensor> residual, const torch::Tensor& cos, const torch::Tensor& sin,
+    const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+    const torch::Tensor& slot_mapping, const PagedAttentionArgs& attention, int64_t dense_from) const {
+  const size_t layers = norms_.size();
+  TORCH_CHECK(k_caches.size() == layers && v_caches.size() == layers, "DecoderStack: a K and a V cache a layer");
+  for (size_t i = 0; i < layers; ++i) {
+    auto [out, stream] = decoder_layer(hidden, residual, norms_[i], linears_[i], heads_, scale_, cos, sin, k_caches[i],
+                                       v_caches[i], slot_mapping, attention, dense_from);
+    hidden = std::move(out);
+    residual = std::move(stream);
+  }
+  return {hidden, *residual};
+}

@@ -23,3 +23,25 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
     const std::vector<LayerLinear>& linears, const std::vector<int64_t>& heads, double scale,
     const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
     const torch::Tensor& slot_mapping, const PagedAttentionArgs& attention, int64_t dense_from);
+
+// A model's dense decoder layers, every one plain, as decoder_layer runs each, in one call a step:
+// the weights are converted from Python once, not once a layer a step. forward: the first layer's
+// hidden and residual (None: the stream starts as hidden) and each layer's K and V caches -> the
+// last layer's (MLP output, stream).
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<LayerNorms> norms, std::vector<std::vector<LayerLinear>> linears,
+               std::vector<int64_t> heads, double scale);
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor hidden, std::optional<torch::Tensor> residual,
+                                                   const torch::Tensor& cos, const torch::Tensor& sin,
+                                                   const std::vector<torch::Tensor>& k_caches,
+                                                   const std::vector<torch::Tensor>& v_caches,
+                                                   const torch::Tensor& slot_mapping, const PagedAttentionArgs& attention,
+                                                   int64_t dense_from) const;
+
+ private:
+  std::vector<LayerNorms> norms_;
+  std::vector<std::vector<LayerLinear>> linears_;
+  std::vector<int64_t> heads_;
+  double scale_;
+};

@@ -43,3 +43,9 @@ torch::Tensor quantized_moe(const torch::Tensor& x, const torch::Tensor& top_ids
 // x in bfloat16 dot products, as packed_linear over dequantize(W).to(bfloat16) computes them.
 torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                                int64_t N, int64_t bits, int64_t group, bool float32_out, int64_t dense_from);
+
+// Rows `ids` (int32 or int64, each < N) of a weight kept quantized (quantized_linear's layout), each
+// code * d + m in float32 as quantized_weight.dequantize_rows computes it -> [len(ids), K] float32,
+// or rounded to bfloat16: a quantized token embedding's lookup.
+torch::Tensor dequantize_rows(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& ids,
+                              int64_t N, int64_t K, int64_t bits, int64_t group, bool bfloat16_out);

@@ -322,10 +322,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("quantized_linear", &quantized_linear, "x @ weight.T over a quantized weight",
         py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_rows", &dequantize_rows, "rows of a quantized weight (a token embedding's), dequantized",
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention, "a flat batch's attention over a paged KV cache",
         py::call_guard<py::gil_scoped_release>());
   m.def("decoder_layer", &decoder_layer, "a dense decoder layer's kernels in one call",
         py::call_guard<py::gil_scoped_release>());
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init<std::vector<LayerNorms>, std::vector<std::vector<LayerLinear>>, std::vector<int64_t>, double>())
+      .def("forward", &DecoderStack::forward, "every layer's decoder_layer in turn",
+           py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm, after adding x into the residual when one is given",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", py::call_guard<py::gil_scoped_release>());

@@ -225,6 +225,36 @@ void dequantize_block(const uint8_t* codes, const at::Half* scales, int64_t bloc
   }
 }
 
+// Row `row` of W (a token's embedding) dequantized as dequantize_rows computes it: code * d + m in
+// float32, stored as Out (bfloat16 rounded to nearest even, as torch's .to(bfloat16)).
+template <int kBits, int64_t kGroup, typename Out>
+void dequantize_row(const uint8_t* codes, const at::Half* scales, int64_t row, int64_t K, Out* out) {
+  using F = Format<kBits, kGroup>;
+  const int64_t groups = K / kGroup, block = row / kCols, lane = row % kCols;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group_codes = codes + (block * groups + g) * F::kGroupBytes;
+    const at::Half* s = scales + (block * groups + g) * 2 * kCols;
+    uint8_t values[kGroup];  // the lane's codes, k in order: pair p holds k = 2p and 2p + 1
+    for (int64_t p = 0; p < kGroup / 2; ++p) {
+      for (int64_t h = 0; h < 2; ++h) {
+        if constexpr (kBits == 8) {
+          values[2 * p + h] = group_codes[p * 32 + lane * 2 + h];
+        } else {  // pair p in the low nibbles of run p, pair p + 8 in the high ones
+          const uint8_t byte = group_codes[(p % 8) * 32 + lane * 2 + h];
+          values[2 * p + h] = p < 8 ? byte & 0x0f : byte >> 4;
+        }
+      }
+    }
+    const __m512 d = _mm512_set1_ps(static_cast<float>(s[lane]));
+    const __m512 m = _mm512_set1_ps(static_cast<float>(s[kCols + lane]));
+    for (int64_t i = 0; i < kGroup; i += 16) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + i));
+      const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+      store16(out + g * kGroup + i, _mm512_add_ps(_mm512_mul_ps(code, d), m));
+    }
+  }
+}
+
 // Prompt rows: each thread dequantizes a group of column blocks into bfloat16 (a panel, in cache),
 // then multiplies every row of x by it with packed_linear's kernel, which runs at the machine's
 // bfloat16 matmul rate: with many rows, dequantizing once costs far less than the int16 path's
@@ -382,4 +412,36 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& code
   if (out_dtype == torch::kFloat32) run(y.data_ptr<float>());
   else run(y.data_ptr<at::BFloat16>());
   return y;
+}
+
+torch::Tensor dequantize_rows(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& ids,
+                              int64_t N, int64_t K, int64_t bits, int64_t group, bool bfloat16_out) {
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && codes.scalar_type() == torch::kUInt8 &&
+                  scales.scalar_type() == torch::kFloat16,
+              "dequantize_rows: contiguous uint8 codes and float16 scales");
+  const int64_t blocks = (N + kCols - 1) / kCols;
+  TORCH_CHECK(K % 32 == 0 && codes.numel() == blocks * K * kCols * bits / 8 &&
+                  scales.numel() == blocks * (K / group) * 2 * kCols,
+              "dequantize_rows: codes and scales do not match N and K");
+  const auto rows = ids.reshape({-1}).to(torch::kLong).contiguous();
+  const int64_t R = rows.numel();
+  const auto* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(row_ids[r] >= 0 && row_ids[r] < N, "dequantize_rows: a row out of range");
+  auto out = torch::empty({R, K}, codes.options().dtype(bfloat16_out ? torch::kBFloat16 : torch::kFloat32));
+  const auto* c = codes.data_ptr<uint8_t>();
+  const auto* s = scales.data_ptr<at::Half>();
+  const auto run = [&](auto* y) {
+    parallel_chunks(R, 64, [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) {
+        if (bits == 4 && group == 32) dequantize_row<4, 32>(c, s, row_ids[r], K, y + r * K);
+        else if (bits == 8 && group == 32) dequantize_row<8, 32>(c, s, row_ids[r], K, y + r * K);
+        else if (bits == 8 && group == 16) dequantize_row<8, 16>(c, s, row_ids[r], K, y + r * K);
+      }
+    });
+  };
+  TORCH_CHECK((bits == 4 && group == 32) || (bits == 8 && (group == 32 || group == 16)),
+              "dequantize_rows: no kernel for ", bits, "-bit codes in groups of ", group);
+  if (bfloat16_out) run(out.data_ptr<at::BFloat16>());
+  else run(out.data_ptr<float>());
+  return out;
 }

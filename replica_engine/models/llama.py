@@ -15,8 +15,8 @@ from torch import nn
 from replica_engine.attention.base import AttentionBackend, AttentionMetadata
 from replica_engine.kernels import cpu as cpu_kernels
 from replica_engine.kernels import pointwise
-from replica_engine.kernels.quantized_weight import QuantizedWeight, dequantize_rows
-from replica_engine.models.fused_layer import FusedDecoderLayer
+from replica_engine.kernels.quantized_weight import QuantizedWeight
+from replica_engine.models.fused_layer import FusedDecoderLayer, FusedDecoderStack
 from replica_engine.models.layers import MLP, Embedding, Linear, MergedLinear, RMSNorm
 from replica_engine.models.moe import MOE_MODEL_TYPES, Experts, MoeShape, SparseMoeBlock
 from replica_engine.models.rotary import RotaryEmbedding, apply_rotary
@@ -148,6 +148,7 @@ class LlamaForCausalLM(nn.Module):
         # The logits' copy of tied embeddings: packed (pack_for_cpu), or quantized (hold_embeddings).
         self.packed_embeddings: cpu_kernels.PackedWeight | QuantizedWeight | None = None
         self.quantized_embeddings: QuantizedWeight | None = None  # looked up in place of embed_tokens
+        self.fused_stack: FusedDecoderStack | None = None  # on a CPU, where every layer is fused
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -166,8 +167,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden, residual = self._receive(input_ids.shape[0], stage)
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden, residual = layer(cos_sin, hidden, residual, kv_cache, metadata)
+        stack = self.fused_stack
+        if stack is not None and (answer := stack(cos_sin, hidden, residual, kv_caches, metadata)):
+            hidden, residual = answer
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                hidden, residual = layer(cos_sin, hidden, residual, kv_cache, metadata)
         if stage is not None and not stage.last:
             assert residual is not None  # every stage holds a layer
             both = torch.stack((hidden, residual))
@@ -188,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.quantized_embeddings is not None:
             dtype = self.model.norm.weight.dtype
-            return dequantize_rows(self.quantized_embeddings, input_ids).to(dtype)
+            return cpu_kernels.embedding_rows(self.quantized_embeddings, input_ids, dtype)
         if self.vocab_shard is None:
             return self.model.embed_tokens(input_ids)
         start, end = self.vocab_shard  # rows of ids outside the shard are zero here, summed below
@@ -230,3 +235,4 @@ class LlamaForCausalLM(nn.Module):
             self.packed_embeddings = cpu_kernels.pack_weight(self.model.embed_tokens.weight)
         for layer in self.model.layers:
             layer.fused = FusedDecoderLayer.of(layer)
+        self.fused_stack = FusedDecoderStack.of([layer.fused for layer in self.model.layers])

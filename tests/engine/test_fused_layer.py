@@ -1,6 +1,7 @@
 """On a CPU a plain decoder layer runs as one kernel call (models/fused_layer.py) where its
-module made a dozen: the same kernels in the same order on the same rows, so every token's
-numbers must be the module's, bit for bit, in decode-only steps and in steps that mix prompt
+module made a dozen, and a model whose every layer is plain runs them all in one call a step:
+the same kernels in the same order on the same rows, so every token's numbers must be the
+modules', bit for bit, in decode-only steps and in steps that mix prompt
 chunks with decodes, over 4-bit weights (the embedded SmolLM2's own) and packed float ones."""
 
 from __future__ import annotations
@@ -23,17 +24,20 @@ PROMPTS = [
 ]
 
 
-class CountingOps:
-    """The kernels, counting fused layer calls by whether their step held prompt rows."""
+class Counting:
+    """The kernels' `decoder_layer` or a DecoderStack's `forward`, counting calls by whether their
+    step held prompt rows."""
 
-    def __init__(self, ops) -> None:
-        self.ops = ops
+    def __init__(self, target, method: str) -> None:
         self.steps_by_kind = {"decodes only": 0, "with prompt rows": 0}
+        call = getattr(target, method)
 
-    def decoder_layer(self, *args):
-        max_query_len = args[-2][3]  # the step's AttentionMetadata.kernel_args
-        self.steps_by_kind["decodes only" if max_query_len == 1 else "with prompt rows"] += 1
-        return self.ops.decoder_layer(*args)
+        def counted(*args):
+            max_query_len = args[-2][3]  # the step's AttentionMetadata.kernel_args
+            self.steps_by_kind["decodes only" if max_query_len == 1 else "with prompt rows"] += 1
+            return call(*args)
+
+        setattr(self, method, counted)
 
 
 def answers(llm: LLM) -> list[tuple[list[int], list[float]]]:
@@ -42,17 +46,26 @@ def answers(llm: LLM) -> list[tuple[list[int], list[float]]]:
     return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outputs]
 
 
-@pytest.mark.parametrize(
+SETTINGS = pytest.mark.parametrize(
     "settings",
     [{}, {"dtype": "float32", "quantization": "none"}],
     ids=["4-bit weights", "packed float32 weights"],
 )
-def test_a_fused_layer_answers_as_its_module(settings):
+
+
+def fused_llm(settings: dict) -> LLM:
     # A 16-token budget: prompts in chunks beside the others' decodes, then decode-only steps.
-    llm = LLM(max_num_batched_tokens=16, enable_prefix_caching=False, kv_cache_bytes=8 << 20, **settings)
-    layers = llm.engine.core.runner.model.model.layers
+    return LLM(max_num_batched_tokens=16, enable_prefix_caching=False, kv_cache_bytes=8 << 20, **settings)
+
+
+@SETTINGS
+def test_a_fused_layer_answers_as_its_module(settings):
+    llm = fused_llm(settings)
+    model = llm.engine.core.runner.model
+    layers = model.model.layers
     assert all(layer.fused is not None for layer in layers)
-    counting = CountingOps(layers[0].fused.ops)
+    model.fused_stack = None  # layer by layer
+    counting = Counting(layers[0].fused.ops, "decoder_layer")
     for layer in layers:
         layer.fused = dataclasses.replace(layer.fused, ops=counting)
     fused = answers(llm)
@@ -60,3 +73,18 @@ def test_a_fused_layer_answers_as_its_module(settings):
     for layer in layers:
         layer.fused = None
     assert fused == answers(llm)
+
+
+@SETTINGS
+def test_the_stacked_layers_answer_as_their_modules(settings):
+    llm = fused_llm(settings)
+    model = llm.engine.core.runner.model
+    assert model.fused_stack is not None
+    counting = Counting(model.fused_stack.stack, "forward")
+    model.fused_stack = dataclasses.replace(model.fused_stack, stack=counting)
+    stacked = answers(llm)
+    assert all(counting.steps_by_kind.values()), counting.steps_by_kind
+    model.fused_stack = None
+    for layer in model.model.layers:
+        layer.fused = None
+    assert stacked == answers(llm)

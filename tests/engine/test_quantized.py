@@ -22,6 +22,7 @@ from replica_engine.kernels.quantized_weight import (
     FORMATS,
     QuantizedWeight,
     dequantize,
+    dequantize_rows,
     pack_quantized,
     quantize_int8,
 )
@@ -70,6 +71,20 @@ def test_kernel_matches_dequantize_then_matmul(bits, group, n, k):
         assert (out_bf16.float() - expected_bf16).abs().max() <= 1e-2 * scale, (rows, "bfloat16")
         # against x itself, the int16 rounding of the activations is all that is lost
         assert (out - x @ dense.T).abs().max() <= 1e-4 * scale
+
+
+@pytest.mark.parametrize("bits,group", FORMATS)
+@pytest.mark.parametrize("n,k", [(49152, 576), (37, 64), (17, 96)])
+def test_embedding_rows_are_the_dequantized_rows_bit_for_bit(bits, group, n, k):
+    weight = _random_weight(bits, group, n, k, seed=n * k)
+    ids = torch.tensor([0, n - 1, n // 2, 15 % n, 16 % n, n - 1])  # both block edges, repeats
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = dequantize_rows(weight, ids).to(dtype)
+        for typed_ids in (ids, ids.int(), ids.view(2, 3)):
+            out = cpu_kernels.embedding_rows(weight, typed_ids, dtype)
+            assert out.dtype == dtype and torch.equal(out, expected), (dtype, typed_ids.dtype)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_kernels.embedding_rows(weight, torch.tensor([n]), torch.float32)
 
 
 def test_without_the_kernels_a_quantized_weight_is_dequantized_for_torch(monkeypatch):
