@@ -125,6 +125,10 @@ class EngineCore:
         # pool) at most this often (0: every time; the core loop behind a served engine sets it).
         self.cached_hashes_every_s = 0.0
         self._hashes_taken_at = -math.inf
+        # And records the gauges at most this often while requests run (0: every step; the core
+        # loop sets it): Ray's Gauge.set cost a served core about 0.1 ms each, 5 of them a step.
+        self.gauges_every_s = 0.0
+        self._gauges_recorded_at = -math.inf
         self.stats = self.scheduler.stats()
         self.publish_stats()
 
@@ -207,15 +211,17 @@ class EngineCore:
     def publish_stats(self) -> None:
         """Snapshot the gauges (queue depth, running, KV usage) for readers on any thread; while
         requests run, the prefix cache's keys at most every `cached_hashes_every_s` (in between,
-        the snapshot keeps the keys it had)."""
-        now = self.clock()
-        take = now - self._hashes_taken_at >= self.cached_hashes_every_s or not self.has_unfinished_requests()
+        the snapshot keeps the keys it had) and the metrics' gauges at most every
+        `gauges_every_s`. An idle core takes and records both at once."""
+        now, idle = self.clock(), not self.has_unfinished_requests()
+        take = idle or now - self._hashes_taken_at >= self.cached_hashes_every_s
         hashes = None if take else self.stats.cached_block_hashes
         self.stats = self.scheduler.stats(step_work_s=self.step_load.work_s, cached_block_hashes=hashes)
         if take:
             self._hashes_taken_at = now
-        if self.metrics is not None:
+        if self.metrics is not None and (idle or now - self._gauges_recorded_at >= self.gauges_every_s):
             self.metrics.record_stats(self.stats)
+            self._gauges_recorded_at = now
 
     def step(self) -> list[CoreOutput]:
         """Schedule, execute, update: an output for every request that got a token or finished.

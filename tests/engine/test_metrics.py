@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import prometheus_client
 import pytest
 
@@ -193,3 +195,26 @@ def test_the_load_meter_turns_running_totals_into_rates_since_the_last_report():
     rates = meter.rates(12.0, 10, 6, 2.0)
     assert rates == {ARRIVALS: 3.0, FINISHED: 2.0, WORK: 0.5}
     assert meter.rates(12.0, 10, 6, 2.0) == {}  # no time has passed
+
+
+@pytest.mark.parametrize("every_s", [0.0, math.inf])
+def test_the_gauges_are_recorded_at_most_every_gauges_every_s_and_once_idle(every_s):
+    """A served core records its gauges (Ray's cost: ~0.1 ms each) at most every `gauges_every_s`
+    while requests run, and always once it is idle, so the last value a scrape sees is true."""
+    registry = prometheus_client.CollectorRegistry()
+    engine = LLMEngine(EngineConfig(dtype="float32"), EngineMetrics(PrometheusSink(registry), "smollm2"))
+    engine.core.gauges_every_s = every_s
+    recorded = []
+    record_stats = engine.core.metrics.record_stats
+    engine.core.metrics.record_stats = lambda stats: (recorded.append(stats.num_running), record_stats(stats))
+    for prompt in PROMPTS[:2]:
+        engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    if every_s == 0:
+        assert len(recorded) >= steps  # every step, and every request added
+    else:
+        assert len(recorded) <= 2, recorded  # the first add (nothing recorded before), then idle
+    assert recorded[-1] == 0 and sample(registry, "stallfree_num_requests_running") == 0
