@@ -255,6 +255,15 @@ void dequantize_row(const uint8_t* codes, const at::Half* scales, int64_t row, i
   }
 }
 
+// Rows row_ids[0 : R) of W dequantized into y [R, K], threads taking 64 rows at a time.
+template <int kBits, int64_t kGroup, typename Out>
+void dequantize_rows_of(const uint8_t* codes, const at::Half* scales, const int64_t* row_ids, int64_t R, int64_t K,
+                        Out* y) {
+  parallel_chunks(R, 64, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) dequantize_row<kBits, kGroup>(codes, scales, row_ids[r], K, y + r * K);
+  });
+}
+
 // Prompt rows: each thread dequantizes a group of column blocks into bfloat16 (a panel, in cache),
 // then multiplies every row of x by it with packed_linear's kernel, which runs at the machine's
 // bfloat16 matmul rate: with many rows, dequantizing once costs far less than the int16 path's
@@ -431,16 +440,11 @@ torch::Tensor dequantize_rows(const torch::Tensor& codes, const torch::Tensor& s
   const auto* c = codes.data_ptr<uint8_t>();
   const auto* s = scales.data_ptr<at::Half>();
   const auto run = [&](auto* y) {
-    parallel_chunks(R, 64, [&](int64_t first, int64_t last) {
-      for (int64_t r = first; r < last; ++r) {
-        if (bits == 4 && group == 32) dequantize_row<4, 32>(c, s, row_ids[r], K, y + r * K);
-        else if (bits == 8 && group == 32) dequantize_row<8, 32>(c, s, row_ids[r], K, y + r * K);
-        else if (bits == 8 && group == 16) dequantize_row<8, 16>(c, s, row_ids[r], K, y + r * K);
-      }
-    });
+    if (bits == 4 && group == 32) dequantize_rows_of<4, 32>(c, s, row_ids, R, K, y);
+    else if (bits == 8 && group == 32) dequantize_rows_of<8, 32>(c, s, row_ids, R, K, y);
+    else if (bits == 8 && group == 16) dequantize_rows_of<8, 16>(c, s, row_ids, R, K, y);
+    else TORCH_CHECK(false, "dequantize_rows: no kernel for ", bits, "-bit codes in groups of ", group);
   };
-  TORCH_CHECK((bits == 4 && group == 32) || (bits == 8 && (group == 32 || group == 16)),
-              "dequantize_rows: no kernel for ", bits, "-bit codes in groups of ", group);
   if (bfloat16_out) run(out.data_ptr<at::BFloat16>());
   else run(out.data_ptr<float>());
   return out;
