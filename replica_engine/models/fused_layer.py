@@ -5,8 +5,9 @@ about as much as its matmuls over the 4-bit model; here it is one call a layer.
 
 It stands in only where the layer is plain: the CPU's paged attention backend, every projection
 on a kernel weight (packed or quantized, no AMX copy), no bias, q/k norm, experts or tensor
-parallelism, no LoRA adapter (checked at each call: adapters come and go), and a step whose
-prompt rows, if any, follow its generated ones (prompt_rows.py). Anything else runs the module."""
+parallelism, no LoRA adapter's rows in the step (checked at each call: with LoRA on, a step of
+base-model rows alone adds no delta, so it runs here too), and a step whose prompt rows, if any,
+follow its generated ones (prompt_rows.py). Anything else runs the module."""
 
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ class FusedDecoderStack:
     thirty calls from Python, each converting its layer's weights, cost about 7% of a 4-bit step
     (SmolLM2, batch 1, one thread)."""
 
-    linears: tuple[Linear, ...]  # every layer's, checked for adapters at each call
+    linears: tuple[Linear, ...]  # the first layer's, checked for an adapter's rows at each call
     stack: object  # the kernels' DecoderStack
 
     @classmethod
@@ -123,7 +124,7 @@ class FusedDecoderStack:
         stack = first.ops.DecoderStack(
             [layer.norms for layer in fused], [layer.weights for layer in fused], first.heads, first.scale
         )
-        return cls(tuple(linear for layer in fused for linear in layer.linears), stack)
+        return cls(first.linears, stack)
 
     def __call__(
         self,
@@ -150,14 +151,22 @@ class FusedDecoderStack:
         )
 
 
+def _adapter_rows(linears: tuple[Linear, ...]) -> bool:
+    """Whether this step adds an adapter's delta to these projections. LoRA attaches to every
+    projection of every dense layer at once, all sharing one LoRAStep (lora/manager.py), so the
+    first one's tells for all: a step with no adapter's rows leaves it inactive."""
+    lora = linears[0].lora
+    return lora is not None and lora.step.active
+
+
 def _kernel_step(
     hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], linears: tuple[Linear, ...]
 ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
     """quantized_linear's dense_from for this step's rows and its cos and sin as the kernels read
     them ([T, head_dim]); None where the rows need the modules (prompt rows interleaved with
-    generated ones, or an adapter on: they come and go)."""
+    generated ones, or an adapter's rows in the step)."""
     dense_from = cpu_kernels.dense_from(hidden)
-    if dense_from is None or any(linear.lora is not None for linear in linears):
+    if dense_from is None or _adapter_rows(linears):
         return None
     cos, sin = (t.reshape(hidden.shape[0], -1) for t in cos_sin)
     return dense_from, cos, sin

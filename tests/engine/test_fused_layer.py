@@ -2,7 +2,9 @@
 module made a dozen, and a model whose every layer is plain runs them all in one call a step:
 the same kernels in the same order on the same rows, so every token's numbers must be the
 modules', bit for bit, in decode-only steps and in steps that mix prompt
-chunks with decodes, over 4-bit weights (the embedded SmolLM2's own) and packed float ones."""
+chunks with decodes, over 4-bit weights (the embedded SmolLM2's own) and packed float ones. With
+LoRA on, a step of base-model rows alone runs them too; one holding an adapter's rows runs the
+modules."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import dataclasses
 
 import pytest
 
-from replica_engine import LLM, SamplingParams
+from harness.lora_adapters import save_random_adapter
+from replica_engine import LLM, LoRARequest, SamplingParams
 from replica_engine.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(
@@ -88,3 +91,25 @@ def test_the_stacked_layers_answer_as_their_modules(settings):
     for layer in model.model.layers:
         layer.fused = None
     assert stacked == answers(llm)
+
+
+def test_with_lora_on_only_steps_holding_an_adapters_rows_leave_the_stack(hf_model, tmp_path):
+    llm = fused_llm({"enable_lora": True, "max_loras": 1})
+    model = llm.engine.core.runner.model
+    counting = Counting(model.fused_stack.stack, "forward")
+    model.fused_stack = dataclasses.replace(model.fused_stack, stack=counting)
+    base = answers(llm)
+    stacked = sum(counting.steps_by_kind.values())
+    assert stacked > 0  # LoRA on, no adapter asked for: the stack, not the modules
+
+    adapter = LoRARequest("a", str(save_random_adapter(hf_model, tmp_path / "a", seed=1, std=0.05)))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, lora=adapter)
+    with_adapter = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert sum(counting.steps_by_kind.values()) == stacked  # every step held an adapter's rows
+    assert base == answers(llm) and sum(counting.steps_by_kind.values()) > stacked  # the stack again
+
+    model.fused_stack = None
+    for layer in model.model.layers:
+        layer.fused = None
+    assert base == answers(llm)  # the modules', bit for bit
+    assert with_adapter == [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
