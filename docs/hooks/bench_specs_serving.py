@@ -140,8 +140,8 @@ SERVING_SPECS: dict[str, BenchSpec] = {
             ),
             Rows(
                 "disagree",
-                "Ratios that moved by more than 15% between rounds ((max - min) / median; none listed:"
-                " the rounds agree):",
+                "Figures that moved by more than 15% between rounds ((max - min) / median; a figure"
+                " not listed agreed across the rounds):",
                 "rounds_disagree/*/*",
                 ("server", "figure"),
                 (Col("moved", "", "pct"),),
