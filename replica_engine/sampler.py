@@ -47,19 +47,44 @@ class DeviceSample:
         return SampledTokens(token_ids, logprobs, self.num_accepted)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p nucleus (both given per row)."""
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
+# Where a row's nucleus is looked for first: among its tokens at least this likely relative to its
+# likeliest (at temperature). A row whose nucleus reaches further looks again at the next.
+CANDIDATE_FLOORS = (1e-4, 1e-8, 0.0)
+
+
+def _kept_floor(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, largest_k: int
+) -> torch.Tensor:
+    """[rows, 1]: the least likely token each row keeps under its top-k and top-p (top-p over the
+    top-k's renormalized mass). `probs`: [rows, vocab], relative to each row's likeliest token (1
+    there); `largest_k`: the largest top_k, from the host. Only the candidates are sorted (those
+    above a floor that holds the row's nucleus, found on the host): a sort of a 49k vocabulary
+    cost a CPU milliseconds a row. Elsewhere every token is a candidate: looking whether a floor
+    sufficed would wait for the device, and its sort is fast."""
+    vocab = probs.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    remove = ranks >= k[:, None]
-    sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    limited, nucleus = top_k > 0, top_p < 1
+    total = probs.sum(dim=-1)  # top-p alone: over the whole vocabulary
+    width = vocab
+    if probs.device.type == "cpu":
+        # The rows cut by top-p alone: those the floor must hold (the others' cut is in their k).
+        open_rows = (nucleus & ~limited).nonzero().squeeze(-1)  # on a CPU: nothing to wait for
+        open_probs, open_p = probs[open_rows], top_p[open_rows]
+        for floor in CANDIDATE_FLOORS:
+            above = open_probs >= floor
+            mass = torch.where(above, open_probs, 0.0).sum(dim=-1)
+            if bool((mass >= open_p * open_probs.sum(dim=-1)).all()):
+                width = min(vocab, max([largest_k, *above.sum(dim=-1).tolist()]))
+                break
+    values = probs.topk(width, dim=-1).values
+    in_k = torch.arange(width, device=probs.device)[None, :] < k[:, None]
+    values = values.masked_fill(~in_k, 0.0)
+    norm = torch.where(limited, values.sum(dim=-1), total)
     # Drop a token once the tokens before it already cover top_p; the first always stays.
-    covered = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
-    remove |= covered & (top_p < 1)[:, None]
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+    covered = ((values.cumsum(dim=-1) - values) >= (top_p * norm)[:, None]) & nucleus[:, None]
+    kept = (in_k & ~covered).sum(dim=-1, keepdim=True)
+    # A row under neither limit keeps every token, beyond the candidates too.
+    return torch.where((limited | nucleus)[:, None], values.gather(-1, kept - 1), 0.0)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
@@ -82,16 +107,31 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     greedy_ids = logits.argmax(dim=-1)
     if all(r.params.greedy for r in rows):
         return greedy_ids
-    probs = target_probs(logits, rows)
-    # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p; seeded rows use
-    # their own generator.
-    noise = torch.empty_like(probs).exponential_()
-    for index, row in enumerate(rows):
-        if row.generator is not None:
-            noise[index].exponential_(generator=row.generator)
-    sampled = (probs / noise).argmax(dim=-1)
+    sampled = _draw(target_probs(logits, rows), rows)
     is_greedy = to_device([r.params.greedy for r in rows], torch.bool, logits.device)
     return torch.where(is_greedy, greedy_ids, sampled)
+
+
+def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """One token per row from its probabilities: one uniform number a row (a seeded row's from its
+    own generator) through inverse_cdf."""
+    uniform = torch.rand(len(rows), device=probs.device)
+    for index, row in enumerate(rows):
+        if row.generator is not None:
+            uniform[index] = torch.rand((), generator=row.generator, device=probs.device)
+    return inverse_cdf(probs, uniform)
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """For each row of `probs` ([rows, vocab]; unnormalized, zeros allowed), the token where its
+    `uniform` ([rows], in [0, 1)) falls in the row's cumulative sum: a draw from the row. One
+    number a row, where an exponential race over the vocabulary drew 49k (a millisecond a row on
+    a CPU)."""
+    cumulative = probs.cumsum(dim=-1)
+    total = cumulative[:, -1:]
+    # Strictly below the total, so the token found has a probability above zero.
+    target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def target_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -100,13 +140,14 @@ def target_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     params = [r.params for r in rows]
     device = logits.device
     temperature = to_device([p.temperature if not p.greedy else 1.0 for p in params], torch.float32, device)
-    logits = logits / temperature[:, None]
+    scaled = logits / temperature[:, None]
+    # Each token's probability relative to its row's likeliest (1 there): the cuts compare these.
+    probs = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
     if any(p.top_k > 0 or p.top_p < 1 for p in params):
         top_k = to_device([p.top_k for p in params], torch.int64, device)
         top_p = to_device([p.top_p for p in params], torch.float32, device)
-        logits = _apply_top_k_top_p(logits, top_k, top_p)
-    probs = logits.softmax(dim=-1)
+        probs.masked_fill_(probs < _kept_floor(probs, top_k, top_p, max(p.top_k for p in params)), 0.0)
     if any(p.min_p > 0 for p in params):  # below min_p times the likeliest token's probability: out
         min_p = to_device([p.min_p for p in params], torch.float32, device)
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
-    return probs
+        probs.masked_fill_(probs < min_p[:, None], 0.0)
+    return probs.div_(probs.sum(dim=-1, keepdim=True))

@@ -1,8 +1,8 @@
 """Verifying a draft against the target model (Leviathan et al. 2023; Chen et al. 2023). The
 target scores the request's last token and its k draft tokens in one step, giving k + 1
 distributions. At each position in turn the step draws the token exactly as decoding without a
-draft would (greedy: the argmax; sampled: the exponential race of sampler.py, with the request's
-own generator, one draw per position), and a draft token stays while it equals that draw; the
+draft would (greedy: the argmax; sampled: sampler.py's draw, with the request's own generator,
+one draw per position), and a draft token stays while it equals that draw; the
 first draw that differs, or the one after the last draft, ends the step's tokens.
 
 For a proposer without probabilities (prompt lookup, suffix decoding, a greedy draft model: a
@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import torch
 
+from replica_engine.sampler import inverse_cdf
+
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from `probs` ([vocab]) as the sampler draws it: argmax(p / E), E ~ Exp(1)."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
+    """One token from `probs` ([vocab]) as the sampler draws it: one uniform number from the
+    request's generator, through sampler.inverse_cdf."""
+    uniform = torch.rand((), generator=generator, device=probs.device)
+    return int(inverse_cdf(probs[None], uniform[None])[0])
 
 
 def verify_draft(

@@ -3,6 +3,7 @@ import torch
 from common.sampling_params import SamplingParams
 from replica_engine.logits_processors import process_logits
 from replica_engine.sampler import sample as sample_tokens
+from replica_engine.sampler import target_probs
 from replica_engine.scheduler.plan import SamplingRow
 
 
@@ -114,3 +115,44 @@ def test_logprobs_are_the_processed_log_softmax_with_rank_and_top():
     assert first.token_id == sampled.token_ids[0] and first.rank == 1
     assert abs(first.logprob - expected.max().item()) < 1e-6
     assert [t for t, _ in first.top] == expected.topk(3).indices.tolist()
+
+
+def _full_sort_reference(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """One row's top-k then top-p distribution from a sort of the whole vocabulary."""
+    values, order = logits.sort(descending=True)
+    k = top_k if top_k > 0 else len(values)
+    probs = values[:k].softmax(-1)
+    keep = (probs.cumsum(-1) - probs) < top_p if top_p < 1 else torch.ones(k, dtype=torch.bool)
+    kept = torch.full_like(logits, float("-inf"))
+    kept[order[:k][keep]] = values[:k][keep]
+    return kept.softmax(-1)
+
+
+def test_top_k_and_top_p_cut_where_a_sort_of_the_whole_vocabulary_does():
+    """The cut is found among the likeliest candidates only (those above a floor that holds every
+    row's nucleus): rows whose nucleus is a few tokens, hundreds or most of the vocabulary, and
+    rows under neither limit, each get the distribution a full sort gives, whatever shares the
+    batch."""
+    vocab = 4096
+    generator = torch.Generator().manual_seed(7)
+    peaked = torch.randn(vocab, generator=generator) * 4
+    flat = torch.randn(vocab, generator=generator) * 0.3  # a nucleus far past the first window
+    cases = [
+        (peaked, 0, 0.9),
+        (flat, 0, 0.9),
+        (flat, 0, 0.999),
+        (flat, 300, 0.95),
+        (peaked, 5, 1.0),
+        (flat, 0, 1.0),
+    ]
+    # all together, and each beside a top-k 5 row alone (the fewest candidates)
+    for batch in [cases, *([case, (peaked, 5, 1.0)] for case in cases)]:
+        logits = torch.stack([row for row, _, _ in batch])
+        rows = _requests(*(SamplingParams(top_k=k, top_p=p) for _, k, p in batch))
+        probs = target_probs(logits.clone(), rows)
+        for row, (row_logits, k, p) in enumerate(batch):
+            expected = _full_sort_reference(row_logits, k, p)
+            assert torch.equal(probs[row] > 0, expected > 0), (row, k, p)
+            assert torch.allclose(probs[row], expected, atol=1e-6), (row, k, p)
+    wide = target_probs(flat[None].clone(), _requests(SamplingParams(top_p=0.9)))
+    assert 1000 < int((wide > 0).sum()) < vocab  # a nucleus of thousands of tokens
