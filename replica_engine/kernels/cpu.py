@@ -1,9 +1,9 @@
 """The CPU kernels of cpu_ops.cpp, cpu_pointwise.cpp, cpu_prefill_attention.cpp,
-cpu_prefill_attention_bf16.cpp, cpu_packed_linear.cpp, cpu_quantized_linear.cpp and
-cpu_decoder_layer.cpp, built on first use for this machine (-march=native) by torch's C++
-extension loader and cached in a directory named by the sources' hash under
-TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so two checkouts with other sources
-never rebuild over each other. Where they cannot be built (no
+cpu_prefill_attention_bf16.cpp, cpu_packed_linear.cpp, cpu_quantized_linear.cpp,
+cpu_quantized_rows.cpp and cpu_decoder_layer.cpp, built on first use for this machine
+(-march=native) by torch's C++ extension loader and cached in a directory named by the sources'
+hash under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so two checkouts with other
+sources never rebuild over each other. Where they cannot be built (no
 compiler, no AVX-512), callers fall back to torch's own ops.
 
 One build at a time, under an flock the kernel drops if the building process dies: torch's own
@@ -38,6 +38,7 @@ SOURCES = [
         "cpu_prefill_attention_bf16.cpp",
         "cpu_packed_linear.cpp",
         "cpu_quantized_linear.cpp",
+        "cpu_quantized_rows.cpp",
         "cpu_decoder_layer.cpp",
     )
 ]
@@ -48,6 +49,7 @@ HEADERS = (
     "cpu_linear.h",
     "cpu_moe.h",
     "cpu_decoder_layer.h",
+    "cpu_quantized_format.h",
     "parallel.h",
 )
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)

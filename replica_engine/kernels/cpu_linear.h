@@ -28,7 +28,7 @@ void packed_bf16_group(const at::BFloat16* x, const at::BFloat16* blocks, Out* y
 torch::Tensor packed_moe(const torch::Tensor& x, const torch::Tensor& top_ids, const torch::Tensor& top_weights,
                          const torch::Tensor& gate_up, const torch::Tensor& down, int64_t first, int64_t width);
 
-// As packed_moe, over experts kept quantized (cpu_quantized_linear.cpp's layout, each projection's
+// As packed_moe, over experts kept quantized (cpu_quantized_format.h's layout, each projection's
 // experts stacked: codes [E, ...] uint8, scales [E, ...] float16, one format per projection); x and
 // the experts' hidden rows are quantized to int16 per 32 k as quantized_linear does.
 torch::Tensor quantized_moe(const torch::Tensor& x, const torch::Tensor& top_ids, const torch::Tensor& top_weights,
@@ -37,7 +37,7 @@ torch::Tensor quantized_moe(const torch::Tensor& x, const torch::Tensor& top_ids
                             const torch::Tensor& down_scales, int64_t down_bits, int64_t down_group, int64_t first,
                             int64_t width);
 
-// x [M, K] @ W.T for W kept quantized (cpu_quantized_linear.cpp's layout: uint8 codes, float16
+// x [M, K] @ W.T for W kept quantized (cpu_quantized_format.h's layout: uint8 codes, float16
 // scales; `bits` 4 or 8 per code, `group` 16 or 32 k per scale). Rows before `dense_from`: x is
 // quantized to int16 per 32 k; rows from it on (bfloat16 x only): W dequantized to bfloat16 meets
 // x in bfloat16 dot products, as packed_linear over dequantize(W).to(bfloat16) computes them.

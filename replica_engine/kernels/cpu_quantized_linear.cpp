@@ -8,11 +8,7 @@
 // (llama.cpp's Q4_1 answers "What is the capital of France?" with "L'Etoile, ..." as our int8
 // path did); at 16 bits outputs follow the dequantized weights' in float.
 //
-// Layout (quantized_weight.py packs it): the same 16-column blocks as the packed float kernel.
-// For block b and group g, codes hold the group's k values in pairs (2 consecutive k per column,
-// 32 bytes for the 16 columns): 8-bit codes one 32-byte run per pair; 4-bit codes one run per
-// two pairs, pair p in the low nibbles and pair p + 8 in the high ones (kGroup 32 only).
-// Scales: 16 d then 16 m, float16, per block and group.
+// The weights' layout: cpu_quantized_format.h.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -24,12 +20,16 @@
 #include "cpu_linear.h"
 #include "cpu_moe.h"
 #include "cpu_pointwise.h"
+#include "cpu_quantized_format.h"
 #include "parallel.h"
 #include "simd.h"
 
 namespace {
 
-constexpr int64_t kCols = 16;
+using quantized::dequantize_block;
+using quantized::Format;
+using quantized::kCols;
+
 constexpr int64_t kActGroup = 32;  // activations: one int16 scale per 32 k
 constexpr int64_t kSumGroup = 16;  // and the sum of their codes per 16 k (the smallest weight group)
 constexpr float kActMax = 32767.f;
@@ -74,12 +74,6 @@ inline __m512i dot_i16(__m512i acc, __m512i a, __m512i b) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
 }
-
-template <int kBits, int64_t kGroup>
-struct Format {
-  static_assert((kBits == 8 && (kGroup == 16 || kGroup == 32)) || (kBits == 4 && kGroup == 32));
-  static constexpr int64_t kGroupBytes = kGroup * kCols * kBits / 8;  // one block's codes per group
-};
 
 // y[m0 : m0 + kM, the kNB blocks from block0] for one run of rows and column blocks.
 template <int kBits, int64_t kGroup, int64_t kM, int64_t kNB, typename Out>
@@ -192,75 +186,6 @@ void quantized_linear_rows(const QuantizedRows& x, const uint8_t* codes, const a
         }
       }
     }
-  });
-}
-
-// One column block dequantized into bfloat16 in pack_linear_weight's layout ([K / 2, 16, 2]): the
-// values dequantize(weight).to(torch.bfloat16) holds (code * d + m in float32, then rounded).
-template <int kBits, int64_t kGroup>
-void dequantize_block(const uint8_t* codes, const at::Half* scales, int64_t block, int64_t K, at::BFloat16* out) {
-  using F = Format<kBits, kGroup>;
-  const int64_t groups = K / kGroup;
-  const __m256i nibble = _mm256_set1_epi8(0x0f);
-  const __m512i low_half = _mm512_set1_epi32(0xffff);
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* group_codes = codes + (block * groups + g) * F::kGroupBytes;
-    const at::Half* s = scales + (block * groups + g) * 2 * kCols;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-    const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kCols)));
-    for (int64_t p = 0; p < kGroup / 2; ++p) {
-      __m256i raw;
-      if constexpr (kBits == 8) {
-        raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_codes + p * 32));
-      } else {  // pair p in the low nibbles of run p, pair p + 8 in the high ones
-        raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_codes + (p % 8) * 32));
-        raw = _mm256_and_si256(p < 8 ? raw : _mm256_srli_epi16(raw, 4), nibble);
-      }
-      const __m512i pair = _mm512_cvtepu8_epi16(raw);  // lane c: column c's (k, k + 1) codes
-      const auto value = [&](__m512i code) { return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(code), d), mins); };
-      const __m512i even = bf16_bits(value(_mm512_and_si512(pair, low_half)));
-      const __m512i odd = bf16_bits(value(_mm512_srli_epi32(pair, 16)));
-      _mm512_storeu_si512(out + (g * kGroup / 2 + p) * 2 * kCols, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
-    }
-  }
-}
-
-// Row `row` of W (a token's embedding) dequantized as dequantize_rows computes it: code * d + m in
-// float32, stored as Out (bfloat16 rounded to nearest even, as torch's .to(bfloat16)).
-template <int kBits, int64_t kGroup, typename Out>
-void dequantize_row(const uint8_t* codes, const at::Half* scales, int64_t row, int64_t K, Out* out) {
-  using F = Format<kBits, kGroup>;
-  const int64_t groups = K / kGroup, block = row / kCols, lane = row % kCols;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* group_codes = codes + (block * groups + g) * F::kGroupBytes;
-    const at::Half* s = scales + (block * groups + g) * 2 * kCols;
-    uint8_t values[kGroup];  // the lane's codes, k in order: pair p holds k = 2p and 2p + 1
-    for (int64_t p = 0; p < kGroup / 2; ++p) {
-      for (int64_t h = 0; h < 2; ++h) {
-        if constexpr (kBits == 8) {
-          values[2 * p + h] = group_codes[p * 32 + lane * 2 + h];
-        } else {  // pair p in the low nibbles of run p, pair p + 8 in the high ones
-          const uint8_t byte = group_codes[(p % 8) * 32 + lane * 2 + h];
-          values[2 * p + h] = p < 8 ? byte & 0x0f : byte >> 4;
-        }
-      }
-    }
-    const __m512 d = _mm512_set1_ps(static_cast<float>(s[lane]));
-    const __m512 m = _mm512_set1_ps(static_cast<float>(s[kCols + lane]));
-    for (int64_t i = 0; i < kGroup; i += 16) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + i));
-      const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
-      store16(out + g * kGroup + i, _mm512_add_ps(_mm512_mul_ps(code, d), m));
-    }
-  }
-}
-
-// Rows row_ids[0 : R) of W dequantized into y [R, K], threads taking 64 rows at a time.
-template <int kBits, int64_t kGroup, typename Out>
-void dequantize_rows_of(const uint8_t* codes, const at::Half* scales, const int64_t* row_ids, int64_t R, int64_t K,
-                        Out* y) {
-  parallel_chunks(R, 64, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) dequantize_row<kBits, kGroup>(codes, scales, row_ids[r], K, y + r * K);
   });
 }
 
@@ -421,31 +346,4 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& code
   if (out_dtype == torch::kFloat32) run(y.data_ptr<float>());
   else run(y.data_ptr<at::BFloat16>());
   return y;
-}
-
-torch::Tensor dequantize_rows(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& ids,
-                              int64_t N, int64_t K, int64_t bits, int64_t group, bool bfloat16_out) {
-  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && codes.scalar_type() == torch::kUInt8 &&
-                  scales.scalar_type() == torch::kFloat16,
-              "dequantize_rows: contiguous uint8 codes and float16 scales");
-  const int64_t blocks = (N + kCols - 1) / kCols;
-  TORCH_CHECK(K % 32 == 0 && codes.numel() == blocks * K * kCols * bits / 8 &&
-                  scales.numel() == blocks * (K / group) * 2 * kCols,
-              "dequantize_rows: codes and scales do not match N and K");
-  const auto rows = ids.reshape({-1}).to(torch::kLong).contiguous();
-  const int64_t R = rows.numel();
-  const auto* row_ids = rows.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(row_ids[r] >= 0 && row_ids[r] < N, "dequantize_rows: a row out of range");
-  auto out = torch::empty({R, K}, codes.options().dtype(bfloat16_out ? torch::kBFloat16 : torch::kFloat32));
-  const auto* c = codes.data_ptr<uint8_t>();
-  const auto* s = scales.data_ptr<at::Half>();
-  const auto run = [&](auto* y) {
-    if (bits == 4 && group == 32) dequantize_rows_of<4, 32>(c, s, row_ids, R, K, y);
-    else if (bits == 8 && group == 32) dequantize_rows_of<8, 32>(c, s, row_ids, R, K, y);
-    else if (bits == 8 && group == 16) dequantize_rows_of<8, 16>(c, s, row_ids, R, K, y);
-    else TORCH_CHECK(false, "dequantize_rows: no kernel for ", bits, "-bit codes in groups of ", group);
-  };
-  if (bfloat16_out) run(out.data_ptr<at::BFloat16>());
-  else run(out.data_ptr<float>());
-  return out;
 }

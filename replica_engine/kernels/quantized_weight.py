@@ -1,4 +1,4 @@
-"""Weights kept quantized, in the layout of cpu_quantized_linear.cpp: every weight is
+"""Weights kept quantized, in the layout of cpu_quantized_format.h: every weight is
 `code * d + m`, with unsigned codes of 4 or 8 bits and a float16 (d, m) per output column and group
 of 16 or 32 input features. One layout covers GGUF's Q4_0 (m = -8d), Q4_1, Q4_K (its sub-block
 scales), Q8_0 (code = q + 128, m = -128d), Q6_K (groups of 16, m = -32d) and our int8
