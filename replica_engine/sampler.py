@@ -69,11 +69,11 @@ def _kept_floor(
     if probs.device.type == "cpu":
         # The rows cut by top-p alone: those the floor must hold (the others' cut is in their k).
         open_rows = (nucleus & ~limited).nonzero().squeeze(-1)  # on a CPU: nothing to wait for
-        open_probs, open_p = probs[open_rows], top_p[open_rows]
+        open_probs, needed = probs[open_rows], (top_p * total)[open_rows]
         for floor in CANDIDATE_FLOORS:
             above = open_probs >= floor
             mass = torch.where(above, open_probs, 0.0).sum(dim=-1)
-            if bool((mass >= open_p * open_probs.sum(dim=-1)).all()):
+            if bool((mass >= needed).all()):
                 width = min(vocab, max([largest_k, *above.sum(dim=-1).tolist()]))
                 break
     values = probs.topk(width, dim=-1).values

@@ -136,7 +136,7 @@ def test_top_k_and_top_p_cut_where_a_sort_of_the_whole_vocabulary_does():
     vocab = 4096
     generator = torch.Generator().manual_seed(7)
     peaked = torch.randn(vocab, generator=generator) * 4
-    flat = torch.randn(vocab, generator=generator) * 0.3  # a nucleus far past the first window
+    flat = torch.randn(vocab, generator=generator) * 0.3  # a nucleus of thousands of tokens
     cases = [
         (peaked, 0, 0.9),
         (flat, 0, 0.9),
