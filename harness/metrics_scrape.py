@@ -32,6 +32,10 @@ DRAIN_TIMEOUT_S = 60  # a deadline on state: drained within a few report periods
 # clusters): counts unchanged over three periods have every event counted before the first read.
 SETTLE_S = 3.0
 SETTLE_TIMEOUT_S = 300  # a deadline on state: counts settle within seconds once the requests end
+# Ray's metrics agent answers 500 when one of its collectors raises mid-read; on a loaded 2-core
+# runner that happened once (after a 2-minute stall) and the next read was whole. A page is
+# retried until this deadline, then the error is raised with what the endpoint said.
+PAGE_TIMEOUT_S = 300
 Counts = TypeVar("Counts")
 
 
@@ -39,7 +43,7 @@ class MetricsPage:
     """One read of the metrics endpoint, so figures taken together come from the same moment."""
 
     def __init__(self, cluster: MetricsSource) -> None:
-        text = httpx.get(cluster.metrics_url, timeout=30).text
+        text = read_page(cluster.metrics_url)
         self.samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
 
     def by_replica(self, name: str, labels: dict[str, str]) -> dict[str, float]:
@@ -54,6 +58,17 @@ class MetricsPage:
     def total(self, name: str, labels: dict[str, str]) -> float:
         """Sum of the samples called `name` whose labels include `labels` (0 if none)."""
         return sum(self.by_replica(name, labels).values())
+
+
+def read_page(url: str, timeout_s: float = PAGE_TIMEOUT_S) -> str:
+    """The endpoint's text once it answers 200; its last error once `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = httpx.get(url, timeout=30)
+        if answer.status_code == 200 or time.monotonic() > deadline:
+            answer.raise_for_status()
+            return answer.text
+        time.sleep(1)
 
 
 def scrape(cluster: MetricsSource, name: str, labels: dict[str, str]) -> float:

@@ -13,7 +13,7 @@ import pytest
 from ray import serve
 
 from deployments.app import AppArgs, build_app
-from harness.metrics_scrape import ENGINE_PREFIX, scrape, scrape_by_replica, settled
+from harness.metrics_scrape import ENGINE_PREFIX, MetricsPage, scrape, scrape_by_replica, settled
 from harness.replicas import kill_actor, replica_actor, replica_actor_names, wait_replaced
 from harness.serve_cluster import ServeCluster, delete_app, wait_for
 from harness.sse_client import StreamResult, client_session, stream_completion
@@ -32,12 +32,12 @@ def deploy(name: str, args: AppArgs) -> None:
 
 
 def routed_by_replica(cluster: ServeCluster, app: str) -> dict[str, float]:
-    text = httpx.get(cluster.metrics_url, timeout=30).text
     counts: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("ray_stallfree_router_requests_routed_total{") and f'application="{app}"' in line:
-            replica = line.split('target_replica="')[1].split('"')[0]
-            counts[replica] = counts.get(replica, 0) + float(line.rsplit(" ", 1)[1])
+    routed = f"{ENGINE_PREFIX}router_requests_routed_total"
+    for sample in MetricsPage(cluster).samples:
+        if sample.name == routed and sample.labels.get("application") == app:
+            replica = sample.labels["target_replica"]
+            counts[replica] = counts.get(replica, 0) + sample.value
     return counts
 
 
