@@ -32,9 +32,9 @@ DRAIN_TIMEOUT_S = 60  # a deadline on state: drained within a few report periods
 # clusters): counts unchanged over three periods have every event counted before the first read.
 SETTLE_S = 3.0
 SETTLE_TIMEOUT_S = 300  # a deadline on state: counts settle within seconds once the requests end
-# Ray's metrics agent answers 500 when one of its collectors raises mid-read; on a loaded 2-core
-# runner that happened once (after a 2-minute stall) and the next read was whole. A page is
-# retried until this deadline, then the error is raised with what the endpoint said.
+# Ray's metrics agent answers 500 when a read raises: on a loaded 2-core runner OpenTelemetry's
+# collection stalled 2 minutes and raised MetricsTimeoutError (dashboard_agent.err), and the next
+# read was whole. A page is retried until this deadline, then the endpoint's error is raised.
 PAGE_TIMEOUT_S = 300
 Counts = TypeVar("Counts")
 
