@@ -229,12 +229,16 @@ def _prefill_all(engine: LLMEngine) -> None:
 
 
 @contextmanager
-def decoding(engine: LLMEngine, batch: int, context: int, num_steps: int) -> Iterator[None]:
+def decoding(
+    engine: LLMEngine, batch: int, context: int, num_steps: int, temperature: float = 0.0, top_p: float = 1.0
+) -> Iterator[None]:
     """`batch` requests decoding ~`context` tokens in (prompts computed first, over as many steps
-    as the engine's budget needs), with `num_steps` steps of theirs left to run; the engine left
-    empty after."""
+    as the engine's budget needs), with `num_steps` steps of theirs left to run, greedy unless
+    `temperature` says otherwise; the engine left empty after."""
     warm_up_steps = -(-batch * context // engine.config.max_num_batched_tokens) + 1
-    params = SamplingParams(max_tokens=warm_up_steps + num_steps + 2, temperature=0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=warm_up_steps + num_steps + 2, temperature=temperature, top_p=top_p, ignore_eos=True
+    )
     ids = add_decoders(engine, batch, context, params)
     _prefill_all(engine)
     try:
@@ -251,10 +255,13 @@ def time_decode_steps(
     context: int,
     num_steps: int,
     expert_use: ExpertUse | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> tuple[StepTiming, StepWork]:
-    """Steps that decode `batch` requests ~`context` tokens in (`decoding`). A mixture of experts'
-    steps read the experts `expert_use` saw them pick."""
-    with decoding(engine, batch, context, num_steps):
+    """Steps that decode `batch` requests ~`context` tokens in (`decoding`, sampled as
+    `temperature` and `top_p` say). A mixture of experts' steps read the experts `expert_use` saw
+    them pick."""
+    with decoding(engine, batch, context, num_steps, temperature, top_p):
         contexts = [r.num_tokens + num_steps // 2 for r in engine.core.scheduler.running]
         timing = timed_steps(engine, model_time, num_steps)
     experts_read = expert_use.median(num_steps)[0] if expert_use is not None else 0.0

@@ -99,6 +99,14 @@ ENGINE_SPECS: dict[str, BenchSpec] = {
             ),
             steps_rows("Step times in ms and their ratio to this run's floor:", MODEL_AND_OVERHEAD),
             Rows(
+                "sampled",
+                "A decode step sampled at temperature 0.7, top_p 0.95 (`-sampled`) over the greedy step "
+                "of its variant and batch, timed right before it:",
+                "sampled_over_greedy/*/*",
+                ("variant", "case"),
+                (Col("sampled over greedy", "", "x"),),
+            ),
+            Rows(
                 "amx",
                 "How many times faster torch's bf16 GEMM (oneDNN: AMX tiles where the CPU has them) "
                 "multiplies a 4-bit weight's bf16 copy than our 4-bit kernel its codes, by rows x K x N "
