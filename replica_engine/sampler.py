@@ -14,6 +14,7 @@ import torch
 from common.logprobs import TokenLogprob
 from replica_engine.device_transfer import to_device
 from replica_engine.executor import SampledTokens
+from replica_engine.kernels import cpu as cpu_kernels
 from replica_engine.logits_processors import process_logits
 from replica_engine.logprobs import LogprobTensors, read_logprobs
 from replica_engine.scheduler.plan import SamplingRow
@@ -47,43 +48,26 @@ class DeviceSample:
         return SampledTokens(token_ids, logprobs, self.num_accepted)
 
 
-# Where a row's nucleus is looked for first: among its tokens at least this likely relative to its
-# likeliest (at temperature). A row whose nucleus reaches further looks again at the next.
-CANDIDATE_FLOORS = (1e-4, 1e-8, 0.0)
-
-
-def _kept_floor(
-    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, largest_k: int
-) -> torch.Tensor:
+def _kept_floor(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """[rows, 1]: the least likely token each row keeps under its top-k and top-p (top-p over the
-    top-k's renormalized mass). `probs`: [rows, vocab], relative to each row's likeliest token (1
-    there); `largest_k`: the largest top_k, from the host. Only the candidates are sorted (those
-    above a floor that holds the row's nucleus, found on the host): a sort of a 49k vocabulary
-    cost a CPU milliseconds a row. Elsewhere every token is a candidate: looking whether a floor
-    sufficed would wait for the device, and its sort is fast."""
+    top-k's renormalized mass); 0 for a row under neither. `probs`: [rows, vocab], relative to each
+    row's likeliest token (1 there). On a CPU the kernel finds it among the row's likeliest tokens
+    (cpu_sampling.cpp); elsewhere the row is sorted whole (a GPU's sort is fast, and looking for
+    fewer candidates would wait for the device)."""
+    floor = cpu_kernels.kept_floor(probs, top_k, top_p)
+    if floor is not None:
+        return floor
     vocab = probs.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
     limited, nucleus = top_k > 0, top_p < 1
-    total = probs.sum(dim=-1)  # top-p alone: over the whole vocabulary
-    width = vocab
-    if probs.device.type == "cpu":
-        # The rows cut by top-p alone: those the floor must hold (the others' cut is in their k).
-        open_rows = (nucleus & ~limited).nonzero().squeeze(-1)  # on a CPU: nothing to wait for
-        open_probs, needed = probs[open_rows], (top_p * total)[open_rows]
-        for floor in CANDIDATE_FLOORS:
-            above = open_probs >= floor
-            mass = torch.where(above, open_probs, 0.0).sum(dim=-1)
-            if bool((mass >= needed).all()):
-                width = min(vocab, max([largest_k, *above.sum(dim=-1).tolist()]))
-                break
-    values = probs.topk(width, dim=-1).values
-    in_k = torch.arange(width, device=probs.device)[None, :] < k[:, None]
+    values = probs.sort(dim=-1, descending=True).values
+    in_k = torch.arange(vocab, device=probs.device)[None, :] < k[:, None]
     values = values.masked_fill(~in_k, 0.0)
-    norm = torch.where(limited, values.sum(dim=-1), total)
+    norm = values.sum(dim=-1)  # the top-k's mass: the whole row's without a top-k
     # Drop a token once the tokens before it already cover top_p; the first always stays.
     covered = ((values.cumsum(dim=-1) - values) >= (top_p * norm)[:, None]) & nucleus[:, None]
     kept = (in_k & ~covered).sum(dim=-1, keepdim=True)
-    # A row under neither limit keeps every token, beyond the candidates too.
+    # A row under neither limit keeps every token.
     return torch.where((limited | nucleus)[:, None], values.gather(-1, kept - 1), 0.0)
 
 
@@ -146,7 +130,7 @@ def target_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if any(p.top_k > 0 or p.top_p < 1 for p in params):
         top_k = to_device([p.top_k for p in params], torch.int64, device)
         top_p = to_device([p.top_p for p in params], torch.float32, device)
-        probs.masked_fill_(probs < _kept_floor(probs, top_k, top_p, max(p.top_k for p in params)), 0.0)
+        probs.masked_fill_(probs < _kept_floor(probs, top_k, top_p), 0.0)
     if any(p.min_p > 0 for p in params):  # below min_p times the likeliest token's probability: out
         min_p = to_device([p.min_p for p in params], torch.float32, device)
         probs.masked_fill_(probs < min_p[:, None], 0.0)

@@ -1,6 +1,6 @@
 """The CPU kernels of cpu_ops.cpp, cpu_pointwise.cpp, cpu_prefill_attention.cpp,
 cpu_prefill_attention_bf16.cpp, cpu_packed_linear.cpp, cpu_quantized_linear.cpp,
-cpu_quantized_rows.cpp and cpu_decoder_layer.cpp, built on first use for this machine
+cpu_quantized_rows.cpp, cpu_decoder_layer.cpp and cpu_sampling.cpp, built on first use for this machine
 (-march=native) by torch's C++ extension loader and cached in a directory named by the sources'
 hash under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so two checkouts with other
 sources never rebuild over each other. Where they cannot be built (no
@@ -40,6 +40,7 @@ SOURCES = [
         "cpu_quantized_linear.cpp",
         "cpu_quantized_rows.cpp",
         "cpu_decoder_layer.cpp",
+        "cpu_sampling.cpp",
     )
 ]
 HEADERS = (
@@ -50,6 +51,7 @@ HEADERS = (
     "cpu_moe.h",
     "cpu_decoder_layer.h",
     "cpu_quantized_format.h",
+    "cpu_sampling.h",
     "parallel.h",
 )
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -188,6 +190,13 @@ def linear(
         weight = dequantize(weight).to(x.dtype)
     out = F.linear(x, weight)
     return out.float() if float32_out else out
+
+
+def kept_floor(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """The sampler's top-k / top-p floor per row (cpu_sampling.h) from the kernel, where it is
+    built and `probs` is a float32 CPU tensor; else None."""
+    ops = cpu_ops() if probs.device.type == "cpu" and probs.dtype == torch.float32 else None
+    return None if ops is None else ops.kept_floor(probs.contiguous(), top_k, top_p)
 
 
 def embedding_rows(weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

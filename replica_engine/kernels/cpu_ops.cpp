@@ -17,6 +17,7 @@
 #include "cpu_decoder_layer.h"
 #include "cpu_linear.h"
 #include "cpu_pointwise.h"
+#include "cpu_sampling.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -336,6 +337,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", py::call_guard<py::gil_scoped_release>());
   m.def("rotary_", &rotary_, "rotate q and k in place", py::call_guard<py::gil_scoped_release>());
+  m.def("kept_floor", &kept_floor, "per row, the least likely value its top-k and top-p keep",
+        py::call_guard<py::gil_scoped_release>());
   m.def("rotary_store_", &rotary_store_, "rotate q and k in place, store k and v into their cache slots",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -1,6 +1,8 @@
+import pytest
 import torch
 
 from common.sampling_params import SamplingParams
+from replica_engine.kernels import cpu as cpu_kernels
 from replica_engine.logits_processors import process_logits
 from replica_engine.sampler import sample as sample_tokens
 from replica_engine.sampler import target_probs
@@ -128,12 +130,15 @@ def _full_sort_reference(logits: torch.Tensor, top_k: int, top_p: float) -> torc
     return kept.softmax(-1)
 
 
-def test_top_k_and_top_p_cut_where_a_sort_of_the_whole_vocabulary_does():
-    """The cut is found among the likeliest candidates only (those above a floor that holds every
-    row's nucleus): rows whose nucleus is a few tokens, hundreds or most of the vocabulary, and
-    rows under neither limit, each get the distribution a full sort gives, whatever shares the
-    batch."""
-    vocab = 4096
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu_kernel", "torch"])
+def test_top_k_and_top_p_cut_where_a_sort_of_the_whole_vocabulary_does(kernel: bool, monkeypatch):
+    """The CPU kernel finds the cut among each row's likeliest candidates only (those above a floor
+    that holds the row's nucleus), torch's way (a GPU's) sorts the row: rows whose nucleus is a few
+    tokens, hundreds or most of the vocabulary, and rows under neither limit, each get the
+    distribution a full sort gives, whatever shares the batch."""
+    if not kernel:
+        monkeypatch.setattr(cpu_kernels, "kept_floor", lambda *args: None)
+    vocab = 4100  # not a multiple of 16: the kernel's last values are read one by one
     generator = torch.Generator().manual_seed(7)
     peaked = torch.randn(vocab, generator=generator) * 4
     flat = torch.randn(vocab, generator=generator) * 0.3  # a nucleus of thousands of tokens
