@@ -61,13 +61,18 @@ class MetricsPage:
 
 
 def read_page(url: str, timeout_s: float = PAGE_TIMEOUT_S) -> str:
-    """The endpoint's text once it answers 200; its last error once `timeout_s` has passed."""
+    """The endpoint's text once it answers 200; its last error (an answer, or none in time) once
+    `timeout_s` has passed."""
     deadline = time.monotonic() + timeout_s
     while True:
-        answer = httpx.get(url, timeout=30)
-        if answer.status_code == 200 or time.monotonic() > deadline:
-            answer.raise_for_status()
-            return answer.text
+        try:
+            answer = httpx.get(url, timeout=30)
+            if answer.status_code == 200 or time.monotonic() > deadline:
+                answer.raise_for_status()
+                return answer.text
+        except httpx.TransportError:  # a stalled agent: no answer within the read's timeout
+            if time.monotonic() > deadline:
+                raise
         time.sleep(1)
 
 
