@@ -46,12 +46,13 @@ class MetricsPage:
         text = read_page(cluster.metrics_url)
         self.samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
 
-    def by_replica(self, name: str, labels: dict[str, str]) -> dict[str, float]:
-        """The samples called `name` whose labels include `labels`, summed per `replica` label."""
+    def by_replica(self, name: str, labels: dict[str, str], per: str = "replica") -> dict[str, float]:
+        """The samples called `name` whose labels include `labels`, summed per value of their `per`
+        label (the replica that exports them, unless a metric names another: a router's target)."""
         values: dict[str, float] = {}
         for sample in self.samples:
             if sample.name == name and labels.items() <= sample.labels.items():
-                replica = sample.labels.get("replica", "")
+                replica = sample.labels.get(per, "")
                 values[replica] = values.get(replica, 0.0) + sample.value
         return values
 

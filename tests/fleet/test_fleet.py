@@ -32,13 +32,8 @@ def deploy(name: str, args: AppArgs) -> None:
 
 
 def routed_by_replica(cluster: ServeCluster, app: str) -> dict[str, float]:
-    counts: dict[str, float] = {}
     routed = f"{ENGINE_PREFIX}router_requests_routed_total"
-    for sample in MetricsPage(cluster).samples:
-        if sample.name == routed and sample.labels.get("application") == app:
-            replica = sample.labels["target_replica"]
-            counts[replica] = counts.get(replica, 0) + sample.value
-    return counts
+    return MetricsPage(cluster).by_replica(routed, {"application": app}, per="target_replica")
 
 
 def prompt_tokens_by_replica(cluster: ServeCluster) -> dict[str, float]:
