@@ -1,6 +1,6 @@
 """The CPU backend: compiled kernels that read each request's K/V blocks where they lie in the
 paged cache instead of gathering them into a copy every layer: one for decode rows, one for
-prompt chunks (tiled as flash attention is), both from one call a layer (cpu_ops.cpp's
+prompt chunks (tiled as flash attention is), both from one call a layer (cpu_decode_attention.cpp's
 paged_attention, which the fused decoder layer calls too)."""
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""The CPU kernels of cpu_ops.cpp, cpu_pointwise.cpp, cpu_prefill_attention.cpp,
-cpu_prefill_attention_bf16.cpp, cpu_packed_linear.cpp, cpu_quantized_linear.cpp,
-cpu_quantized_rows.cpp, cpu_decoder_layer.cpp and cpu_sampling.cpp, built on first use for this machine
+"""The CPU kernels of replica_engine/kernels/*.cpp (SOURCES), built on first use for this machine
 (-march=native) by torch's C++ extension loader and cached in a directory named by the sources'
 hash under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so two checkouts with other
 sources never rebuild over each other. Where they cannot be built (no
@@ -33,6 +31,7 @@ SOURCES = [
     str(KERNEL_DIR / name)
     for name in (
         "cpu_ops.cpp",
+        "cpu_decode_attention.cpp",
         "cpu_pointwise.cpp",
         "cpu_prefill_attention.cpp",
         "cpu_prefill_attention_bf16.cpp",
@@ -45,6 +44,7 @@ SOURCES = [
 ]
 HEADERS = (
     "simd.h",
+    "tensor.h",
     "cpu_pointwise.h",
     "cpu_attention.h",
     "cpu_linear.h",

@@ -1,10 +1,10 @@
 // Attention kernels over the paged KV cache.
 #pragma once
-#include <torch/extension.h>
-
 #include <cstdint>
 #include <optional>
 #include <tuple>
+
+#include "tensor.h"
 
 // The offsets (in values) in a paged cache [num_blocks, block_size, KVH, D] of the slots of a
 // request's keys [start, start + count), kv_stride = KVH * D values a slot: its block table walked
@@ -35,23 +35,22 @@ void attend_prompt_rows_bf16(const PromptChunk& chunk, int64_t row0, int64_t row
 // [T, H, D], caches [num_blocks, block_size, KVH, D], block_tables [R, max_blocks], cu_seqlens_q
 // [R + 1] and seq_lens [R] (keys per request, this step's included), all int32. Writes those rows
 // of out; decode rows are left untouched.
-void paged_prefill_attention_(torch::Tensor out, const torch::Tensor& query, const torch::Tensor& k_cache,
-                              const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                              const torch::Tensor& cu_seqlens_q, const torch::Tensor& seq_lens, double scale);
+void paged_prefill_attention_(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                              const at::Tensor& seq_lens, double scale);
 
 // Decode rows (one query row per request) of cpu_ops.cpp: query [R, H, D], block_tables
 // [R, max_blocks] and seq_lens [R] int32 -> [R, H, D].
-torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                     const torch::Tensor& seq_lens, double scale);
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
 
 // A step's attention metadata (attention/base.py's AttentionMetadata.kernel_args): block_tables,
 // cu_seqlens_q, seq_lens_kv, max_query_len, and its decode rows (token_index, block_tables,
 // seq_lens) where it has any.
-using PagedAttentionArgs = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
-                                      std::optional<std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>>>;
+using PagedAttentionArgs = std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t,
+                                      std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>>>;
 
 // Every query row of a flat batch [T, H, D] over the paged cache: decode rows through
 // paged_decode_attention, prompt-chunk rows through paged_prefill_attention_.
-torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const PagedAttentionArgs& attention, double scale);
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const PagedAttentionArgs& attention, double scale);

@@ -9,7 +9,7 @@
 
 namespace {
 
-torch::Tensor project(const torch::Tensor& x, const LayerLinear& w, int64_t dense_from) {
+at::Tensor project(const at::Tensor& x, const LayerLinear& w, int64_t dense_from) {
   const auto& [data, scales, out_features, bits, group] = w;
   if (scales) return quantized_linear(x, data, *scales, out_features, bits, group, false, dense_from);
   return packed_linear(x, data, out_features, false);
@@ -17,16 +17,17 @@ torch::Tensor project(const torch::Tensor& x, const LayerLinear& w, int64_t dens
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
-    const torch::Tensor& hidden, const std::optional<torch::Tensor>& residual, const LayerNorms& norms,
-    const std::vector<LayerLinear>& linears, const std::vector<int64_t>& heads, double scale,
-    const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-    const torch::Tensor& slot_mapping, const PagedAttentionArgs& attention, int64_t dense_from) {
+std::tuple<at::Tensor, at::Tensor> decoder_layer(const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
+                                                 const LayerNorms& norms, const std::vector<LayerLinear>& linears,
+                                                 const std::vector<int64_t>& heads, double scale, const at::Tensor& cos,
+                                                 const at::Tensor& sin, const at::Tensor& k_cache,
+                                                 const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                                                 const PagedAttentionArgs& attention, int64_t dense_from) {
   TORCH_CHECK(linears.size() == 4 && heads.size() == 3, "decoder_layer: qkv, o, gate_up, down; H, KVH, D");
   const auto& [input_norm, post_norm, eps] = norms;
   const int64_t T = hidden.size(0), H = heads[0], KVH = heads[1], D = heads[2];
   // The residual stream starts as the first layer's input; rms_norm adds into it in place.
-  const torch::Tensor stream = residual ? *residual : hidden;
+  const at::Tensor stream = residual ? *residual : hidden;
   const auto qkv = project(rms_norm(hidden, input_norm, eps, residual), linears[0], dense_from);
   auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
   auto k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
@@ -44,10 +45,10 @@ DecoderStack::DecoderStack(std::vector<LayerNorms> norms, std::vector<std::vecto
   TORCH_CHECK(norms_.size() == linears_.size(), "DecoderStack: one norms tuple and one linears list a layer");
 }
 
-std::tuple<torch::Tensor, torch::Tensor> DecoderStack::forward(
-    torch::Tensor hidden, std::optional<torch::Tensor> residual, const torch::Tensor& cos, const torch::Tensor& sin,
-    const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-    const torch::Tensor& slot_mapping, const PagedAttentionArgs& attention, int64_t dense_from) const {
+std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
+    at::Tensor hidden, std::optional<at::Tensor> residual, const at::Tensor& cos, const at::Tensor& sin,
+    const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
+    const PagedAttentionArgs& attention, int64_t dense_from) const {
   const size_t layers = norms_.size();
   TORCH_CHECK(k_caches.size() == layers && v_caches.size() == layers, "DecoderStack: a K and a V cache a layer");
   for (size_t i = 0; i < layers; ++i) {

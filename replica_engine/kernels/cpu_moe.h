@@ -2,20 +2,20 @@
 // cpu_quantized_linear.cpp): each token's (token, slot) pairs grouped by expert, the rows gathered
 // in that order, and the experts' output rows weighted and summed back per token.
 #pragma once
-#include <torch/extension.h>
-
 #include <cstring>
 #include <vector>
 
+#include "tensor.h"
+
 // Both kernels' routing inputs: top_ids [T, k] int64 and top_weights [T, k] float32 for x's T rows.
-inline void check_routing(const torch::Tensor& x, const torch::Tensor& top_ids, const torch::Tensor& top_weights,
+inline void check_routing(const at::Tensor& x, const at::Tensor& top_ids, const at::Tensor& top_weights,
                           const char* op) {
-  TORCH_CHECK(top_ids.scalar_type() == torch::kInt64 && top_ids.dim() == 2 && top_ids.is_contiguous() &&
+  TORCH_CHECK(top_ids.scalar_type() == at::kLong && top_ids.dim() == 2 && top_ids.is_contiguous() &&
                   top_ids.size(0) == x.size(0),
               op, ": top_ids [T, k] int64");
-  TORCH_CHECK(top_weights.scalar_type() == torch::kFloat32 && top_weights.is_contiguous() &&
-                  top_weights.sizes() == top_ids.sizes(),
-              op, ": top_weights [T, k] float32");
+  TORCH_CHECK(
+      top_weights.scalar_type() == at::kFloat && top_weights.is_contiguous() && top_weights.sizes() == top_ids.sizes(),
+      op, ": top_weights [T, k] float32");
 }
 
 struct RoutedRows {
@@ -26,7 +26,7 @@ struct RoutedRows {
 
 // A counting sort of top_ids [T, k] (int64) by expert; ids outside [first, first + experts) are
 // another worker's, skipped.
-inline RoutedRows route_rows(const torch::Tensor& top_ids, int64_t first, int64_t experts) {
+inline RoutedRows route_rows(const at::Tensor& top_ids, int64_t first, int64_t experts) {
   const int64_t pairs = top_ids.numel();
   const int64_t* picked = top_ids.data_ptr<int64_t>();
   std::vector<int64_t> counts(experts, 0), next(experts);
@@ -53,9 +53,9 @@ inline RoutedRows route_rows(const torch::Tensor& top_ids, int64_t first, int64_
 }
 
 // x's row of each routed pair, in routed order: [total, H].
-inline torch::Tensor gather_rows(const torch::Tensor& x, const std::vector<int64_t>& pair_of, int64_t k) {
+inline at::Tensor gather_rows(const at::Tensor& x, const std::vector<int64_t>& pair_of, int64_t k) {
   const int64_t total = static_cast<int64_t>(pair_of.size()), H = x.size(1), bytes = H * x.element_size();
-  auto gathered = torch::empty({total, H}, x.options());
+  auto gathered = at::empty({total, H}, x.options());
   const auto* source = static_cast<const char*>(x.data_ptr());
   auto* target = static_cast<char*>(gathered.data_ptr());
   for (int64_t r = 0; r < total; ++r) std::memcpy(target + r * bytes, source + (pair_of[r] / k) * bytes, bytes);
@@ -64,9 +64,9 @@ inline torch::Tensor gather_rows(const torch::Tensor& x, const std::vector<int64
 
 // out [T, H] float32 += each row (rounded to its dtype, as the down projection's output is) times
 // its pair's routing weight (top_weights [T, k] float32).
-inline void add_weighted_rows(torch::Tensor& out, const torch::Tensor& rows, const torch::Tensor& top_weights,
+inline void add_weighted_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& top_weights,
                               const std::vector<int64_t>& pair_of, int64_t k) {
-  const auto values = rows.to(torch::kFloat32);
+  const auto values = rows.to(at::kFloat);
   const float* weights = top_weights.data_ptr<float>();
   const float* v = values.data_ptr<float>();
   float* o = out.data_ptr<float>();

@@ -6,7 +6,6 @@
 // sum per output and reloads x for every product, which held it to half the machine's matmul
 // rate from 8 rows up.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
 #include <immintrin.h>
 
 #include <cstring>
@@ -17,6 +16,7 @@
 #include "cpu_pointwise.h"
 #include "parallel.h"
 #include "simd.h"
+#include "tensor.h"
 
 namespace {
 
@@ -140,31 +140,31 @@ template void packed_bf16_group<float>(const at::BFloat16*, const at::BFloat16*,
 template void packed_bf16_group<at::BFloat16>(const at::BFloat16*, const at::BFloat16*, at::BFloat16*, int64_t,
                                               int64_t, int64_t, int64_t, int64_t);
 
-torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: a [N, K] matrix");
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
               "pack_linear_weight: float32 or bfloat16");
   const int64_t N = weight.size(0), K = weight.size(1), blocks = (N + kCols - 1) / kCols;
-  const int64_t pair = weight.scalar_type() == torch::kBFloat16 ? 2 : 1;
+  const int64_t pair = weight.scalar_type() == at::kBFloat16 ? 2 : 1;
   TORCH_CHECK(K % pair == 0, "pack_linear_weight: bfloat16 needs an even K");
   // [blocks, K / pair, 16, pair]: column n of block b at [b, k / pair, n % 16, k % pair].
-  auto padded = torch::zeros({blocks * kCols, K}, weight.options());
+  auto padded = at::zeros({blocks * kCols, K}, weight.options());
   padded.narrow(0, 0, N).copy_(weight);
   return padded.view({blocks, kCols, K / pair, pair}).permute({0, 2, 1, 3}).contiguous();
 }
 
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, bool float32_out) {
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, bool float32_out) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.is_contiguous() && x.dtype() == packed.dtype(),
               "packed_linear: layout");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(packed.size(0) * kCols >= N && packed.size(1) * packed.size(3) == K, "packed_linear: shapes");
-  const auto out_dtype = float32_out ? torch::kFloat32 : x.scalar_type();
-  auto y = torch::empty({M, N}, x.options().dtype(out_dtype));
-  if (x.scalar_type() == torch::kFloat32) {
+  const auto out_dtype = float32_out ? at::kFloat : x.scalar_type();
+  auto y = at::empty({M, N}, x.options().dtype(out_dtype));
+  if (x.scalar_type() == at::kFloat) {
     packed_linear_rows<F32Packed>(x.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
     return y;
   }
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "packed_linear: float32 or bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "packed_linear: float32 or bfloat16");
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* wp = packed.data_ptr<at::BFloat16>();
   if (float32_out) packed_linear_rows<BF16Packed>(xp, wp, y.data_ptr<float>(), M, K, N);
@@ -201,19 +201,19 @@ void experts_pass(const typename P::T* x, const typename P::T* weights, int64_t 
 }
 
 template <typename P>
-torch::Tensor packed_moe_typed(const torch::Tensor& x, const torch::Tensor& top_ids, const torch::Tensor& top_weights,
-                               const torch::Tensor& gate_up, const torch::Tensor& down, int64_t first, int64_t width) {
+at::Tensor packed_moe_typed(const at::Tensor& x, const at::Tensor& top_ids, const at::Tensor& top_weights,
+                            const at::Tensor& gate_up, const at::Tensor& down, int64_t first, int64_t width) {
   using T = typename P::T;
   const int64_t tokens = x.size(0), H = x.size(1), k = top_ids.size(1), experts = gate_up.size(0);
   const RoutedRows routed = route_rows(top_ids, first, experts);
-  auto out = torch::zeros({tokens, H}, x.options().dtype(torch::kFloat32));
+  auto out = at::zeros({tokens, H}, x.options().dtype(at::kFloat));
   if (routed.total == 0) return out.to(x.scalar_type());
   const auto gathered = gather_rows(x, routed.pair_of, k);
-  auto gate_up_rows = torch::empty({routed.total, 2 * width}, x.options());
+  auto gate_up_rows = at::empty({routed.total, 2 * width}, x.options());
   experts_pass<P>(gathered.data_ptr<T>(), gate_up.data_ptr<T>(), gate_up.numel() / experts, routed.ids, routed.starts,
                   routed.rows, gate_up_rows.data_ptr<T>(), H, 2 * width);
   const auto hidden = silu_mul(gate_up_rows);
-  auto down_rows = torch::empty({routed.total, H}, x.options());
+  auto down_rows = at::empty({routed.total, H}, x.options());
   experts_pass<P>(hidden.data_ptr<T>(), down.data_ptr<T>(), down.numel() / experts, routed.ids, routed.starts,
                   routed.rows, down_rows.data_ptr<T>(), width, H);
   add_weighted_rows(out, down_rows, top_weights, routed.pair_of, k);
@@ -222,16 +222,16 @@ torch::Tensor packed_moe_typed(const torch::Tensor& x, const torch::Tensor& top_
 
 }  // namespace
 
-torch::Tensor packed_moe(const torch::Tensor& x, const torch::Tensor& top_ids, const torch::Tensor& top_weights,
-                         const torch::Tensor& gate_up, const torch::Tensor& down, int64_t first, int64_t width) {
+at::Tensor packed_moe(const at::Tensor& x, const at::Tensor& top_ids, const at::Tensor& top_weights,
+                      const at::Tensor& gate_up, const at::Tensor& down, int64_t first, int64_t width) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && width % 16 == 0, "packed_moe: layout");
   check_routing(x, top_ids, top_weights, "packed_moe");
   TORCH_CHECK(gate_up.is_contiguous() && down.is_contiguous() && gate_up.dtype() == x.dtype() &&
                   down.dtype() == x.dtype() && gate_up.size(0) == down.size(0),
               "packed_moe: stacked packed weights of x's dtype");
-  if (x.scalar_type() == torch::kFloat32) {
+  if (x.scalar_type() == at::kFloat) {
     return packed_moe_typed<F32Packed>(x, top_ids, top_weights, gate_up, down, first, width);
   }
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "packed_moe: float32 or bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "packed_moe: float32 or bfloat16");
   return packed_moe_typed<BF16Packed>(x, top_ids, top_weights, gate_up, down, first, width);
 }

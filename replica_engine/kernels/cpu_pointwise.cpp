@@ -70,8 +70,7 @@ inline void rotate_head(T* x, const T* cos, const T* sin, int64_t half) {
 
 // q and k rotated in place, token by token; then each token's `done(t)` (nothing, or its store).
 template <typename T, typename Done>
-void rotary_rows(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin,
-                 const Done& done) {
+void rotary_rows(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, const Done& done) {
   const int64_t rows = q.size(0), D = q.size(2), half = D / 2;
   T* qp = q.data_ptr<T>();
   T* kp = k.data_ptr<T>();
@@ -86,17 +85,17 @@ void rotary_rows(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, c
   });
 }
 
-void check_rotary(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin) {
+void check_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1, "rotary_: q, k layout");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == q.size(2), "rotary_: cos, sin");
   TORCH_CHECK(q.size(2) % 32 == 0 && k.size(2) == q.size(2), "rotary_: head_dim");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type(), "rotary_: dtypes");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "rotary_: float32 or bfloat16");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "rotary_: float32 or bfloat16");
 }
 
 // Token t's kv heads (each row of src holds them one after another) into its cache slot.
 template <typename T>
-void store_row(const torch::Tensor& src, torch::Tensor& cache, int64_t t, int64_t slot) {
+void store_row(const at::Tensor& src, at::Tensor& cache, int64_t t, int64_t slot) {
   const int64_t heads = src.size(1), D = src.size(2);
   const T* from = src.data_ptr<T>() + t * src.stride(0);
   T* to = cache.data_ptr<T>() + slot * heads * D;
@@ -105,18 +104,18 @@ void store_row(const torch::Tensor& src, torch::Tensor& cache, int64_t t, int64_
 
 }  // namespace
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
-                       const std::optional<torch::Tensor>& residual) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && x.size(1) % 16 == 0, "rms_norm: layout");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: dtypes");
   if (residual) TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "rms_norm: residual");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const int64_t rows = x.size(0), D = x.size(1);
-  if (x.scalar_type() == torch::kFloat32) {
+  if (x.scalar_type() == at::kFloat) {
     rms_norm_rows<float>(x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr,
                          weight.data_ptr<float>(), out.data_ptr<float>(), rows, D, static_cast<float>(eps));
   } else {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "rms_norm: float32 or bfloat16");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm: float32 or bfloat16");
     using BF = at::BFloat16;
     rms_norm_rows<BF>(x.data_ptr<BF>(), residual ? residual->data_ptr<BF>() : nullptr, weight.data_ptr<BF>(),
                       out.data_ptr<BF>(), rows, D, static_cast<float>(eps));
@@ -124,29 +123,29 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return out;
 }
 
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 32 == 0, "silu_mul: layout");
   const int64_t rows = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, I}, gate_up.options());
-  if (gate_up.scalar_type() == torch::kFloat32) {
+  auto out = at::empty({rows, I}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
     silu_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, I);
   } else {
-    TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16, "silu_mul: float32 or bfloat16");
+    TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "silu_mul: float32 or bfloat16");
     silu_mul_rows<at::BFloat16>(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, I);
   }
   return out;
 }
 
-void rotary_(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const torch::Tensor& sin) {
+void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
   check_rotary(q, k, cos, sin);
   const auto nothing = [](int64_t) {};
-  if (q.scalar_type() == torch::kFloat32) rotary_rows<float>(q, k, cos, sin, nothing);
+  if (q.scalar_type() == at::kFloat)
+    rotary_rows<float>(q, k, cos, sin, nothing);
   else rotary_rows<at::BFloat16>(q, k, cos, sin, nothing);
 }
 
-void rotary_store_(torch::Tensor q, torch::Tensor k, const torch::Tensor& v, const torch::Tensor& cos,
-                   const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                   const torch::Tensor& slot_mapping) {
+void rotary_store_(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                   at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping) {
   check_rotary(q, k, cos, sin);
   TORCH_CHECK(v.sizes() == k.sizes() && v.stride(2) == 1 && v.scalar_type() == k.scalar_type(), "rotary_store_: v");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
@@ -154,7 +153,7 @@ void rotary_store_(torch::Tensor q, torch::Tensor k, const torch::Tensor& v, con
                   k_cache.dim() == 4 && k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
               "rotary_store_: caches [blocks, block_size, kv_heads, head_dim] in q's dtype");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == q.size(0) && slot_mapping.is_contiguous() &&
-                  slot_mapping.scalar_type() == torch::kInt64,
+                  slot_mapping.scalar_type() == at::kLong,
               "rotary_store_: slot_mapping [T] int64");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
@@ -166,6 +165,7 @@ void rotary_store_(torch::Tensor q, torch::Tensor k, const torch::Tensor& v, con
       store_row<T>(v, v_cache, t, slots[t]);
     });
   };
-  if (q.scalar_type() == torch::kFloat32) run(float{});
+  if (q.scalar_type() == at::kFloat)
+    run(float{});
   else run(at::BFloat16{});
 }

@@ -8,20 +8,20 @@
 // 16 * G rows; the output rows stay in an L1-sized accumulator, rescaled as each row's running max
 // moves.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_attention.h"
 #include "parallel.h"
 #include "simd.h"
+#include "tensor.h"
 
 namespace {
 
@@ -158,9 +158,9 @@ int64_t rows_per_task(int64_t D) {
 }
 
 template <typename T>
-void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
-                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                   const torch::Tensor& cu_seqlens_q, const torch::Tensor& seq_lens, double scale) {
+void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                   double scale) {
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
   const int64_t R = seq_lens.size(0), max_blocks = block_tables.size(1);
@@ -213,23 +213,23 @@ void paged_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::
 
 }  // namespace
 
-void paged_prefill_attention_(torch::Tensor out, const torch::Tensor& query, const torch::Tensor& k_cache,
-                              const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                              const torch::Tensor& cu_seqlens_q, const torch::Tensor& seq_lens, double scale) {
+void paged_prefill_attention_(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                              const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "layout");
   TORCH_CHECK(query.size(2) % 16 == 0 && query.size(2) <= kMaxD, "head_dim must be a multiple of 16, <= 256");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0 && query.size(1) / k_cache.size(2) <= kMaxG, "GQA group");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && cu_seqlens_q.scalar_type() == torch::kInt32 &&
-                  seq_lens.scalar_type() == torch::kInt32,
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && cu_seqlens_q.scalar_type() == at::kInt &&
+                  seq_lens.scalar_type() == at::kInt,
               "int32 metadata");
   TORCH_CHECK(out.scalar_type() == query.scalar_type() && k_cache.scalar_type() == query.scalar_type(), "dtypes");
   const auto tables = block_tables.contiguous();
-  if (query.scalar_type() == torch::kFloat32) {
+  if (query.scalar_type() == at::kFloat) {
     paged_prefill<float>(out, query, k_cache, v_cache, tables, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
                          scale);
   } else {
-    TORCH_CHECK(query.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
+    TORCH_CHECK(query.scalar_type() == at::kBFloat16, "float32 or bfloat16");
     paged_prefill<at::BFloat16>(out, query, k_cache, v_cache, tables, cu_seqlens_q.contiguous(),
                                 seq_lens.contiguous(), scale);
   }

@@ -7,12 +7,12 @@
 // two pairs, pair p in the low nibbles and pair p + 8 in the high ones (kGroup 32 only).
 // Scales: 16 d then 16 m, float16, per block and group.
 #pragma once
-#include <torch/extension.h>
 #include <immintrin.h>
 
 #include <cstdint>
 
 #include "simd.h"
+#include "tensor.h"
 
 namespace quantized {
 

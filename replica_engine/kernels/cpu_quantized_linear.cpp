@@ -10,7 +10,6 @@
 //
 // The weights' layout: cpu_quantized_format.h.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -23,6 +22,7 @@
 #include "cpu_quantized_format.h"
 #include "parallel.h"
 #include "simd.h"
+#include "tensor.h"
 
 namespace {
 
@@ -251,10 +251,9 @@ void quantized_experts_pass(const QuantizedRows& x, const uint8_t* codes, const 
 }
 
 template <typename T>
-void quantized_experts_dispatch(const QuantizedRows& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                                int64_t bits, int64_t group, const std::vector<int64_t>& ids,
-                                const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, T* y, int64_t K,
-                                int64_t N) {
+void quantized_experts_dispatch(const QuantizedRows& x, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
+                                int64_t group, const std::vector<int64_t>& ids, const std::vector<int64_t>& starts,
+                                const std::vector<int64_t>& rows, T* y, int64_t K, int64_t N) {
   const auto* c = codes.data_ptr<uint8_t>();
   const auto* s = scales.data_ptr<at::Half>();
   if (bits == 4 && group == 32) quantized_experts_pass<4, 32>(x, c, s, ids, starts, rows, y, K, N);
@@ -266,22 +265,21 @@ void quantized_experts_dispatch(const QuantizedRows& x, const torch::Tensor& cod
 // quantized_moe for x of dtype T (float or bfloat16): both passes' rows quantized to int16 as
 // quantized_linear quantizes its x.
 template <typename T>
-torch::Tensor quantized_moe_typed(const torch::Tensor& x, const torch::Tensor& top_ids,
-                                  const torch::Tensor& top_weights, const torch::Tensor& gate_up_codes,
-                                  const torch::Tensor& gate_up_scales, int64_t gate_up_bits, int64_t gate_up_group,
-                                  const torch::Tensor& down_codes, const torch::Tensor& down_scales, int64_t down_bits,
-                                  int64_t down_group, int64_t first, int64_t width) {
+at::Tensor quantized_moe_typed(const at::Tensor& x, const at::Tensor& top_ids, const at::Tensor& top_weights,
+                               const at::Tensor& gate_up_codes, const at::Tensor& gate_up_scales, int64_t gate_up_bits,
+                               int64_t gate_up_group, const at::Tensor& down_codes, const at::Tensor& down_scales,
+                               int64_t down_bits, int64_t down_group, int64_t first, int64_t width) {
   const int64_t tokens = x.size(0), H = x.size(1), k = top_ids.size(1);
   const RoutedRows routed = route_rows(top_ids, first, gate_up_codes.size(0));
-  auto out = torch::zeros({tokens, H}, x.options().dtype(torch::kFloat32));
+  auto out = at::zeros({tokens, H}, x.options().dtype(at::kFloat));
   if (routed.total == 0) return out.to(x.scalar_type());
   const auto gathered = gather_rows(x, routed.pair_of, k);
-  auto gate_up = torch::empty({routed.total, 2 * width}, x.options());
+  auto gate_up = at::empty({routed.total, 2 * width}, x.options());
   quantized_experts_dispatch(quantize_rows(gathered.data_ptr<T>(), routed.total, H), gate_up_codes, gate_up_scales,
                              gate_up_bits, gate_up_group, routed.ids, routed.starts, routed.rows,
                              gate_up.data_ptr<T>(), H, 2 * width);
   const auto hidden = silu_mul(gate_up);
-  auto down = torch::empty({routed.total, H}, x.options());
+  auto down = at::empty({routed.total, H}, x.options());
   quantized_experts_dispatch(quantize_rows(hidden.data_ptr<T>(), routed.total, width), down_codes, down_scales,
                              down_bits, down_group, routed.ids, routed.starts, routed.rows, down.data_ptr<T>(), width,
                              H);
@@ -291,20 +289,19 @@ torch::Tensor quantized_moe_typed(const torch::Tensor& x, const torch::Tensor& t
 
 }  // namespace
 
-torch::Tensor quantized_moe(const torch::Tensor& x, const torch::Tensor& top_ids, const torch::Tensor& top_weights,
-                            const torch::Tensor& gate_up_codes, const torch::Tensor& gate_up_scales,
-                            int64_t gate_up_bits, int64_t gate_up_group, const torch::Tensor& down_codes,
-                            const torch::Tensor& down_scales, int64_t down_bits, int64_t down_group, int64_t first,
-                            int64_t width) {
+at::Tensor quantized_moe(const at::Tensor& x, const at::Tensor& top_ids, const at::Tensor& top_weights,
+                         const at::Tensor& gate_up_codes, const at::Tensor& gate_up_scales, int64_t gate_up_bits,
+                         int64_t gate_up_group, const at::Tensor& down_codes, const at::Tensor& down_scales,
+                         int64_t down_bits, int64_t down_group, int64_t first, int64_t width) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && width % 32 == 0 && x.size(1) % 32 == 0, "quantized_moe: layout");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quantized_moe: x float32 or bfloat16");
   TORCH_CHECK(gate_up_codes.is_contiguous() && gate_up_scales.is_contiguous() && down_codes.is_contiguous() &&
-                  down_scales.is_contiguous() && gate_up_scales.scalar_type() == torch::kFloat16 &&
-                  down_scales.scalar_type() == torch::kFloat16,
+                  down_scales.is_contiguous() && gate_up_scales.scalar_type() == at::kHalf &&
+                  down_scales.scalar_type() == at::kHalf,
               "quantized_moe: stacked uint8 codes and float16 scales");
   check_routing(x, top_ids, top_weights, "quantized_moe");
-  if (x.scalar_type() == torch::kBFloat16) {
+  if (x.scalar_type() == at::kBFloat16) {
     return quantized_moe_typed<at::BFloat16>(x, top_ids, top_weights, gate_up_codes, gate_up_scales, gate_up_bits,
                                              gate_up_group, down_codes, down_scales, down_bits, down_group, first,
                                              width);
@@ -313,27 +310,27 @@ torch::Tensor quantized_moe(const torch::Tensor& x, const torch::Tensor& top_ids
                                     gate_up_group, down_codes, down_scales, down_bits, down_group, first, width);
 }
 
-torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                               int64_t N, int64_t bits, int64_t group, bool float32_out, int64_t dense_from) {
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t N,
+                            int64_t bits, int64_t group, bool float32_out, int64_t dense_from) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.is_contiguous() && scales.is_contiguous(),
               "quantized_linear: layout");
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && scales.scalar_type() == torch::kFloat16,
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf,
               "quantized_linear: uint8 codes and float16 scales");
   const int64_t M = x.size(0), K = x.size(1), blocks = (N + kCols - 1) / kCols;
   TORCH_CHECK(K % kActGroup == 0 && K % group == 0, "quantized_linear: K must be a multiple of 32");
   TORCH_CHECK(codes.numel() == blocks * K * kCols * bits / 8 && scales.numel() == blocks * (K / group) * 2 * kCols,
               "quantized_linear: codes and scales do not match x's K and N");
   const int64_t int16_rows = std::clamp<int64_t>(dense_from, 0, M);
-  TORCH_CHECK(int16_rows == M || x.scalar_type() == torch::kBFloat16, "quantized_linear: dense rows need bfloat16 x");
+  TORCH_CHECK(int16_rows == M || x.scalar_type() == at::kBFloat16, "quantized_linear: dense rows need bfloat16 x");
   QuantizedRows rows;
-  if (x.scalar_type() == torch::kFloat32) {
+  if (x.scalar_type() == at::kFloat) {
     rows = quantize_rows(x.data_ptr<float>(), int16_rows, K);
   } else {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "quantized_linear: x float32 or bfloat16");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "quantized_linear: x float32 or bfloat16");
     rows = quantize_rows(x.data_ptr<at::BFloat16>(), int16_rows, K);
   }
-  const auto out_dtype = float32_out ? torch::kFloat32 : x.scalar_type();
-  auto y = torch::empty({M, N}, x.options().dtype(out_dtype));
+  const auto out_dtype = float32_out ? at::kFloat : x.scalar_type();
+  auto y = at::empty({M, N}, x.options().dtype(out_dtype));
   const auto* c = codes.data_ptr<uint8_t>();
   const auto* s = scales.data_ptr<at::Half>();
   const auto run = [&](auto* out) {
@@ -343,7 +340,8 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& code
       dispatch_dense(bits, group, dense_x, c, s, out + int16_rows * N, M - int16_rows, K, N);
     }
   };
-  if (out_dtype == torch::kFloat32) run(y.data_ptr<float>());
+  if (out_dtype == at::kFloat)
+    run(y.data_ptr<float>());
   else run(y.data_ptr<at::BFloat16>());
   return y;
 }

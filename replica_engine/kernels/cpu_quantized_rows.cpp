@@ -1,10 +1,9 @@
 // A quantized token embedding's lookup: rows of a weight kept quantized, dequantized as
 // quantized_weight.dequantize_rows computes them.
-#include <torch/extension.h>
-
 #include "cpu_linear.h"
 #include "cpu_quantized_format.h"
 #include "parallel.h"
+#include "tensor.h"
 
 namespace {
 
@@ -22,20 +21,20 @@ void dequantize_rows_of(const uint8_t* codes, const at::Half* scales, const int6
 
 }  // namespace
 
-torch::Tensor dequantize_rows(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& ids,
-                              int64_t N, int64_t K, int64_t bits, int64_t group, bool bfloat16_out) {
-  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && codes.scalar_type() == torch::kUInt8 &&
-                  scales.scalar_type() == torch::kFloat16,
+at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& ids, int64_t N,
+                           int64_t K, int64_t bits, int64_t group, bool bfloat16_out) {
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && codes.scalar_type() == at::kByte &&
+                  scales.scalar_type() == at::kHalf,
               "dequantize_rows: contiguous uint8 codes and float16 scales");
   const int64_t blocks = (N + kCols - 1) / kCols;
   TORCH_CHECK(K % 32 == 0 && codes.numel() == blocks * K * kCols * bits / 8 &&
                   scales.numel() == blocks * (K / group) * 2 * kCols,
               "dequantize_rows: codes and scales do not match N and K");
-  const auto rows = ids.reshape({-1}).to(torch::kLong).contiguous();
+  const auto rows = ids.reshape({-1}).to(at::kLong).contiguous();
   const int64_t R = rows.numel();
   const auto* row_ids = rows.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(row_ids[r] >= 0 && row_ids[r] < N, "dequantize_rows: a row out of range");
-  auto out = torch::empty({R, K}, codes.options().dtype(bfloat16_out ? torch::kBFloat16 : torch::kFloat32));
+  auto out = at::empty({R, K}, codes.options().dtype(bfloat16_out ? at::kBFloat16 : at::kFloat));
   const auto* c = codes.data_ptr<uint8_t>();
   const auto* s = scales.data_ptr<at::Half>();
   const auto run = [&](auto* y) {

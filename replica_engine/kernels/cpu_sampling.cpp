@@ -97,15 +97,15 @@ float row_floor(const float* row, int64_t V, int64_t top_k, float top_p, std::ve
 
 }  // namespace
 
-torch::Tensor kept_floor(const torch::Tensor& probs, const torch::Tensor& top_k, const torch::Tensor& top_p) {
-  TORCH_CHECK(probs.dim() == 2 && probs.is_contiguous() && probs.scalar_type() == torch::kFloat32,
+at::Tensor kept_floor(const at::Tensor& probs, const at::Tensor& top_k, const at::Tensor& top_p) {
+  TORCH_CHECK(probs.dim() == 2 && probs.is_contiguous() && probs.scalar_type() == at::kFloat,
               "kept_floor: contiguous float32 probs [rows, vocab]");
-  TORCH_CHECK(top_k.scalar_type() == torch::kInt64 && top_p.scalar_type() == torch::kFloat32 &&
-                  top_k.numel() == probs.size(0) && top_p.numel() == probs.size(0),
+  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_p.scalar_type() == at::kFloat && top_k.numel() == probs.size(0) &&
+                  top_p.numel() == probs.size(0),
               "kept_floor: int64 top_k and float32 top_p, one per row");
   const int64_t rows = probs.size(0), V = probs.size(1);
   const auto k = top_k.contiguous(), p = top_p.contiguous();
-  auto out = torch::empty({rows, 1}, probs.options());
+  auto out = at::empty({rows, 1}, probs.options());
   const float* data = probs.data_ptr<float>();
   const int64_t* ks = k.data_ptr<int64_t>();
   const float* ps = p.data_ptr<float>();
