@@ -27,12 +27,9 @@ $(STAMP): $(SERVE_STAMP)
 
 # The tests use Debian's prometheus and redis-server where installed (as root they install them on
 # first use; otherwise the tests that need them skip, saying so): apt-get install prometheus redis-server
-# Two pytest processes (pytest-xdist): one runs every Ray test in order, the other the rest. The
-# Ray tests mostly wait (on replicas starting, clusters, autoscaling), so the other process has
-# the cores they leave.
 test: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir .site
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q
 
 # The suite with two CPU-bound processes beside it: what a busy laptop or CI runner sees.
 test-busy: setup

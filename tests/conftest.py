@@ -22,16 +22,13 @@ RAY_FIXTURES = {"serve_cluster", "small_app", "prometheus"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test that starts Ray is marked `ray` (so `make test-fast` can leave them out), and all
-    of them run in one process, in order, under pytest-xdist (`make test`: `-n 2 --dist loadgroup`;
-    the other process takes the rest). Tests with a Ray cluster of their own run first:
-    test_deploy's `ray stop` stops every Ray process on the machine, which must not include the
-    session's shared cluster (started later)."""
+    """Every test that starts Ray is marked `ray` (so `make test-fast` can leave them out). Tests
+    with a Ray cluster of their own run first: their `ray stop` stops every Ray process on the
+    machine, which must not include the session's shared cluster (started later)."""
     for item in items:
         uses_shared = RAY_FIXTURES.intersection(getattr(item, "fixturenames", ()))
         if uses_shared or item.get_closest_marker("own_ray_cluster") is not None:
             item.add_marker(pytest.mark.ray)
-            item.add_marker(pytest.mark.xdist_group("ray"))
     items.sort(key=lambda item: item.get_closest_marker("own_ray_cluster") is None)
 
 
