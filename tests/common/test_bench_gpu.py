@@ -1,8 +1,9 @@
 """`python -m bench gpu --dry-run` on this CPU, as make test runs it so the command cannot rot
 before a session is lent a GPU: every part runs (Triton in its interpreter, tiny dummy shapes; the
-served parts through Ray Serve, in a test of their own, beside the Ray tests), the exactness checks pass (against the stand-in the lent machine
-uses where the embedded SmolLM2 cannot travel: a random checkpoint without a tokenizer), and the
-speed goals stay unjudged (a CPU's figures are not an H100's)."""
+served parts through Ray Serve, in a test of their own that starts its cluster), the exactness
+checks pass (against the stand-in the lent machine uses where the embedded SmolLM2 cannot travel:
+a random checkpoint without a tokenizer), and the speed goals stay unjudged (a CPU's figures are
+not an H100's)."""
 
 from __future__ import annotations
 
