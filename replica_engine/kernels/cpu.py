@@ -195,7 +195,7 @@ def linear(
 def kept_floor(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
     """The sampler's top-k / top-p floor per row (cpu_sampling.h) from the kernel, where it is
     built and `probs` is a float32 CPU tensor; else None."""
-    ops = cpu_ops() if probs.device.type == "cpu" and probs.dtype == torch.float32 else None
+    ops = _ops_for(probs) if probs.dtype == torch.float32 else None
     return None if ops is None else ops.kept_floor(probs.contiguous(), top_k, top_p)
 
 

@@ -1,7 +1,6 @@
 // The module's bindings: the kernels of every other file, built at first use by
 // replica_engine/kernels/cpu.py with -march=native. The one file that includes
-// <torch/extension.h> (pybind and all of torch's ops, ~30 s to compile); the kernels include
-// tensor.h, so they compile side by side while this one does.
+// <torch/extension.h> (why the others do not: tensor.h), so they compile beside it.
 #include <torch/extension.h>
 
 #include <vector>
