@@ -27,9 +27,10 @@ $(STAMP): $(SERVE_STAMP)
 
 # The tests use Debian's prometheus and redis-server where installed (as root they install them on
 # first use; otherwise the tests that need them skip, saying so): apt-get install prometheus redis-server
+# The Ray tests and the rest run at once, the rest at the lowest priority (tests/run_suite.py).
 test: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir .site
-	$(PY) -m pytest -q
+	$(PY) -m tests.run_suite
 
 # The suite with two CPU-bound processes beside it: what a busy laptop or CI runner sees.
 test-busy: setup
