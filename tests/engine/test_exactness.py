@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from harness.hf_reference import EXACTNESS_PROMPTS as PROMPTS
-from harness.hf_reference import assert_matches_up_to_ties, hf_greedy
+from harness.hf_reference import assert_matches_up_to_ties, hf_greedy_batch
 from replica_engine import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -22,7 +22,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def hf_outputs(hf_model, tokenizer) -> list[list[int]]:
-    return [hf_greedy(hf_model, tokenizer(prompt).input_ids, MAX_TOKENS) for prompt in PROMPTS]
+    return hf_greedy_batch(hf_model, [tokenizer(prompt).input_ids for prompt in PROMPTS], MAX_TOKENS)
 
 
 @pytest.mark.parametrize("config_name", list(CONFIGS))

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from common.errors import InvalidRequestError
 from common.lora import read_adapter
 from common.structured_outputs import StructuredOutputs
-from harness.hf_reference import assert_matches_up_to_ties, hf_greedy
+from harness.hf_reference import assert_matches_up_to_ties, hf_greedy_batch
 from harness.lora_adapters import save_random_adapter
 from replica_engine import LLM, LoRARequest, SamplingParams
 
@@ -47,10 +47,10 @@ def _peft_greedy(hf_model, lora: LoRARequest | None, prompt_ids: list[list[int]]
     from peft import PeftModel
 
     if lora is None:
-        return [hf_greedy(hf_model, ids, MAX_TOKENS) for ids in prompt_ids]
+        return hf_greedy_batch(hf_model, prompt_ids, MAX_TOKENS)
     model = PeftModel.from_pretrained(hf_model, lora.path)
     try:
-        return [hf_greedy(model, ids, MAX_TOKENS) for ids in prompt_ids]
+        return hf_greedy_batch(model, prompt_ids, MAX_TOKENS)
     finally:
         model.unload()  # hf_model's own layers back
 

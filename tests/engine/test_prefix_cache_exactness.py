@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.hf_reference import assert_matches_up_to_ties, hf_greedy
+from harness.hf_reference import assert_matches_up_to_ties, hf_greedy_batch
 from replica_engine import LLM, SamplingParams
 from tests.engine.test_engine_integrity import story_ids
 
@@ -30,24 +30,24 @@ def prompts(tokenizer) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(hf_model):
-    """Hugging Face's greedy continuation of any prompt, computed once."""
+    """Hugging Face's greedy continuations of a batch of prompts, each computed once (those not
+    yet known, in one batch)."""
     cache: dict[tuple[int, ...], list[int]] = {}
 
-    def continuation(prompt_ids: list[int]) -> list[int]:
-        key = tuple(prompt_ids)
-        if key not in cache:
-            cache[key] = hf_greedy(hf_model, prompt_ids, MAX_TOKENS)
-        return cache[key]
+    def continuations(batch: list[list[int]]) -> list[list[int]]:
+        missing = list({tuple(ids): ids for ids in batch if tuple(ids) not in cache}.values())
+        if missing:
+            found = hf_greedy_batch(hf_model, missing, MAX_TOKENS)
+            cache.update(zip(map(tuple, missing), found, strict=True))
+        return [cache[tuple(ids)] for ids in batch]
 
-    return continuation
+    return continuations
 
 
 def _check(hf_model, reference, llm: LLM, batch: list[list[int]], label: str) -> list:
     outputs = llm.generate(batch, GREEDY)
-    for prompt_ids, output in zip(batch, outputs, strict=True):
-        assert_matches_up_to_ties(
-            hf_model, prompt_ids, output.outputs[0].token_ids, reference(prompt_ids), label
-        )
+    for prompt_ids, output, theirs in zip(batch, outputs, reference(batch), strict=True):
+        assert_matches_up_to_ties(hf_model, prompt_ids, output.outputs[0].token_ids, theirs, label)
     return outputs
 
 
