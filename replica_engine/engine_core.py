@@ -137,12 +137,14 @@ class EngineCore:
         model fitted on a startup profile; None without either."""
         if self.config.tbt_slo_s is None and self.config.speculative is None:
             return None
-        from replica_engine.step_profile import profile_step_times  # runs the model: torch
+        from replica_engine.step_profile import PROFILE_REACH, profile_step_times  # runs the model: torch
 
         started = time.perf_counter()
         model = StepTimeModel(experts=self.experts)
-        prompts = self.config.tbt_slo_s is not None  # drafts are priced by decodes alone
-        model.fit_profile(profile_step_times(self.runner, self.config, num_kv_blocks, prompts))  # type: ignore[arg-type]
+        slo = self.config.tbt_slo_s
+        reach = None if slo is None else PROFILE_REACH * slo  # drafts are priced by decodes alone
+        samples = profile_step_times(self.runner, self.config, num_kv_blocks, slo is not None, reach)  # type: ignore[arg-type]
+        model.fit_profile(samples)
         logger.info(
             "step-time model fitted in %.1f s: coefficients %s, calibration %.2f",
             time.perf_counter() - started,

@@ -378,6 +378,7 @@ ENGINE_SPECS: dict[str, BenchSpec] = {
                     Col("step max", "step_max_s", "ms"),
                     Col("within the target", "within_target", "pct"),
                     Col("chunk tokens p50", "chunk_tokens_p50", "int"),
+                    Col("engine start", "startup_s", "s"),
                 ),
             ),
         ),

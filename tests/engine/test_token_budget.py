@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.errors import InvalidRequestError
-from replica_engine import EngineConfig
+from replica_engine import EngineConfig, step_profile
 from replica_engine.kv_cache_manager import KVCacheManager
 from replica_engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+from replica_engine.scheduler.plan import ScheduledBatch
 from replica_engine.scheduler.step_time_model import ExpertRouting, StepShape, StepTimeModel, profile_shapes
 from replica_engine.scheduler.token_budget import MIN_PREFILL_CHUNK, SLOTokenBudget
 from tests.engine.scheduler_harness import StepArrival, make_scheduler, run_to_completion
@@ -199,3 +200,45 @@ def test_the_target_is_checked_and_belongs_to_stall_free():
     with pytest.raises(InvalidRequestError, match="tbt_slo_s"):
         EngineConfig(tbt_slo_s=0.1, scheduling_policy="prefill_first")
     assert EngineConfig(tbt_slo_s=0.1).tbt_slo_s == 0.1
+
+
+class ClockedRunner:
+    """A runner whose every step advances a fake clock by the step's true time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.executed: list[StepShape] = []
+
+    def execute(self, batch: ScheduledBatch) -> None:
+        self.executed.append(batch.shape())
+        self.now += true_time(batch.shape())
+
+    def release(self, request_ids: list[str]) -> None:
+        pass
+
+
+def test_the_startup_profile_stops_a_contexts_chunks_past_the_reach(monkeypatch):
+    """With a reach, a prompt chunk as long as one timed over it, no earlier in its sequence, is
+    never run (its step would take longer still); every shorter chunk and every decode batch is."""
+    runner = ClockedRunner()
+    monkeypatch.setattr(step_profile.time, "perf_counter", lambda: runner.now)
+    config = EngineConfig(max_num_batched_tokens=2048, max_model_len=8192, max_num_seqs=64)
+    reach_s = 0.2
+    samples = step_profile.profile_step_times(runner, config, 64, reach_s=reach_s)  # type: ignore[arg-type]
+
+    timed = [shape for shape, _ in samples]
+    assert [seconds for _, seconds in samples] == pytest.approx([true_time(shape) for shape in timed])
+    assert runner.executed == [shape for shape in timed for _ in range(2)]  # warmed, then timed
+    everything = profile_shapes(2048, 8192, 64)
+    skipped = [rows for rows in everything if StepShape.of(rows) not in timed]
+    assert skipped and all(true_time(StepShape.of(rows)) > reach_s for rows in skipped)
+    assert all(any(not decode for _, _, decode in rows) for rows in skipped)  # decode batches all run
+    past_reach = [
+        rows[0][0]
+        for rows in everything
+        if len(rows) == 1 and not rows[0][2] and StepShape.of(rows) in timed
+        if true_time(StepShape.of(rows)) > reach_s
+    ]
+    assert len(past_reach) == len(set(past_reach))  # a context's chunks stop at the first past it
+    unlimited = step_profile.profile_step_times(ClockedRunner(), config, 64)  # type: ignore[arg-type]
+    assert len(unlimited) == len(everything)
