@@ -30,12 +30,8 @@ def _device(hf_model) -> torch.device:
 
 
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt_ids], device=_device(hf_model))
-    with torch.no_grad():
-        out = hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
-        )
-    return out[0, len(prompt_ids) :].tolist()
+    """Hugging Face's greedy continuation of one prompt (a batch of one: no padding)."""
+    return hf_greedy_batch(hf_model, [prompt_ids], max_new_tokens)[0]
 
 
 def hf_greedy_batch(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -142,8 +142,9 @@ class EngineCore:
         started = time.perf_counter()
         model = StepTimeModel(experts=self.experts)
         slo = self.config.tbt_slo_s
-        reach = None if slo is None else PROFILE_REACH * slo  # drafts are priced by decodes alone
-        samples = profile_step_times(self.runner, self.config, num_kv_blocks, slo is not None, reach)  # type: ignore[arg-type]
+        prompts = slo is not None  # drafts are priced by decodes alone
+        reach = PROFILE_REACH * slo if slo is not None else None
+        samples = profile_step_times(self.runner, self.config, num_kv_blocks, prompts, reach)  # type: ignore[arg-type]
         model.fit_profile(samples)
         logger.info(
             "step-time model fitted in %.1f s: coefficients %s, calibration %.2f",

@@ -236,8 +236,10 @@ def test_the_startup_profile_stops_a_contexts_chunks_past_the_reach(monkeypatch)
     past_reach = [
         rows[0][0]
         for rows in everything
-        if len(rows) == 1 and not rows[0][2] and StepShape.of(rows) in timed
-        if true_time(StepShape.of(rows)) > reach_s
+        if len(rows) == 1
+        and not rows[0][2]
+        and StepShape.of(rows) in timed
+        and true_time(StepShape.of(rows)) > reach_s
     ]
     assert len(past_reach) == len(set(past_reach))  # a context's chunks stop at the first past it
     unlimited = step_profile.profile_step_times(ClockedRunner(), config, 64)  # type: ignore[arg-type]
