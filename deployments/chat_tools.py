@@ -104,9 +104,15 @@ def tool_mode(tools: list[Tool] | None, choice: ToolChoice | None) -> tuple[str,
     return choice, tools
 
 
+# A tool that leaves out `parameters` (or gives `{}`) takes none: "omitting parameters defines a
+# function with an empty parameter list" (OpenAI's API reference; vLLM's grammar has `{}` too).
+# Under the grammar's strict JSON schemas, no properties means no key at all: its arguments are `{}`.
+NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
 def tool_grammar(mode: str, tools: list[Tool], call_format: str, parallel: bool) -> ToolCallGrammar:
     schemas = [
-        {"name": tool.function.name, "parameters": tool.function.parameters or {"type": "object"}}
+        {"name": tool.function.name, "parameters": tool.function.parameters or NO_PARAMETERS}
         for tool in tools
     ]
     return ToolCallGrammar(call_format, json.dumps(schemas), mode, parallel)

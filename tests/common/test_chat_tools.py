@@ -13,6 +13,7 @@ from common.errors import InvalidRequestError
 from common.model_source import DEFAULT_MODEL, resolve_model
 from common.prompts import PromptProcessor
 from common.tokenizer import CHATML_TOOLS_TEMPLATE
+from deployments.chat_tools import NO_PARAMETERS
 from deployments.protocol import ApiError, ChatCompletionRequest, parse_body
 
 WEATHER = {
@@ -91,18 +92,18 @@ def test_the_grammar_follows_tool_choice():
     assert "structured_outputs" not in request(tools=[WEATHER], tool_choice="none").sampling({}, "hermes")
     auto = request(tools=[WEATHER]).sampling({}, "hermes")["structured_outputs"].tool_calls
     assert (auto.mode, auto.format, auto.parallel) == ("auto", "hermes", True)
-    add = {"type": "function", "function": {"name": "add"}}  # no parameters: an object of anything
+    now = {"type": "function", "function": {"name": "now"}}  # no parameters: it takes none
     named = (
         request(
-            tools=[WEATHER, add],
-            tool_choice={"type": "function", "function": {"name": "add"}},
+            tools=[WEATHER, now],
+            tool_choice={"type": "function", "function": {"name": "now"}},
             parallel_tool_calls=False,
         )
         .sampling({}, "llama3_json")["structured_outputs"]
         .tool_calls
     )
     assert (named.mode, named.format, named.parallel) == ("named", "llama3_json", False)
-    assert json.loads(named.tools) == [{"name": "add", "parameters": {"type": "object"}}]
+    assert json.loads(named.tools) == [{"name": "now", "parameters": NO_PARAMETERS}]
     with pytest.raises(InvalidRequestError, match="tool_call_parser"):
         request(tools=[WEATHER]).sampling({}, None)
 

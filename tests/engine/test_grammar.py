@@ -209,6 +209,25 @@ def test_tool_calls_follow_the_tools_schemas(mode: str, parallel: bool, text: st
     assert all(grammar.accept(vocab.index(c)) for c in LLAMA_BOOK) and grammar.accept(len(vocab) - 1)
 
 
+def test_a_tool_without_parameters_is_called_with_none():
+    """A tool that leaves out `parameters` takes none (deployments.chat_tools.NO_PARAMETERS): its
+    arguments are `{}`; SmolLM2 once made one up for a tool named `now`, the time in a string."""
+    vocab = [*VOCAB[:-1], "\n", "</s>"]
+    compiler = GrammarCompiler(
+        xgr.TokenizerInfo(vocab, vocab_size=len(vocab), stop_token_ids=[len(vocab) - 1])
+    )
+    tools = json.dumps([{"name": "now", "parameters": {"type": "object", "properties": {}}}])
+    spec = StructuredOutputs(tool_calls=ToolCallGrammar("hermes", tools, "required"), param="tools")
+
+    def called(arguments: str) -> bool:
+        grammar = compiler.compile(spec)
+        text = f'<tool_call>\n{{"name": "now", "arguments": {arguments}}}\n</tool_call>'
+        return all(grammar.accept(vocab.index(c)) for c in text) and grammar.accept(len(vocab) - 1)
+
+    assert called("{}")
+    assert not called('{"time": "12:00"}')
+
+
 def test_a_tool_schema_that_does_not_compile_is_refused_naming_tools(compiler: GrammarCompiler):
     bad = [{"name": "f", "parameters": {"type": "object", "minProperties": 3, "additionalProperties": False}}]
     with pytest.raises(InvalidRequestError) as raised:
