@@ -75,15 +75,19 @@ def kill_actor(actor: ActorHandle) -> None:
     ray.kill(actor, no_restart=True)
 
 
+def replica_pid(name: str) -> int:
+    """The process of a replica's actor (on this machine: the tests' clusters are local)."""
+    from ray.util.state import list_actors
+
+    [actor] = list_actors(filters=[("actor_id", "=", replica_actor(name)._actor_id.hex())])
+    return actor.pid
+
+
 def kill_engine_core(app: str) -> str:
     """Kill the engine core process of the app's (first) engine replica with SIGKILL, as the
     kernel's OOM killer would; return the replica's actor name."""
-    from ray.util.state import list_actors
-
     victim = replica_actor_names(app)[0]
-    actor_id = replica_actor(victim)._actor_id.hex()
-    [actor] = list_actors(filters=[("actor_id", "=", actor_id)])
-    os.kill(_engine_core_pid(actor.pid), signal.SIGKILL)
+    os.kill(_engine_core_pid(replica_pid(victim)), signal.SIGKILL)
     return victim
 
 

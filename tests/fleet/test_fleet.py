@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import signal
 import threading
 import time
 
@@ -14,7 +16,7 @@ from ray import serve
 
 from deployments.app import AppArgs, build_app
 from harness.metrics_scrape import ENGINE_PREFIX, MetricsPage, scrape, scrape_by_replica, settled
-from harness.replicas import kill_actor, replica_actor, replica_actor_names, wait_replaced
+from harness.replicas import replica_actor_names, replica_pid, wait_replaced
 from harness.serve_cluster import ServeCluster, delete_app, wait_for
 from harness.sse_client import StreamResult, client_session, stream_completion
 from replica_engine import SamplingParams
@@ -208,16 +210,24 @@ def test_the_load_the_replicas_report_scales_up_and_back_down(serve_cluster: Ser
 def test_killing_a_replica_mid_load_fails_only_its_requests_and_serve_replaces_it(
     serve_cluster: ServeCluster, fleet: str, llm
 ):
-    prompts = [f"{i}, {i + 1}, {i + 2}," for i in range(1, 61, 10)]
-    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    # One request per replica, each as long as a replica's whole KV pool holds (the router sends
+    # the second to the other replica): the kill must land while the victim's request still runs,
+    # and on a loaded host the client's streams lagged the replicas by most of 100 tokens (CI saw
+    # the victim's requests end before the kill when 6 requests of 100 tokens ran).
+    prompts = ["1, 2, 3,", "11, 12, 13,"]
+    params = SamplingParams(max_tokens=360, temperature=0, ignore_eos=True)
     expected = [o.outputs[0].text for o in llm.generate(prompts, params)]
     url = f"{fleet}/v1/completions"
-    bodies = [{"prompt": p, "max_tokens": 100, "temperature": 0, "ignore_eos": True} for p in prompts]
+    bodies = [{"prompt": p, "max_tokens": 360, "temperature": 0, "ignore_eos": True} for p in prompts]
 
     victim = replica_actor_names("fleet")[0]
-    # Looked up now: at the first tokens below the kill must land at once, before the victim's
-    # 99 tokens to come (a second on an idle host), and a lookup can take seconds on a loaded one.
-    victim_actor = replica_actor(victim)
+    # Looked up now: the kill below must land at once, and a lookup can take seconds on a loaded
+    # host. Its process is killed, as a crash would (ray.kill would go through the GCS first).
+    victim_pid = replica_pid(victim)
+    # The Ingress asks a replica its KV pool size on its first request (a routed call of its own):
+    # one request first, so the counts below are the two requests' only.
+    assert httpx.post(url, json={"prompt": SHORT_PROMPT, "max_tokens": 4}, timeout=HANG_S).status_code == 200
+    routed_before = settled(lambda: routed_by_replica(serve_cluster, "fleet"))
 
     async def load_then_kill() -> list[StreamResult]:
         progress = [StreamResult(status=0) for _ in bodies]
@@ -226,29 +236,28 @@ def test_killing_a_replica_mid_load_fails_only_its_requests_and_serve_replaces_i
                 asyncio.create_task(stream_completion(http, url, body, result=result))
                 for body, result in zip(bodies, progress, strict=True)
             ]
-            # Every stream has its first token (of 100): all 6 run, spread over both replicas by
-            # the router. Killed at once, not after a metrics report: on a loaded host a report
-            # can come after the requests have ended.
+            # Every stream has its first token (of 360): both run, one on each replica. Killed at
+            # once, not after a metrics report: on a loaded host a report can come after the
+            # requests have ended.
             deadline = time.monotonic() + HANG_S
             while not all(result.chunk_times for result in progress):
                 assert time.monotonic() < deadline and not any(s.done() for s in streams), progress
                 await asyncio.sleep(0.01)
-            kill_actor(victim_actor)  # ray.kill returns at once
+            os.kill(victim_pid, signal.SIGKILL)
             # Bounded: a request on the dead replica must end, not hang (a hang detector).
             return await asyncio.wait_for(asyncio.gather(*streams), timeout=HANG_S)
 
     results = asyncio.run(load_then_kill())
+    routed_after = settled(lambda: routed_by_replica(serve_cluster, "fleet"))
+    routed = {name: routed_after[name] - routed_before.get(name, 0) for name in routed_after}
+    assert sorted(routed.values()) == [1, 1], (routed_before, routed_after)
     failed = [r for r in results if r.error_code is not None]
     survivors = [(r, text) for r, text in zip(results, expected, strict=True) if r.error_code is None]
-    # Some on each replica (none failed: all were on the survivor, the router did not spread them).
-    assert failed and survivors, (
-        [(r.error_code, len(r.chunk_times)) for r in results],
-        routed_by_replica(serve_cluster, "fleet"),  # since the module's first test
-    )
+    assert len(failed) == len(survivors) == 1, [(r.error_code, len(r.chunk_times)) for r in results]
     # In flight on the dead replica: a clear error in the stream (headers were already sent).
     assert {(r.status, r.error_code) for r in failed} == {(200, "replica_failed")}
     for result, text in survivors:  # on the other replica: untouched, token for token
-        assert result.text == text and result.completion_tokens == 100
+        assert result.text == text and result.completion_tokens == 360
     # New requests succeed (on the survivor), and Serve starts a replacement.
     after = httpx.post(url, json=bodies[0], timeout=120)
     assert after.status_code == 200 and after.json()["choices"][0]["text"] == expected[0]
