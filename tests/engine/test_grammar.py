@@ -158,6 +158,20 @@ def test_json_is_compact_by_default_and_free_whitespace_is_a_setting():
     assert accepts(compact, StructuredOutputs(json=schema, disable_any_whitespace=False), spaced)
 
 
+TOOL_VOCAB = [*VOCAB[:-1], "\n", "</s>"]  # the call formats put calls on lines of their own
+
+
+@pytest.fixture(scope="module")
+def tool_compiler() -> GrammarCompiler:
+    stop = len(TOOL_VOCAB) - 1
+    return GrammarCompiler(xgr.TokenizerInfo(TOOL_VOCAB, vocab_size=len(TOOL_VOCAB), stop_token_ids=[stop]))
+
+
+def tool_text_accepted(compiler: GrammarCompiler, spec: StructuredOutputs, text: str) -> bool:
+    grammar = compiler.compile(spec)
+    return all(grammar.accept(TOOL_VOCAB.index(c)) for c in text) and grammar.accept(len(TOOL_VOCAB) - 1)
+
+
 TOOLS = [
     {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
     {
@@ -193,39 +207,29 @@ LLAMA_BOOK = '{"name": "book", "parameters": {"party": {"adults": 2}}}'
         ("named", True, f"{BOOK}{BOOK}", False),
     ],
 )
-def test_tool_calls_follow_the_tools_schemas(mode: str, parallel: bool, text: str, accepted: bool):
-    vocab = [*VOCAB[:-1], "\n", "</s>"]
-    compiler = GrammarCompiler(
-        xgr.TokenizerInfo(vocab, vocab_size=len(vocab), stop_token_ids=[len(vocab) - 1])
-    )
+def test_tool_calls_follow_the_tools_schemas(
+    tool_compiler: GrammarCompiler, mode: str, parallel: bool, text: str, accepted: bool
+):
     tools = TOOLS[1:] if mode == "named" else TOOLS
     spec = StructuredOutputs(
         tool_calls=ToolCallGrammar("hermes", json.dumps(tools), mode, parallel), param="tools"
     )
-    grammar = compiler.compile(spec)
-    assert (all(grammar.accept(vocab.index(c)) for c in text) and grammar.accept(len(vocab) - 1)) == accepted
+    assert tool_text_accepted(tool_compiler, spec, text) == accepted
     llama = StructuredOutputs(tool_calls=ToolCallGrammar("llama3_json", json.dumps(TOOLS), "required"))
-    grammar = compiler.compile(llama)
-    assert all(grammar.accept(vocab.index(c)) for c in LLAMA_BOOK) and grammar.accept(len(vocab) - 1)
+    assert tool_text_accepted(tool_compiler, llama, LLAMA_BOOK)
 
 
-def test_a_tool_without_parameters_is_called_with_none():
+def test_a_tool_without_parameters_is_called_with_none(tool_compiler: GrammarCompiler):
     """A tool that leaves out `parameters` takes none (deployments.chat_tools.NO_PARAMETERS): its
     arguments are `{}`; SmolLM2 once made one up for a tool named `now`, the time in a string."""
-    vocab = [*VOCAB[:-1], "\n", "</s>"]
-    compiler = GrammarCompiler(
-        xgr.TokenizerInfo(vocab, vocab_size=len(vocab), stop_token_ids=[len(vocab) - 1])
-    )
     tools = json.dumps([{"name": "now", "parameters": {"type": "object", "properties": {}}}])
     spec = StructuredOutputs(tool_calls=ToolCallGrammar("hermes", tools, "required"), param="tools")
 
-    def called(arguments: str) -> bool:
-        grammar = compiler.compile(spec)
-        text = f'<tool_call>\n{{"name": "now", "arguments": {arguments}}}\n</tool_call>'
-        return all(grammar.accept(vocab.index(c)) for c in text) and grammar.accept(len(vocab) - 1)
+    def called(arguments: str) -> str:
+        return f'<tool_call>\n{{"name": "now", "arguments": {arguments}}}\n</tool_call>'
 
-    assert called("{}")
-    assert not called('{"time": "12:00"}')
+    assert tool_text_accepted(tool_compiler, spec, called("{}"))
+    assert not tool_text_accepted(tool_compiler, spec, called('{"time": "12:00"}'))
 
 
 def test_a_tool_schema_that_does_not_compile_is_refused_naming_tools(compiler: GrammarCompiler):

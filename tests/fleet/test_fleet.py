@@ -212,13 +212,13 @@ def test_killing_a_replica_mid_load_fails_only_its_requests_and_serve_replaces_i
 ):
     # One request per replica, each as long as a replica's whole KV pool holds (the router sends
     # the second to the other replica): the kill must land while the victim's request still runs,
-    # and on a loaded host the client's streams lagged the replicas by most of 100 tokens (CI saw
-    # the victim's requests end before the kill when 6 requests of 100 tokens ran).
-    prompts = ["1, 2, 3,", "11, 12, 13,"]
-    params = SamplingParams(max_tokens=360, temperature=0, ignore_eos=True)
+    # and on a loaded host the client's streams lagged the replicas by most of 100 tokens (make
+    # test saw the victim's requests end before the kill when 6 requests of 100 tokens ran).
+    prompts, tokens = ["1, 2, 3,", "11, 12, 13,"], 360
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     expected = [o.outputs[0].text for o in llm.generate(prompts, params)]
     url = f"{fleet}/v1/completions"
-    bodies = [{"prompt": p, "max_tokens": 360, "temperature": 0, "ignore_eos": True} for p in prompts]
+    bodies = [{"prompt": p, "max_tokens": tokens, "temperature": 0, "ignore_eos": True} for p in prompts]
 
     victim = replica_actor_names("fleet")[0]
     # Looked up now: the kill below must land at once, and a lookup can take seconds on a loaded
@@ -236,7 +236,7 @@ def test_killing_a_replica_mid_load_fails_only_its_requests_and_serve_replaces_i
                 asyncio.create_task(stream_completion(http, url, body, result=result))
                 for body, result in zip(bodies, progress, strict=True)
             ]
-            # Every stream has its first token (of 360): both run, one on each replica. Killed at
+            # Every stream has its first token: both run, one on each replica. Killed at
             # once, not after a metrics report: on a loaded host a report can come after the
             # requests have ended.
             deadline = time.monotonic() + HANG_S
@@ -257,7 +257,7 @@ def test_killing_a_replica_mid_load_fails_only_its_requests_and_serve_replaces_i
     # In flight on the dead replica: a clear error in the stream (headers were already sent).
     assert {(r.status, r.error_code) for r in failed} == {(200, "replica_failed")}
     for result, text in survivors:  # on the other replica: untouched, token for token
-        assert result.text == text and result.completion_tokens == 360
+        assert result.text == text and result.completion_tokens == tokens
     # New requests succeed (on the survivor), and Serve starts a replacement.
     after = httpx.post(url, json=bodies[0], timeout=120)
     assert after.status_code == 200 and after.json()["choices"][0]["text"] == expected[0]
